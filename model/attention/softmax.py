@@ -1,0 +1,57 @@
+"""Softmax attention through PyTorch's scaled_dot_product_attention, with a key-padding mask.
+
+SDPA picks the fastest kernel it can (flash / memory-efficient on GPU, a fused C++ kernel on
+CPU). `naive_softmax_attention` is the O(N^2) reference every softmax-based kernel is tested
+against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from model.attention.base import AttentionFamily, AuxLosses, LayerContext, ScoreKernel, key_padding_bias
+from model.config import EncoderConfig
+
+
+def naive_softmax_attention(
+    q_BHNh: Tensor, k_BHNh: Tensor, v_BHNh: Tensor, mask_BN: Tensor, bias_HNN: Tensor | None = None
+) -> Tensor:
+    """softmax(Q K^T / sqrt(h) + bias + mask) V, written out. The reference for tests."""
+    scores_BHNN = q_BHNh @ k_BHNh.transpose(-1, -2) / math.sqrt(q_BHNh.size(-1))
+    if bias_HNN is not None:
+        scores_BHNN = scores_BHNN + bias_HNN
+    scores_BHNN = scores_BHNN.masked_fill(~mask_BN[:, None, None, :], float("-inf"))
+    return scores_BHNN.softmax(dim=-1) @ v_BHNh
+
+
+class SoftmaxKernel(ScoreKernel):
+    """Scaled dot-product softmax attention with a key-padding mask."""
+
+    def __init__(self, cfg: EncoderConfig, layer_id: int = 0):
+        super().__init__()
+        self.dropout_p = cfg.attention_probs_dropout_prob
+
+    def forward(
+        self, q_BHNh: Tensor, k_BHNh: Tensor, v_BHNh: Tensor, ctx: LayerContext
+    ) -> tuple[Tensor, AuxLosses]:
+        bias_B11N = key_padding_bias(ctx.mask_BN, q_BHNh.dtype)
+        out_BHNh = F.scaled_dot_product_attention(
+            q_BHNh,
+            k_BHNh,
+            v_BHNh,
+            attn_mask=bias_B11N,
+            dropout_p=self.dropout_p if self.training else 0.0,
+        )
+        return out_BHNh, {}
+
+
+FAMILY = AttentionFamily(
+    name="softmax",
+    description="softmax attention (PyTorch SDPA) with a key-padding mask",
+    kernel=SoftmaxKernel,
+)
+
+__all__ = ["FAMILY", "SoftmaxKernel", "naive_softmax_attention"]

@@ -1,0 +1,428 @@
+"""Typed model configuration: `EncoderConfig` and its per-family sub-configs, plus named presets.
+
+Every field is documented where it is declared. Configs validate themselves at construction
+(`__post_init__`) and raise `ValueError` naming the field and the valid values, so a typo in a
+recipe fails at start-up, never deep in a run.
+
+`config_from_dict` builds any of these dataclasses (nested ones included) from a plain dict
+(JSON, YAML) and rejects unknown keys with a "did you mean" hint; `config_to_dict` goes back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+
+T = TypeVar("T")
+
+ResidualStyle = Literal["post_ln", "pre_ln", "rezero"]
+PositionEmbedding = Literal["absolute", "none"]
+OrthogonalMap = Literal["matrix_exp", "cayley", "householder"]
+
+_ACTIVATIONS = ("gelu_new", "gelu", "relu", "silu")
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
+
+
+def _check_positive(name: str, value: float, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0
+    if not ok:
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def _check_prob(name: str, value: float) -> None:
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+
+
+@dataclass
+class TISAConfig:
+    """Translation-invariant self-attention (Wennberg & Henter 2021); METHODS.md section 2."""
+
+    num_kernels: int = 5
+    """S, the number of radial-basis kernels per head in f(k) = sum_s a_s exp(-|b_s| (k - c_s)^2)."""
+
+    scope: Literal["shared", "per_layer"] = "shared"
+    """`shared`: one scorer (3*S*H parameters) for every layer application, the TISA authors'
+    setup under ALBERT sharing. `per_layer`: one scorer per layer application (num_hidden_layers
+    scorers), so positional scoring can differ with depth even when layer weights are shared."""
+
+    init: Literal["random", "zero_amplitude"] = "random"
+    """`random`: the authors' init, c ~ N(0, 5^2), a ~ N(0.1, 0.01^2), b ~ N(0.1, 0.01^2).
+    `zero_amplitude`: same, but a = 0 so adding TISA to a pretrained model leaves its outputs
+    unchanged at step 0 (the paper's GLUE protocol on albert-base-v2)."""
+
+    backend: Literal["auto", "sdpa", "flex"] = "auto"
+    """How the positional score reaches the softmax. `sdpa`: an (H, N, N) float bias built from
+    the 2N-1 values of f per head, passed to scaled_dot_product_attention. `flex`: FlexAttention
+    with a score_mod (no N x N tensor in memory; CUDA, or CPU without gradients). `auto`: flex
+    where it runs (CUDA, or CPU under no_grad), else sdpa."""
+
+    def __post_init__(self) -> None:
+        _check_positive("tisa.num_kernels", self.num_kernels)
+        _check_choice("tisa.scope", self.scope, ("shared", "per_layer"))
+        _check_choice("tisa.init", self.init, ("random", "zero_amplitude"))
+        _check_choice("tisa.backend", self.backend, ("auto", "sdpa", "flex"))
+
+
+@dataclass
+class KernelConfig:
+    """Trainable feed-forward kernels for linear attention (Yorsh & Kovalenko 2022); METHODS.md 4."""
+
+    feature_map: Literal["ffn", "glu", "oglu", "aoglu", "elu"] = "aoglu"
+    """The learned feature map phi, shared by queries and keys. `elu` is the parameter-free
+    elu(x)+1 baseline of Katharopoulos et al. 2020."""
+
+    num_stacked: int = 1
+    """k units applied in sequence; g is the identity in all but the last, softplus in the last."""
+
+    gate_rank_divisor: int = 4
+    """For `aoglu`: the low-rank gate A B has rank r = head_dim // gate_rank_divisor."""
+
+    orthogonality_penalty: float = 0.0
+    """lambda_orth in lambda_orth * mean((W W^T - I)^2), summed over the orthogonally initialised
+    W of every unit (ffn, oglu, aoglu); returned as the auxiliary loss `kernel_orthogonality`."""
+
+    dropout: float = 0.1
+    """Dropout on the kernel input (the per-head queries/keys before phi)."""
+
+    eps: float = 1e-6
+    """Added to the normaliser phi(q)^T sum_j phi(k_j)."""
+
+    def __post_init__(self) -> None:
+        _check_choice(
+            "kernel.feature_map", self.feature_map, ("ffn", "glu", "oglu", "aoglu", "elu")
+        )
+        _check_positive("kernel.num_stacked", self.num_stacked)
+        _check_positive("kernel.gate_rank_divisor", self.gate_rank_divisor)
+        _check_positive("kernel.orthogonality_penalty", self.orthogonality_penalty, True)
+        _check_prob("kernel.dropout", self.dropout)
+        _check_positive("kernel.eps", self.eps)
+
+
+@dataclass
+class TransJectConfig:
+    """TransJect (Sengupta, Akhtar, Chakraborty 2023); METHODS.md section 3."""
+
+    num_experts: int = 4
+    """E, the number of orthogonal attention experts mixed by the per-sample gate."""
+
+    eigenvalues: Literal["approx", "random"] = "approx"
+    """`approx`: eigenvalues of X0^T X0 approximated once per forward with a learnable orthogonal
+    basis, plus a reconstruction loss. `random`: Random-TransJect, a learned diagonal (no loss)."""
+
+    reconstruction_weight: float = 1e-3
+    """Weight of the eigen-reconstruction loss (authors: 1e-3 classification, 0.1 LM). The model
+    returns the weighted loss as the auxiliary loss `transject_reconstruction`."""
+
+    token_embedding: Literal["auto", "orthogonal", "plain"] = "auto"
+    """The d/2-wide token embedding. `orthogonal`: rows orthonormal (needs vocab_size <= d/2);
+    `plain`: an ordinary embedding; `auto`: orthogonal when the vocabulary fits, else plain."""
+
+    residual_init: float = 0.0
+    """Initial r_l of the injective residual weight alpha_l = tanh(r_l) / L (ReZero-style 0)."""
+
+    def __post_init__(self) -> None:
+        _check_positive("transject.num_experts", self.num_experts)
+        _check_choice("transject.eigenvalues", self.eigenvalues, ("approx", "random"))
+        _check_positive("transject.reconstruction_weight", self.reconstruction_weight, True)
+        _check_choice(
+            "transject.token_embedding", self.token_embedding, ("auto", "orthogonal", "plain")
+        )
+
+
+@dataclass
+class EncoderConfig:
+    """An ALBERT-style encoder with pluggable attention. Defaults are ALBERT-base v2."""
+
+    vocab_size: int = 30000
+    """Number of token ids (ALBERT's SentencePiece vocabulary has 30000)."""
+
+    embedding_size: int = 128
+    """e, the width of the factorised token/position/type embeddings before the e -> d map."""
+
+    hidden_size: int = 768
+    """d, the width of the hidden states."""
+
+    num_hidden_layers: int = 12
+    """L, the number of layer-group applications (depth), whatever the number of distinct weights."""
+
+    num_hidden_groups: int = 1
+    """Number of distinct layer groups; application l uses group l * groups // L (ALBERT sharing)."""
+
+    inner_group_num: int = 1
+    """Number of distinct layers inside each group, run in sequence at every application."""
+
+    num_attention_heads: int = 12
+    """H; hidden_size must be divisible by it (head width h = d / H)."""
+
+    intermediate_size: int = 3072
+    """Width of the feed-forward block of the standard (non-TransJect) layers."""
+
+    hidden_act: str = "gelu_new"
+    """Feed-forward and MLM-head activation: gelu_new (tanh approximation, ALBERT's), gelu, relu, silu."""
+
+    hidden_dropout_prob: float = 0.0
+    """Dropout on embeddings, sublayer outputs and classifier inputs (ALBERT v2: 0)."""
+
+    attention_probs_dropout_prob: float = 0.0
+    """Dropout on the softmax attention probabilities (ALBERT v2: 0)."""
+
+    max_position_embeddings: int = 512
+    """Rows of the absolute position embedding; the longest input when it is used."""
+
+    type_vocab_size: int = 2
+    """Number of token types (segments A/B)."""
+
+    layer_norm_eps: float = 1e-12
+    """LayerNorm epsilon."""
+
+    initializer_range: float = 0.02
+    """Std of the truncated-normal-free normal init of weights (ALBERT/BERT convention)."""
+
+    pad_token_id: int = 0
+    """Token id used for padding (ignored by the model, which takes an explicit attention mask)."""
+
+    position_embedding: PositionEmbedding = "absolute"
+    """`absolute`: learned absolute position embeddings (ALBERT). `none`: no absolute positions,
+    e.g. TISA alone. TransJect always uses its own concatenated sinusoidal encoding."""
+
+    residual: ResidualStyle = "post_ln"
+    """Block residual style for softmax/TISA/kernel layers: `post_ln` (ALBERT), `pre_ln`
+    (with a final LayerNorm), `rezero` (x + alpha * f(x), alpha = 0 at init, no LayerNorm).
+    TransJect layers always use their injective residual."""
+
+    attention: str = "softmax"
+    """Attention family from the registry `model.attention.ATTENTION_REGISTRY`: softmax, tisa,
+    kernel, transject."""
+
+    orthogonal: bool = False
+    """Orthogonally parameterise every square projection (q, k, v, output, square FFN maps):
+    TransJect's "Orthogonal Transformer" ablation, usable with any family."""
+
+    orthogonal_map: OrthogonalMap = "matrix_exp"
+    """The map from free parameters to orthogonal matrices (torch's orthogonal parametrization)."""
+
+    tisa: TISAConfig = field(default_factory=TISAConfig)
+    """Settings of the `tisa` family (ignored by the others)."""
+
+    kernel: KernelConfig = field(default_factory=KernelConfig)
+    """Settings of the `kernel` family (ignored by the others)."""
+
+    transject: TransJectConfig = field(default_factory=TransJectConfig)
+    """Settings of the `transject` family (ignored by the others)."""
+
+    def __post_init__(self) -> None:
+        # Nested sub-configs may arrive as dicts (e.g. from YAML through dataclasses.replace).
+        for name, cls in (("tisa", TISAConfig), ("kernel", KernelConfig), ("transject", TransJectConfig)):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                setattr(self, name, config_from_dict(cls, value, prefix=name))
+        for name in (
+            "vocab_size",
+            "embedding_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_hidden_groups",
+            "inner_group_num",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "type_vocab_size",
+        ):
+            _check_positive(name, getattr(self, name))
+        _check_prob("hidden_dropout_prob", self.hidden_dropout_prob)
+        _check_prob("attention_probs_dropout_prob", self.attention_probs_dropout_prob)
+        _check_positive("layer_norm_eps", self.layer_norm_eps)
+        _check_positive("initializer_range", self.initializer_range, allow_zero=True)
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.num_hidden_groups > self.num_hidden_layers:
+            raise ValueError(
+                f"num_hidden_groups={self.num_hidden_groups} exceeds "
+                f"num_hidden_layers={self.num_hidden_layers}: some groups would never run"
+            )
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"pad_token_id={self.pad_token_id} outside [0, vocab_size)")
+        _check_choice("hidden_act", self.hidden_act, _ACTIVATIONS)
+        _check_choice("position_embedding", self.position_embedding, ("absolute", "none"))
+        _check_choice("residual", self.residual, ("post_ln", "pre_ln", "rezero"))
+        _check_choice("orthogonal_map", self.orthogonal_map, ("matrix_exp", "cayley", "householder"))
+        # Imported lazily: the registry imports the families, which import this module.
+        from model.attention import ATTENTION_REGISTRY
+
+        ATTENTION_REGISTRY.get(self.attention)  # raises ValueError naming the valid ones
+        if self.attention == "transject":
+            if self.hidden_size % 2:
+                raise ValueError("transject needs an even hidden_size (token ; position halves)")
+            if self.transject.token_embedding == "orthogonal" and self.vocab_size > self.hidden_size // 2:
+                raise ValueError(
+                    f"transject.token_embedding='orthogonal' needs vocab_size <= hidden_size/2 "
+                    f"({self.vocab_size} > {self.hidden_size // 2}); use 'auto' or 'plain'"
+                )
+        if self.attention == "kernel" and self.kernel.feature_map == "aoglu":
+            if self.head_dim // self.kernel.gate_rank_divisor < 1:
+                raise ValueError(
+                    f"kernel.gate_rank_divisor={self.kernel.gate_rank_divisor} leaves rank 0 "
+                    f"for head_dim={self.head_dim}"
+                )
+
+    @property
+    def head_dim(self) -> int:
+        """h = d / H."""
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_layer_applications(self) -> int:
+        """How many layers the input passes through: num_hidden_layers * inner_group_num."""
+        return self.num_hidden_layers * self.inner_group_num
+
+    def group_schedule(self) -> list[int]:
+        """The group index run at each of the num_hidden_layers applications (ALBERT sharing)."""
+        L, G = self.num_hidden_layers, self.num_hidden_groups
+        return [layer * G // L for layer in range(L)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return config_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EncoderConfig:
+        return config_from_dict(cls, data)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> EncoderConfig:
+        """A named preset (see `PRESETS`) with optional field overrides, nested ones as dicts."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return config_from_dict(cls, _deep_merge(PRESETS[name], overrides))
+
+
+# Named presets. ALBERT v2 sizes from the ALBERT paper / google-research/albert configs.
+PRESETS: dict[str, dict[str, Any]] = {
+    "debug": dict(
+        vocab_size=512,
+        embedding_size=16,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=128,
+    ),
+    "albert-base": dict(
+        embedding_size=128, hidden_size=768, num_hidden_layers=12,
+        num_attention_heads=12, intermediate_size=3072,
+    ),
+    "albert-large": dict(
+        embedding_size=128, hidden_size=1024, num_hidden_layers=24,
+        num_attention_heads=16, intermediate_size=4096,
+    ),
+    # Depth presets: one shared group run 48 / 96 times (ALBERT-base width).
+    "albert-base-48": dict(
+        embedding_size=128, hidden_size=768, num_hidden_layers=48,
+        num_attention_heads=12, intermediate_size=3072,
+    ),
+    "albert-base-96": dict(
+        embedding_size=128, hidden_size=768, num_hidden_layers=96,
+        num_attention_heads=12, intermediate_size=3072,
+    ),
+}
+
+
+def _deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _unknown_key_error(cls: type, key: str, prefix: str) -> ValueError:
+    names = [f.name for f in dataclasses.fields(cls)]
+    where = f"{prefix}.{key}" if prefix else key
+    hint = difflib.get_close_matches(key, names, n=1)
+    suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
+    return ValueError(f"unknown config key {where!r} for {cls.__name__}{suggestion} (valid: {names})")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Checks (and mildly coerces: int -> float) a value against a field's type annotation."""
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"{where} must be a mapping, got {type(value).__name__}")
+        return config_from_dict(tp, value, prefix=where)
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ValueError(f"{where}={value!r} is not valid; choose one of {list(get_args(tp))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where} must be a list, got {type(value).__name__}")
+        (item_tp, *_) = get_args(tp) or (Any,)
+        return type(value)(_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict or tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where} must be true or false, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{where} must be an integer, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{where} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def config_from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    """Builds dataclass `cls` from a dict, recursively; unknown keys and wrong types raise ValueError."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix or cls.__name__} must be a mapping, got {type(data).__name__}")
+    hints = get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in known:
+            raise _unknown_key_error(cls, key, prefix)
+        where = f"{prefix}.{key}" if prefix else key
+        kwargs[key] = _coerce(value, hints[key], where)
+    return cls(**kwargs)
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """A plain, JSON-serialisable dict of a (nested) config dataclass."""
+    return dataclasses.asdict(cfg)
