@@ -221,7 +221,11 @@ class EncoderConfig:
 
     def __post_init__(self) -> None:
         # Nested sub-configs may arrive as dicts (e.g. from YAML through dataclasses.replace).
-        for name, cls in (("tisa", TISAConfig), ("kernel", KernelConfig), ("transject", TransJectConfig)):
+        for name, cls in (
+            ("tisa", TISAConfig),
+            ("kernel", KernelConfig),
+            ("transject", TransJectConfig),
+        ):
             value = getattr(self, name)
             if isinstance(value, dict):
                 setattr(self, name, config_from_dict(cls, value, prefix=name))
@@ -257,7 +261,9 @@ class EncoderConfig:
         _check_choice("hidden_act", self.hidden_act, _ACTIVATIONS)
         _check_choice("position_embedding", self.position_embedding, ("absolute", "none"))
         _check_choice("residual", self.residual, ("post_ln", "pre_ln", "rezero"))
-        _check_choice("orthogonal_map", self.orthogonal_map, ("matrix_exp", "cayley", "householder"))
+        _check_choice(
+            "orthogonal_map", self.orthogonal_map, ("matrix_exp", "cayley", "householder")
+        )
         # Imported lazily: the registry imports the families, which import this module.
         from model.attention import ATTENTION_REGISTRY
 
@@ -265,7 +271,10 @@ class EncoderConfig:
         if self.attention == "transject":
             if self.hidden_size % 2:
                 raise ValueError("transject needs an even hidden_size (token ; position halves)")
-            if self.transject.token_embedding == "orthogonal" and self.vocab_size > self.hidden_size // 2:
+            if (
+                self.transject.token_embedding == "orthogonal"
+                and self.vocab_size > self.hidden_size // 2
+            ):
                 raise ValueError(
                     f"transject.token_embedding='orthogonal' needs vocab_size <= hidden_size/2 "
                     f"({self.vocab_size} > {self.hidden_size // 2}); use 'auto' or 'plain'"
@@ -319,21 +328,33 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=128,
     ),
     "albert-base": dict(
-        embedding_size=128, hidden_size=768, num_hidden_layers=12,
-        num_attention_heads=12, intermediate_size=3072,
+        embedding_size=128,
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
     ),
     "albert-large": dict(
-        embedding_size=128, hidden_size=1024, num_hidden_layers=24,
-        num_attention_heads=16, intermediate_size=4096,
+        embedding_size=128,
+        hidden_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        intermediate_size=4096,
     ),
     # Depth presets: one shared group run 48 / 96 times (ALBERT-base width).
     "albert-base-48": dict(
-        embedding_size=128, hidden_size=768, num_hidden_layers=48,
-        num_attention_heads=12, intermediate_size=3072,
+        embedding_size=128,
+        hidden_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=12,
+        intermediate_size=3072,
     ),
     "albert-base-96": dict(
-        embedding_size=128, hidden_size=768, num_hidden_layers=96,
-        num_attention_heads=12, intermediate_size=3072,
+        embedding_size=128,
+        hidden_size=768,
+        num_hidden_layers=96,
+        num_attention_heads=12,
+        intermediate_size=3072,
     ),
 }
 
@@ -353,7 +374,9 @@ def _unknown_key_error(cls: type, key: str, prefix: str) -> ValueError:
     where = f"{prefix}.{key}" if prefix else key
     hint = difflib.get_close_matches(key, names, n=1)
     suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
-    return ValueError(f"unknown config key {where!r} for {cls.__name__}{suggestion} (valid: {names})")
+    return ValueError(
+        f"unknown config key {where!r} for {cls.__name__}{suggestion} (valid: {names})"
+    )
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:

@@ -20,7 +20,9 @@ class AlbertEmbeddings(nn.Module):
         e = cfg.embedding_size
         self.word_embeddings = nn.Embedding(cfg.vocab_size, e)
         self.position_embeddings = (
-            nn.Embedding(cfg.max_position_embeddings, e) if cfg.position_embedding == "absolute" else None
+            nn.Embedding(cfg.max_position_embeddings, e)
+            if cfg.position_embedding == "absolute"
+            else None
         )
         self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, e)
         self.norm = nn.LayerNorm(e, eps=cfg.layer_norm_eps)
@@ -36,7 +38,7 @@ class AlbertEmbeddings(nn.Module):
         B, N = input_ids_BN.shape
         x_BNe = self.word_embeddings(input_ids_BN)
         if self.position_embeddings is not None:
-            if N > self.max_positions:
+            if self.max_positions < N:
                 raise ValueError(
                     f"sequence length {N} exceeds max_position_embeddings={self.max_positions}"
                 )

@@ -25,11 +25,10 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from model.attention import ATTENTION_REGISTRY, LayerContext, MultiHeadAttention
-from model.attention.base import AuxLosses
+from model.attention.base import AuxLosses, make_linear
 from model.config import EncoderConfig
 from model.embeddings import AlbertEmbeddings
 from model.orthogonal import FP32Orthogonal, Linear
-from model.attention.base import make_linear
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu_new": functools.partial(F.gelu, approximate="tanh"),
@@ -124,8 +123,9 @@ class Encoder(nn.Module):
         )
         self.family_state = family.state(cfg) if family.state else None
         self.final_norm = (
-            nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps) if cfg.residual == "pre_ln"
-            and family.layer is None else None
+            nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+            if cfg.residual == "pre_ln" and family.layer is None
+            else None
         )
         self.pooler = make_linear(cfg, cfg.hidden_size, cfg.hidden_size)
         self.checkpoint_fn: Callable | None = None
@@ -134,7 +134,9 @@ class Encoder(nn.Module):
     def enable_activation_checkpointing(self, checkpoint_fn: Callable | None = None) -> None:
         """Recompute each layer application in backward. Default: torch's non-reentrant checkpoint."""
         if checkpoint_fn is None:
-            checkpoint_fn = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+            checkpoint_fn = functools.partial(
+                torch.utils.checkpoint.checkpoint, use_reentrant=False
+            )
         self.checkpoint_fn = checkpoint_fn
 
     def layer_applications(self):
@@ -163,7 +165,31 @@ class Encoder(nn.Module):
         with parametrize.cached():
             return self._forward(input_ids, mask_BN, token_type_ids, output_hidden_states)
 
-    def _forward(self, input_ids, mask_BN, token_type_ids, output_hidden_states) -> EncoderOutput:
+    @torch.no_grad()
+    def trace(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> list[tuple[Tensor, LayerContext]]:
+        """(input hidden states, context) of every layer application, then (final states, None).
+
+        The first entry's states are the embeddings' output h_0. Used by `model.diagnostics`.
+        """
+        mask_BN = (
+            torch.ones_like(input_ids, dtype=torch.bool)
+            if attention_mask is None
+            else attention_mask.to(torch.bool)
+        )
+        steps: list[tuple[Tensor, LayerContext | None]] = []
+        with parametrize.cached():
+            out = self._forward(input_ids, mask_BN, token_type_ids, False, steps)
+        steps.append((out.last_hidden_state, None))
+        return steps
+
+    def _forward(
+        self, input_ids, mask_BN, token_type_ids, output_hidden_states, trace=None
+    ) -> EncoderOutput:
         x_BND = self.embeddings(input_ids, token_type_ids)
         aux: AuxLosses = {}
         extras = {}
@@ -174,7 +200,11 @@ class Encoder(nn.Module):
         inner = self.config.inner_group_num
         for index, layer in self.layer_applications():
             gate = self.residual_gates[index] if self.residual_gates is not None else None
-            ctx = LayerContext(mask_BN=mask_BN, layer_index=index, residual_gate=gate, extras=extras)
+            ctx = LayerContext(
+                mask_BN=mask_BN, layer_index=index, residual_gate=gate, extras=extras
+            )
+            if trace is not None:
+                trace.append((x_BND, ctx))
             if self.checkpoint_fn is not None and self.training:
                 x_BND, layer_aux = self.checkpoint_fn(layer, x_BND, ctx)
             else:
@@ -202,8 +232,10 @@ def init_weights(module: nn.Module, std: float) -> None:
         module.init_parameters()
         return
     if isinstance(module, (nn.Linear, Linear)):
-        if not (parametrize.is_parametrized(module, "weight")
-                and isinstance(module.parametrizations.weight[0], FP32Orthogonal)):
+        if not (
+            parametrize.is_parametrized(module, "weight")
+            and isinstance(module.parametrizations.weight[0], FP32Orthogonal)
+        ):
             nn.init.normal_(module.weight, std=std)
         if module.bias is not None:
             nn.init.zeros_(module.bias)

@@ -120,7 +120,9 @@ class EncoderForPretraining(_EncoderModel):
             hidden = hidden[masked_positions]
         logits = self.mlm(hidden, self.encoder.embeddings.token_embedding_weight)
         sop_logits = self.sop(self.sop_dropout(enc.pooled_output))
-        return ModelOutput(logits=logits, sop_logits=sop_logits, encoder=enc, aux_losses=enc.aux_losses)
+        return ModelOutput(
+            logits=logits, sop_logits=sop_logits, encoder=enc, aux_losses=enc.aux_losses
+        )
 
 
 class EncoderForSequenceClassification(_EncoderModel):
@@ -151,7 +153,11 @@ class EncoderForSequenceClassification(_EncoderModel):
         output_hidden_states: bool = False,
     ) -> ModelOutput:
         enc = self.encoder(input_ids, attention_mask, token_type_ids, output_hidden_states)
-        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        mask = (
+            torch.ones_like(input_ids, dtype=torch.bool)
+            if attention_mask is None
+            else attention_mask.bool()
+        )
         pooled = pool(enc.last_hidden_state, mask, enc.pooled_output, self.pooling)
         logits = self.classifier(self.dropout(pooled))
         if self.num_labels == 1:
@@ -204,7 +210,11 @@ class EncoderForDualClassification(_EncoderModel):
 
 HEADS: dict[str, type[_EncoderModel]] = {
     cls.head_type: cls
-    for cls in (EncoderForPretraining, EncoderForSequenceClassification, EncoderForDualClassification)
+    for cls in (
+        EncoderForPretraining,
+        EncoderForSequenceClassification,
+        EncoderForDualClassification,
+    )
 }
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.nn.utils.parametrizations import _Orthogonal, _OrthMaps
+from torch.nn.utils.parametrizations import _OrthMaps, _Orthogonal
 
 
 class FP32Orthogonal(_Orthogonal):
@@ -37,7 +37,9 @@ class FP32Orthogonal(_Orthogonal):
         return super().right_inverse(Q.float())
 
 
-def make_orthogonal(module: nn.Module, name: str = "weight", orthogonal_map: str = "matrix_exp") -> nn.Module:
+def make_orthogonal(
+    module: nn.Module, name: str = "weight", orthogonal_map: str = "matrix_exp"
+) -> nn.Module:
     """Registers an fp32 orthogonal parametrization on `module.<name>` (matrices or batches of them).
 
     The starting point is a random orthogonal matrix: householder projects an orthogonal init;
@@ -45,7 +47,9 @@ def make_orthogonal(module: nn.Module, name: str = "weight", orthogonal_map: str
     """
     weight = getattr(module, name)
     if weight.ndim < 2:
-        raise ValueError(f"orthogonal parametrization needs a matrix, got shape {tuple(weight.shape)}")
+        raise ValueError(
+            f"orthogonal parametrization needs a matrix, got shape {tuple(weight.shape)}"
+        )
     orth = FP32Orthogonal(weight, getattr(_OrthMaps, orthogonal_map), use_trivialization=False)
     if orthogonal_map == "householder":
         with torch.no_grad():

@@ -57,7 +57,9 @@ def save_release(
     """
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"release dir {out} already exists and is not empty (pass overwrite=True)")
+        raise FileExistsError(
+            f"release dir {out} already exists and is not empty (pass overwrite=True)"
+        )
     config = {
         "format_version": FORMAT_VERSION,
         "encoder": config_to_dict(model.config),
@@ -94,7 +96,9 @@ def read_release_config(release_dir: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
     version = config.get("format_version")
     if version != FORMAT_VERSION:
-        raise ValueError(f"{path}: unsupported release format_version {version!r} (expected {FORMAT_VERSION})")
+        raise ValueError(
+            f"{path}: unsupported release format_version {version!r} (expected {FORMAT_VERSION})"
+        )
     return config
 
 

@@ -12,7 +12,13 @@ import math
 import torch.nn.functional as F
 from torch import Tensor
 
-from model.attention.base import AttentionFamily, AuxLosses, LayerContext, ScoreKernel, key_padding_bias
+from model.attention.base import (
+    AttentionFamily,
+    AuxLosses,
+    LayerContext,
+    ScoreKernel,
+    key_padding_bias,
+)
 from model.config import EncoderConfig
 
 

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates .venv (if absent) and installs the project with its test extras.
+# torch is installed first, pinned to 2.13.0 (a CPU build that pip finds locally here); on a GPU
+# cluster, install your CUDA torch into the venv first and this script keeps it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+if ! python -c "import torch" >/dev/null 2>&1; then
+  python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+fi
+python -m pip install -q -e ".[test]"
+python -c "import torch, model; print(f'albatross ready: torch {torch.__version__}')"

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Sets up the environment (scripts/setup.sh) and runs lint + the test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+ruff check .
+ruff format --check .
+python -m pytest -q "$@"

@@ -1,0 +1,1 @@
+"""sbatch templates and the submitit launcher (`python -m slurm`). Built by issue #5."""
