@@ -279,12 +279,12 @@ class EncoderConfig:
                     f"transject.token_embedding='orthogonal' needs vocab_size <= hidden_size/2 "
                     f"({self.vocab_size} > {self.hidden_size // 2}); use 'auto' or 'plain'"
                 )
-        if self.attention == "kernel" and self.kernel.feature_map == "aoglu":
-            if self.head_dim // self.kernel.gate_rank_divisor < 1:
-                raise ValueError(
-                    f"kernel.gate_rank_divisor={self.kernel.gate_rank_divisor} leaves rank 0 "
-                    f"for head_dim={self.head_dim}"
-                )
+        aoglu = self.attention == "kernel" and self.kernel.feature_map == "aoglu"
+        if aoglu and self.head_dim // self.kernel.gate_rank_divisor < 1:
+            raise ValueError(
+                f"kernel.gate_rank_divisor={self.kernel.gate_rank_divisor} leaves rank 0 "
+                f"for head_dim={self.head_dim}"
+            )
 
     @property
     def head_dim(self) -> int:

@@ -35,7 +35,7 @@ class AlbertEmbeddings(nn.Module):
         return self.word_embeddings.weight
 
     def forward(self, input_ids_BN: Tensor, token_type_ids_BN: Tensor | None = None) -> Tensor:
-        B, N = input_ids_BN.shape
+        N = input_ids_BN.shape[1]
         x_BNe = self.word_embeddings(input_ids_BN)
         if self.position_embeddings is not None:
             if self.max_positions < N:

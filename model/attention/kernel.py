@@ -1,6 +1,226 @@
-"""PLACEHOLDER being written now; replaced wholesale by the family's implementation."""
+"""Trainable feed-forward kernels for non-causal linear attention; METHODS.md section 4.
 
-from model.attention.base import AttentionFamily
-from model.attention.softmax import SoftmaxKernel
+Yorsh & Kovalenko 2022, "Linear Self-Attention Approximation via Trainable Feedforward Kernel",
+https://arxiv.org/abs/2211.04076. Softmax attention is replaced by a kernel
+k(q, k') = phi(q)^T phi(k') with a learned, positive feature map phi, applied head-wise (each
+head has its own weights) and shared by queries and keys. Being non-causal, the attention
+factorises into two sums over keys, so its cost is O(N h^2) instead of O(N^2 h):
 
-FAMILY = AttentionFamily(name="kernel", description="placeholder", kernel=SoftmaxKernel)
+    out_i = phi(q_i)^T KV / (phi(q_i)^T z + eps),   KV = sum_j phi(k_j) v_j^T,   z = sum_j phi(k_j)
+
+Feature maps (`KernelConfig.feature_map`; W, V are h x h, A is h x r, B is r x h per head,
+r = h // gate_rank_divisor, no bias):
+    ffn    phi(x) = softplus(x W)                 W orthogonally initialised
+    glu    phi(x) = g(x W) * sigmoid(x V)
+    oglu   glu, W orthogonally initialised
+    aoglu  phi(x) = g(x W) * sigmoid(x A B)       low-rank gate, W orthogonally initialised
+    elu    phi(x) = elu(x) + 1                    parameter-free baseline (Katharopoulos et al. 2020)
+`num_stacked` units run in sequence; g is the identity in all but the last unit and softplus in
+the last, so phi > 0. (Stacked `ffn` units are thus a product of linear maps before the softplus.)
+Non-orthogonal matrices get nn.Linear's default scale, U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+
+Orthogonality penalty: lambda * sum over the orthogonally initialised W of every unit of
+mean((W W^T - I)^2) (mean over heads and entries), returned as the auxiliary loss
+`kernel_orthogonality` when lambda > 0. **Decision (cross-layer sharing):** the penalty is a
+property of the weights, not of how often they run, so a layer reports it only at the FIRST
+application of its weights in the encoder's schedule (`LayerContext.layer_index`); the encoder's
+sum over applications then counts every distinct W exactly once, whatever the depth. Without
+sharing this is the paper's sum over layers.
+
+Legend: B batch, H heads, N tokens, h head width, r gate rank. `q_BHNh` is (B, H, N, h),
+`w_Hhh` is (H, h, h), `kv_BHhh` the per-head h x h key-value summary, `z_BH1h` the key sum.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.attention.base import AttentionFamily, AuxLosses, LayerContext, ScoreKernel
+from model.config import EncoderConfig
+
+ORTHOGONAL_MAPS = ("ffn", "oglu", "aoglu")
+"""Feature maps whose W is orthogonally initialised (and subject to the penalty)."""
+
+
+def naive_kernel_attention(
+    phi_q_BHNh: Tensor, phi_k_BHNh: Tensor, v_BHNh: Tensor, mask_BN: Tensor, eps: float
+) -> Tensor:
+    """The explicit O(N^2) form: A = phi(Q) phi(K)^T with padding columns zeroed, each row
+    divided by its sum + eps, times V. The reference for tests."""
+    scores_BHNN = phi_q_BHNh @ phi_k_BHNh.transpose(-1, -2)
+    scores_BHNN = scores_BHNN.masked_fill(~mask_BN[:, None, None, :], 0.0)
+    return scores_BHNN @ v_BHNh / (scores_BHNN.sum(-1, keepdim=True) + eps)
+
+
+def _matmul(x: Tensor, w: Tensor) -> Tensor:
+    """x (B, H, N, a) @ w (H, a, b), per head; casts w to x's dtype outside autocast."""
+    if w.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+        w = w.to(x.dtype)
+    return x @ w
+
+
+def _uniform_fan_in_(w: Tensor) -> None:
+    """nn.Linear's default scale for a stack of (fan_in, fan_out) matrices."""
+    bound = 1.0 / math.sqrt(w.size(-2))
+    nn.init.uniform_(w, -bound, bound)
+
+
+class FeatureMapUnit(nn.Module):
+    """One unit g(x W) [* sigmoid(gate(x))], per head. Owns its raw parameters and their init."""
+
+    def __init__(self, feature_map: str, num_heads: int, head_dim: int, rank: int, last: bool):
+        super().__init__()
+        H, h = num_heads, head_dim
+        self.feature_map = feature_map
+        self.last = last
+        self.w_Hhh = nn.Parameter(torch.empty(H, h, h))
+        if feature_map in ("glu", "oglu"):
+            self.v_Hhh = nn.Parameter(torch.empty(H, h, h))
+        elif feature_map == "aoglu":
+            self.a_Hhr = nn.Parameter(torch.empty(H, h, rank))
+            self.b_Hrh = nn.Parameter(torch.empty(H, rank, h))
+        self.init_parameters()
+
+    @property
+    def orthogonal(self) -> bool:
+        """Whether W is orthogonally initialised (and penalised)."""
+        return self.feature_map in ORTHOGONAL_MAPS
+
+    @torch.no_grad()
+    def init_parameters(self) -> None:
+        """Orthogonal W per head (ffn, oglu, aoglu), else nn.Linear's default scale. Called by
+        the encoder's generic init instead of its N(0, 0.02)."""
+        for name, param in self.named_parameters(recurse=False):
+            if name == "w_Hhh" and self.orthogonal:
+                for w_hh in param:  # nn.init.orthogonal_ would flatten the head dimension
+                    nn.init.orthogonal_(w_hh)
+            else:
+                _uniform_fan_in_(param)
+
+    def forward(self, x_BHNh: Tensor) -> Tensor:
+        y_BHNh = _matmul(x_BHNh, self.w_Hhh)
+        if self.last:
+            y_BHNh = F.softplus(y_BHNh)
+        if self.feature_map in ("glu", "oglu"):
+            y_BHNh = y_BHNh * torch.sigmoid(_matmul(x_BHNh, self.v_Hhh))
+        elif self.feature_map == "aoglu":
+            gate_BHNh = _matmul(_matmul(x_BHNh, self.a_Hhr), self.b_Hrh)
+            y_BHNh = y_BHNh * torch.sigmoid(gate_BHNh)
+        return y_BHNh
+
+    def orthogonality_error(self) -> Tensor:
+        """mean((W W^T - I)^2) over heads and entries, in fp32."""
+        with torch.autocast(self.w_Hhh.device.type, enabled=False):
+            w_Hhh = self.w_Hhh.float()
+            eye_hh = torch.eye(w_Hhh.size(-1), device=w_Hhh.device)
+            return (w_Hhh @ w_Hhh.mT - eye_hh).pow(2).mean()
+
+
+class FeedForwardFeatureMap(nn.Module):
+    """phi: `num_stacked` FeatureMapUnits in sequence, softplus in the last; positive output."""
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        kc, h = cfg.kernel, cfg.head_dim
+        rank = h // kc.gate_rank_divisor
+        self.units = nn.ModuleList(
+            FeatureMapUnit(kc.feature_map, cfg.num_attention_heads, h, rank, i == kc.num_stacked - 1)
+            for i in range(kc.num_stacked)
+        )
+
+    def forward(self, x_BHNh: Tensor) -> Tensor:
+        for unit in self.units:
+            x_BHNh = unit(x_BHNh)
+        return x_BHNh
+
+    def orthogonality_error(self) -> Tensor | None:
+        """Sum over units of mean((W W^T - I)^2); None when no W is orthogonally initialised."""
+        errors = [unit.orthogonality_error() for unit in self.units if unit.orthogonal]
+        return torch.stack(errors).sum() if errors else None
+
+
+class EluFeatureMap(nn.Module):
+    """phi(x) = elu(x) + 1 (Katharopoulos et al. 2020, arXiv 2006.16236); no parameters."""
+
+    def forward(self, x_BHNh: Tensor) -> Tensor:
+        return F.elu(x_BHNh) + 1.0
+
+    def orthogonality_error(self) -> Tensor | None:
+        return None
+
+
+def _first_application(cfg: EncoderConfig, layer_id: int) -> int:
+    """The first `LayerContext.layer_index` at which the encoder runs layer `layer_id`.
+
+    The encoder numbers distinct layers `group * inner_group_num + i` and applications
+    `pass * inner_group_num + i`, with pass l running group `cfg.group_schedule()[l]`.
+    """
+    group, inner = divmod(layer_id, cfg.inner_group_num)
+    return cfg.group_schedule().index(group) * cfg.inner_group_num + inner
+
+
+class KernelAttention(ScoreKernel):
+    """Non-causal linear attention with a trainable feature map phi shared by queries and keys."""
+
+    def __init__(self, cfg: EncoderConfig, layer_id: int = 0):
+        super().__init__()
+        kc = cfg.kernel
+        self.eps = kc.eps
+        self.penalty = kc.orthogonality_penalty
+        self.dropout = nn.Dropout(kc.dropout)  # on the kernel input (per-head q and k)
+        self.phi = EluFeatureMap() if kc.feature_map == "elu" else FeedForwardFeatureMap(cfg)
+        if self.penalty > 0 and kc.feature_map not in ORTHOGONAL_MAPS:
+            warnings.warn(
+                f"kernel.orthogonality_penalty={self.penalty} is ignored: feature_map="
+                f"{kc.feature_map!r} has no orthogonally initialised W",
+                stacklevel=2,
+            )
+        self.report_at = _first_application(cfg, layer_id)
+
+    def orthogonality_loss(self) -> Tensor | None:
+        """lambda * sum over units of mean((W W^T - I)^2); None if lambda = 0 or no such W."""
+        error = self.phi.orthogonality_error() if self.penalty > 0 else None
+        return None if error is None else self.penalty * error
+
+    def forward(
+        self, q_BHNh: Tensor, k_BHNh: Tensor, v_BHNh: Tensor, ctx: LayerContext
+    ) -> tuple[Tensor, AuxLosses]:
+        phi_q_BHNh = self.phi(self.dropout(q_BHNh))
+        phi_k_BHNh = self.phi(self.dropout(k_BHNh))
+        # The two sums over keys and the normaliser in fp32, whatever the autocast dtype.
+        with torch.autocast(q_BHNh.device.type, enabled=False):
+            keep_B1N1 = ctx.mask_BN[:, None, :, None].float()
+            phi_q_BHNh = phi_q_BHNh.float()
+            phi_k_BHNh = phi_k_BHNh.float() * keep_B1N1  # padding keys contribute nothing
+            kv_BHhh = phi_k_BHNh.transpose(-1, -2) @ v_BHNh.float()  # sum_j phi(k_j) v_j^T
+            z_BH1h = phi_k_BHNh.sum(dim=-2, keepdim=True)  # sum_j phi(k_j)
+            num_BHNh = phi_q_BHNh @ kv_BHhh
+            den_BHN1 = (phi_q_BHNh * z_BH1h).sum(dim=-1, keepdim=True) + self.eps
+            out_BHNh = (num_BHNh / den_BHN1).to(v_BHNh.dtype)
+        aux: AuxLosses = {}
+        if ctx.layer_index == self.report_at:
+            loss = self.orthogonality_loss()
+            if loss is not None:
+                aux["kernel_orthogonality"] = loss
+        return out_BHNh, aux
+
+
+FAMILY = AttentionFamily(
+    name="kernel",
+    description="linear attention with trainable feed-forward kernels (Yorsh & Kovalenko 2022)",
+    kernel=KernelAttention,
+)
+
+__all__ = [
+    "FAMILY",
+    "EluFeatureMap",
+    "FeatureMapUnit",
+    "FeedForwardFeatureMap",
+    "KernelAttention",
+    "naive_kernel_attention",
+]

@@ -1,6 +1,232 @@
-"""PLACEHOLDER being written now; replaced wholesale by the family's implementation."""
+"""TISA: translation-invariant self-attention (Wennberg & Henter 2021, https://arxiv.org/abs/2106.01950).
 
-from model.attention.base import AttentionFamily
-from model.attention.softmax import SoftmaxKernel
+Legend: B batch, N tokens, H heads, h head width, S kernels per head, M = 2N - 1 offsets,
+L number of layer applications (num_layer_applications), P number of scorers (1 or L).
 
-FAMILY = AttentionFamily(name="tisa", description="placeholder", kernel=SoftmaxKernel)
+Each head adds a learned function of the relative offset k = j - i (key position minus query
+position) to its attention logits:
+
+    f(k) = sum_{s=1..S} a_s * exp(-|b_s| * (k - c_s)^2)
+    att  = softmax(Q K^T / sqrt(h) + F_P + key_padding) V,    F_P[i, j] = f(j - i)
+
+F_P is Toeplitz, so one forward needs f at only M = 2N - 1 offsets per head. `TISAState` computes
+those once per forward (METHODS.md section 2); every `TISAKernel` then applies them either as an
+(H, N, N) bias built by indexing (`sdpa` backend) or inside FlexAttention as a `score_mod`
+(`flex` backend, no N x N tensor in memory).
+
+Decision (METHODS.md): we use the paper's convention F_P[i, j] = f(j - i). The authors' code
+indexes f(i - j - 1), which is only a reparameterisation (c -> -c - 1), but plots of f here are
+on the paper's axis.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.attention.base import (
+    AttentionFamily,
+    AuxLosses,
+    FamilyState,
+    LayerContext,
+    ScoreKernel,
+    key_padding_bias,
+)
+from model.config import EncoderConfig
+
+
+class PositionScorer(nn.Module):
+    """f(k) = sum_s a_s exp(-|b_s| (k - c_s)^2) for every head; a, b, c are (S, H) parameters.
+
+    k = j - i is the key position minus the query position (the paper's convention, arXiv
+    2106.01950), not the f(i - j - 1) indexing of the authors' code.
+    """
+
+    def __init__(self, num_kernels: int, num_heads: int, init: str = "random"):
+        super().__init__()
+        self.a = nn.Parameter(torch.empty(num_kernels, num_heads))  # amplitudes
+        self.b = nn.Parameter(torch.empty(num_kernels, num_heads))  # sharpness, used as |b|
+        self.c = nn.Parameter(torch.empty(num_kernels, num_heads))  # centres (offsets)
+        self.zero_amplitude = init == "zero_amplitude"
+        self.init_parameters()
+
+    @torch.no_grad()
+    def init_parameters(self) -> None:
+        """The authors' init: c ~ N(0, 5^2), a ~ N(0.1, 0.01^2), b ~ N(0.1, 0.01^2); a = 0 with
+        `zero_amplitude` (adding TISA to a pretrained model leaves its outputs unchanged)."""
+        nn.init.normal_(self.c, mean=0.0, std=5.0)
+        nn.init.normal_(self.b, mean=0.1, std=0.01)
+        if self.zero_amplitude:
+            nn.init.zeros_(self.a)
+        else:
+            nn.init.normal_(self.a, mean=0.1, std=0.01)
+
+    def score(self, offsets: Tensor | list[float]) -> Tensor:
+        """f at arbitrary (integer or real) offsets k = j - i: (K,) -> (H, K)."""
+        k_K = torch.as_tensor(offsets, dtype=self.a.dtype, device=self.a.device).reshape(-1)
+        a_SH1, b_SH1, c_SH1 = (p.unsqueeze(-1) for p in (self.a, self.b, self.c))
+        return (a_SH1 * torch.exp(-b_SH1.abs() * (k_K - c_SH1) ** 2)).sum(0)
+
+    def values(self, N: int) -> Tensor:
+        """f at k = -(N-1) .. N-1: (H, 2N-1), offset k at index k + N - 1."""
+        return self.score(torch.arange(-(N - 1), N, device=self.a.device))
+
+
+def toeplitz_bias(values_HM: Tensor) -> Tensor:
+    """(H, 2N-1) values of f -> the (H, N, N) bias F_P[h, i, j] = f_h(j - i), by indexing."""
+    N = (values_HM.size(-1) + 1) // 2
+    pos_N = torch.arange(N, device=values_HM.device)
+    index_NN = pos_N[None, :] - pos_N[:, None] + N - 1  # [i, j] -> (j - i) + N - 1
+    return values_HM[:, index_NN]
+
+
+def select_backend(cfg: EncoderConfig, device: torch.device, dropout_active: bool) -> str:
+    """The backend one kernel call uses: "sdpa" or "flex" (see `TISAConfig.backend`).
+
+    `auto` takes flex on CUDA when attention dropout is off (flex has no dropout), else sdpa.
+    An explicit `flex` with active dropout falls back to sdpa (the kernel warns once); explicit
+    `flex` on CPU with gradients enabled raises, since FlexAttention has no CPU backward.
+    """
+    backend = cfg.tisa.backend
+    if backend == "auto":
+        return "flex" if device.type == "cuda" and not dropout_active else "sdpa"
+    if backend == "flex" and not dropout_active:
+        if device.type != "cuda" and torch.is_grad_enabled():
+            raise ValueError(
+                f"tisa.backend='flex' cannot run with gradients enabled on {device.type}: "
+                "FlexAttention has no backward pass there. Use tisa.backend='sdpa' or 'auto', "
+                "or run under torch.no_grad()."
+            )
+        return "flex"
+    return "sdpa"
+
+
+@functools.cache
+def _compiled_flex_attention():
+    """FlexAttention compiled once, lazily (on CUDA, eager flex materialises the scores)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def tisa_flex_attention(
+    q_BHNh: Tensor, k_BHNh: Tensor, v_BHNh: Tensor, values_HM: Tensor, mask_BN: Tensor
+) -> Tensor:
+    """softmax(Q K^T / sqrt(h) + F_P + key_padding) V through FlexAttention's score_mod."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    N = q_BHNh.size(-2)
+    values_HM = values_HM.to(q_BHNh.dtype)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        score = score + values_HM[h, kv_idx - q_idx + N - 1]
+        return torch.where(mask_BN[b, kv_idx], score, float("-inf"))
+
+    attend = _compiled_flex_attention() if q_BHNh.is_cuda else flex_attention
+    return attend(q_BHNh, k_BHNh, v_BHNh, score_mod=score_mod)
+
+
+class TISAState(FamilyState):
+    """The scorers, run once per forward: f at the 2N-1 offsets for every head of every scorer.
+
+    Extras for the kernels: `tisa_values` (P, H, 2N-1), P = 1 (`shared`) or L (`per_layer`).
+    With the shared scope and the sdpa backend it also builds the bias every layer uses,
+    `tisa_bias` (B, H, N, N) = F_P + key padding, once. It is built here rather than lazily by
+    the first kernel: a kernel-side cache would make activation checkpointing recompute a
+    different graph than the original forward.
+    """
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        num_scorers = cfg.num_layer_applications if cfg.tisa.scope == "per_layer" else 1
+        self.scorers = nn.ModuleList(
+            PositionScorer(cfg.tisa.num_kernels, cfg.num_attention_heads, cfg.tisa.init)
+            for _ in range(num_scorers)
+        )
+
+    def forward(self, x0_BND: Tensor, mask_BN: Tensor) -> tuple[dict[str, Any], AuxLosses]:
+        N = x0_BND.size(1)
+        values_PHM = torch.stack([scorer.values(N) for scorer in self.scorers])
+        extras: dict[str, Any] = {"tisa_values": values_PHM}
+        dropout_active = self.training and self.cfg.attention_probs_dropout_prob > 0
+        if (
+            self.cfg.tisa.scope == "shared"
+            and select_backend(self.cfg, x0_BND.device, dropout_active) == "sdpa"
+        ):
+            # The dtype the kernels' queries will have (autocast's, else the weights').
+            device_type = x0_BND.device.type
+            dtype = (
+                torch.get_autocast_dtype(device_type)
+                if torch.is_autocast_enabled(device_type)
+                else x0_BND.dtype
+            )
+            extras["tisa_bias"] = toeplitz_bias(values_PHM[0]).to(dtype) + key_padding_bias(
+                mask_BN, dtype
+            )
+        return extras, {}
+
+
+class TISAKernel(ScoreKernel):
+    """softmax(Q K^T / sqrt(h) + F_P + key_padding) V, with F_P from `TISAState`'s values."""
+
+    def __init__(self, cfg: EncoderConfig, layer_id: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.per_layer = cfg.tisa.scope == "per_layer"
+        self.dropout_p = cfg.attention_probs_dropout_prob
+        self._warned_flex_dropout = False
+
+    def forward(
+        self, q_BHNh: Tensor, k_BHNh: Tensor, v_BHNh: Tensor, ctx: LayerContext
+    ) -> tuple[Tensor, AuxLosses]:
+        values_PHM = ctx.extras["tisa_values"]
+        scorer = ctx.layer_index if self.per_layer else 0
+        assert scorer < values_PHM.size(0), "per_layer TISA needs one scorer per application"
+        dropout_p = self.dropout_p if self.training else 0.0
+        backend = select_backend(self.cfg, q_BHNh.device, dropout_p > 0)
+        if self.cfg.tisa.backend == "flex" and dropout_p > 0 and not self._warned_flex_dropout:
+            warnings.warn(
+                "tisa.backend='flex' with attention_probs_dropout_prob > 0 in training: "
+                "FlexAttention has no dropout, falling back to sdpa",
+                stacklevel=2,
+            )
+            self._warned_flex_dropout = True
+
+        if backend == "flex":
+            out = tisa_flex_attention(q_BHNh, k_BHNh, v_BHNh, values_PHM[scorer], ctx.mask_BN)
+            return out, {}
+
+        bias = ctx.extras.get("tisa_bias")  # shared scope: built once per forward by the state
+        if bias is None or bias.dtype != q_BHNh.dtype:
+            dtype = q_BHNh.dtype
+            bias = toeplitz_bias(values_PHM[scorer]).to(dtype) + key_padding_bias(
+                ctx.mask_BN, dtype
+            )  # (H, N, N) + (B, 1, 1, N) -> (B, H, N, N)
+        out = F.scaled_dot_product_attention(
+            q_BHNh, k_BHNh, v_BHNh, attn_mask=bias, dropout_p=dropout_p
+        )
+        return out, {}
+
+
+FAMILY = AttentionFamily(
+    name="tisa",
+    description="translation-invariant self-attention: softmax with a learned f(j - i) per head",
+    kernel=TISAKernel,
+    state=TISAState,
+)
+
+__all__ = [
+    "FAMILY",
+    "PositionScorer",
+    "TISAKernel",
+    "TISAState",
+    "select_backend",
+    "tisa_flex_attention",
+    "toeplitz_bias",
+]

@@ -1,6 +1,349 @@
-"""PLACEHOLDER being written now; replaced wholesale by the family's implementation."""
+"""TransJect: injective, Lipschitz-bounded orthogonal attention (Sengupta, Akhtar, Chakraborty 2023).
 
-from model.attention.base import AttentionFamily
-from model.attention.softmax import SoftmaxKernel
+Paper: https://arxiv.org/abs/2310.14206; formulation and project decisions: METHODS.md section 3.
+Authors' code: github.com/victor7246/TransJect (differs from the paper in places; see "Decisions").
 
-FAMILY = AttentionFamily(name="transject", description="placeholder", kernel=SoftmaxKernel)
+Shape legend (as in `model/attention/base.py`):
+    B batch, N tokens, d hidden width, E experts, V vocabulary, P = d/2 (width of each embedding half).
+    `x_BND` is (B, N, d); `mask_BN` is bool (B, N), True at real tokens; `a_BEND` is the expert
+    outputs (B, E, N, d); `w_BE` the per-sample expert weights; `lam_Bd` the eigenvalues (B, d)
+    (or (1, d), broadcastable).
+
+The family replaces the whole layer, the embeddings, and adds a once-per-forward state:
+
+    embeddings   x_i = [ sqrt(P) E(t_i) ; PE(i) ]           E orthogonal rows (when V <= P)
+    state        M = X0^T X0 (per sample, padding excluded)
+                 lambda = diag(U^T M U) / max|diag(U^T M U)|   U learnable orthogonal (d x d)
+                 aux loss  w_rec * mean( (M/s - U diag(lambda) U^T)^2 )
+    attention    A_e(X) = ELU( X U_e diag(lambda) V_e^T )     U_e, V_e orthogonal (d x d), no bias
+                 w = softmax_e( g( masked max_n A_e(X) ) )    g: R^d -> R shared by the experts
+                 Attn(X) = sum_e w_e A_e(X)
+    layer        alpha_l = tanh(r_l) / L_app
+                 X <- X + alpha_l Attn(X)
+                 X <- X + alpha_l ELU( W2 Drop( ELU( W1 X ) ) )  W1, W2 orthogonal (d x d), no bias
+
+Why the map is injective and Lipschitz (the property the tests check): for one sample, Lambda and
+the gate w are fixed, ||U_e Lambda V_e^T||_2 = max|lambda| = 1, ELU is 1-Lipschitz and the gate
+is a convex combination, so each sublayer F has Lip(F) <= 1 on token vectors; x + alpha F(x) with
+|alpha| < 1 then satisfies (1 - |alpha|) ||x - y|| <= ||f(x) - f(y)|| <= (1 + |alpha|) ||x - y||.
+There is no LayerNorm anywhere (LayerNorm is not injective).
+
+Decisions (METHODS.md 3, where the paper and the authors' code disagree or the code is wrong):
+* Token embedding orthogonally parameterised (rows orthonormal) when V <= P, else plain
+  (`cfg.transject.token_embedding`: auto | orthogonal | plain); the code uses a plain embedding.
+* Eigenvalues: lambda = diag(U^T M U) as a real matrix product; the code's element-wise einsums
+  compute something else. No tanh, no bias on U (the code has both).
+* Random-TransJect: Lambda is a learned (registered) diagonal; the code resamples it every forward.
+* The code's undocumented stochastic residual (`random_features`) is not implemented: it breaks
+  injectivity.
+* Pooling over tokens (in the heads) must be masked: use `pooling="mean"` (masked) for the paper's
+  mean pooling; the code averages over padding.
+
+Project readings where the paper is silent:
+* The reconstruction loss compares M / s with U diag(lambda) U^T, with s = max|diag(U^T M U)| the
+  same scale that normalises lambda, so the loss is scale-free (it does not grow with N or with
+  the embedding norm) and its weight means the same thing for every sequence length.
+* The token half is multiplied by the fixed constant sqrt(P) (the sqrt(d_model) embedding scale of
+  Vaswani et al.): orthonormal rows have norm 1 while the sinusoid has norm sqrt(P/2); scaled, the
+  token half has entries of RMS 1 like the authors' plain N(0, 1) embedding, and the two halves
+  carry comparable energy. A constant scale keeps the embedding injective; the MLM decoder ties
+  to the unscaled (orthonormal) rows. A plain embedding is initialised N(0, 1/P) so both variants
+  give the same scale.
+* The eigen-state (M, lambda, the loss) is computed in fp32 with autocast off, like the
+  orthogonal maps: M sums N outer products and bf16 would lose the small eigenvalues.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.attention.base import (
+    Attention,
+    AttentionFamily,
+    AttentionOutput,
+    AuxLosses,
+    FamilyState,
+    LayerContext,
+)
+from model.config import EncoderConfig
+from model.orthogonal import Linear, make_orthogonal
+
+LAMBDA_KEY = "transject_lambda"
+"""Key of the eigenvalues (B, d) or (1, d) in `LayerContext.extras`."""
+
+RECONSTRUCTION_KEY = "transject_reconstruction"
+"""Name of the weighted eigen-reconstruction auxiliary loss."""
+
+_EPS = 1e-12  # floor of the eigenvalue scale s (an all-padding sample has M = 0)
+
+
+def _compute_dtype(x: Tensor, weight: Tensor) -> Tensor:
+    """Casts an fp32 orthogonal weight to the activation dtype (autocast picks its own)."""
+    if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+        return weight.to(x.dtype)
+    return weight
+
+
+# ---------------------------------------------------------------------------------------------
+# Embeddings
+# ---------------------------------------------------------------------------------------------
+
+
+def sinusoidal_encoding(num_positions: int, width: int, device=None) -> Tensor:
+    """(N, width) fp32 sinusoidal position encoding (Vaswani et al. 2017), for any N.
+
+    PE(i, 2k) = sin(i / 10000^(2k / width)),  PE(i, 2k + 1) = cos(i / 10000^(2k / width)).
+    """
+    positions_N1 = torch.arange(num_positions, device=device, dtype=torch.float32)[:, None]
+    k = torch.arange(0, width, 2, device=device, dtype=torch.float32)  # 2k
+    angles_NK = positions_N1 * torch.exp(-math.log(10000.0) * k / width)
+    pe_NK2 = torch.stack([angles_NK.sin(), angles_NK.cos()], dim=-1)  # interleave sin, cos
+    return pe_NK2.flatten(1)[:, :width]  # an odd width drops the last cosine
+
+
+class TransJectEmbeddings(nn.Module):
+    """input ids (B, N) -> (B, N, d): x_i = [ sqrt(P) E(t_i) ; PE(i) ], P = d/2, then dropout.
+
+    Concatenation (not addition) keeps the map (token, position) -> x injective: two tokens at
+    one position differ in the first half, two positions differ in the second. The position half
+    is computed on the fly, so there is no maximum length. No LayerNorm (it is not injective).
+
+    Token type ids are accepted for the common interface and ignored: the injective embedding has
+    no segment term (adding one would break the [E ; PE] structure), so segments are marked by the
+    [SEP] token alone.
+
+    The token embedding is orthogonally parameterised (rows orthonormal, needs V <= P) per
+    `cfg.transject.token_embedding` (auto: orthogonal when V <= P, else plain); METHODS.md 3.
+    """
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        if d % 2:
+            raise ValueError(f"transject needs an even hidden_size, got {d}")
+        self.half = d // 2
+        mode = cfg.transject.token_embedding
+        if mode == "orthogonal" and cfg.vocab_size > self.half:
+            raise ValueError(
+                f"transject.token_embedding='orthogonal' needs vocab_size <= hidden_size/2 "
+                f"({cfg.vocab_size} > {self.half}); use 'auto' or 'plain'"
+            )
+        self.orthogonal = mode == "orthogonal" or (mode == "auto" and cfg.vocab_size <= self.half)
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, self.half)
+        if self.orthogonal:
+            make_orthogonal(self.word_embeddings, "weight", cfg.orthogonal_map)
+        self.scale = math.sqrt(self.half)
+        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+
+    def init_parameters(self) -> None:
+        """Called by the encoder's init (after its N(0, 0.02) init of the child embedding)."""
+        if not self.orthogonal:
+            # Rows of expected norm 1, like the orthonormal rows: the same scale in both modes.
+            nn.init.normal_(self.word_embeddings.weight, std=1.0 / math.sqrt(self.half))
+
+    @property
+    def token_embedding_weight(self) -> Tensor:
+        """(V, P) token embedding (orthonormal rows when orthogonal); the MLM decoder ties to it."""
+        return self.word_embeddings.weight
+
+    def _storage_dtype(self) -> torch.dtype:
+        """The dtype the model is stored in (the orthogonal map itself always returns fp32)."""
+        if self.orthogonal:
+            return self.word_embeddings.parametrizations.weight.original.dtype
+        return self.word_embeddings.weight.dtype
+
+    def forward(self, input_ids_BN: Tensor, token_type_ids_BN: Tensor | None = None) -> Tensor:
+        B, N = input_ids_BN.shape
+        dtype = self._storage_dtype()
+        tok_BNP = F.embedding(input_ids_BN, self.token_embedding_weight).to(dtype) * self.scale
+        pos_BNP = sinusoidal_encoding(N, self.half, input_ids_BN.device).to(dtype).expand(B, N, -1)
+        return self.dropout(torch.cat([tok_BNP, pos_BNP], dim=-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Once-per-forward eigenvalues
+# ---------------------------------------------------------------------------------------------
+
+
+def _normalise(lam_raw_Bd: Tensor) -> tuple[Tensor, Tensor]:
+    """lambda / s with s = max|lambda| per row (floored): the largest |eigenvalue| becomes 1."""
+    s_B1 = lam_raw_Bd.abs().amax(dim=-1, keepdim=True).clamp_min(_EPS)
+    return lam_raw_Bd / s_B1, s_B1
+
+
+def approximate_eigenvalues(x0_BND: Tensor, mask_BN: Tensor, U_dd: Tensor) -> tuple[Tensor, Tensor]:
+    """Approximate eigenvalues of M = X0^T X0 in the basis U, normalised; and the reconstruction error.
+
+    Returns (lam_Bd, recon_B):
+        M_Bdd    = X0^T X0 over the real tokens of each sample
+        lam_raw  = diag(U^T M U)             (a real matrix product: Decision, METHODS.md 3)
+        lam      = lam_raw / s,              s = max_k |lam_raw_k|
+        recon    = mean_{ij} ( M/s - U diag(lam) U^T )^2_{ij}
+    Everything in fp32 with autocast off.
+    """
+    with torch.autocast(device_type=x0_BND.device.type, enabled=False):
+        x_BND = x0_BND.float() * mask_BN.unsqueeze(-1).float()  # padding rows excluded
+        U = U_dd.float()
+        M_Bdd = x_BND.mT @ x_BND
+        # diag(U^T M U)_k = sum_i U_ik (M U)_ik: the diagonal of the product without forming it.
+        lam_raw_Bd = (U * (M_Bdd @ U)).sum(dim=-2)
+        lam_Bd, s_B1 = _normalise(lam_raw_Bd)
+        recon_Bdd = (U * lam_Bd[:, None, :]) @ U.mT  # U diag(lam) U^T
+        recon_B = ((M_Bdd / s_B1[:, :, None] - recon_Bdd) ** 2).mean(dim=(-2, -1))
+    return lam_Bd, recon_B
+
+
+class EigenState(FamilyState):
+    """Lambda (shared by all layers and experts), computed once per forward from X0.
+
+    `cfg.transject.eigenvalues`:
+    * `approx`: approximate eigenvalues of M = X0^T X0 with a learnable orthogonal basis U
+      (`approximate_eigenvalues`), plus the weighted auxiliary loss `transject_reconstruction`.
+    * `random` (Random-TransJect): a learned diagonal of size d, normalised the same way (largest
+      |lambda| = 1), no loss. **Decision** (METHODS.md 3): learned, not resampled every forward as
+      in the authors' code. Initialised U(0, 1) as the code samples it.
+
+    Returns extras {"transject_lambda": (B, d) for approx, (1, d) for random}, fp32.
+    """
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.mode = cfg.transject.eigenvalues
+        self.reconstruction_weight = cfg.transject.reconstruction_weight
+        if self.mode == "approx":
+            self.eigenbasis = nn.Parameter(torch.empty(d, d))
+            make_orthogonal(self, "eigenbasis", cfg.orthogonal_map)
+        else:
+            self.eigenvalues = nn.Parameter(torch.rand(d))
+
+    def forward(self, x0_BND: Tensor, mask_BN: Tensor) -> tuple[dict[str, Any], AuxLosses]:
+        if self.mode == "random":
+            lam_1d, _ = _normalise(self.eigenvalues.float()[None, :])
+            return {LAMBDA_KEY: lam_1d}, {}
+        lam_Bd, recon_B = approximate_eigenvalues(x0_BND, mask_BN, self.eigenbasis)
+        return {LAMBDA_KEY: lam_Bd}, {RECONSTRUCTION_KEY: self.reconstruction_weight * recon_B.mean()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Orthogonal mixture-of-experts attention
+# ---------------------------------------------------------------------------------------------
+
+
+class TransJectAttention(Attention):
+    """E orthogonal experts A_e(X) = ELU(X U_e Lambda V_e^T) mixed by a per-sample softmax gate.
+
+    Mixing is over features, per token: cost O(N E d^2), linear in N; outputs at real tokens do
+    not depend on padding (Lambda and the gate's max-pool exclude it). No bias anywhere (a bias
+    would break the Lipschitz bound). U, V are stacked as (E, d, d) orthogonal tensors so the
+    experts run as one batched product.
+    """
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        d, E = cfg.hidden_size, cfg.transject.num_experts
+        self.num_experts = E
+        self.expert_u = nn.Parameter(torch.empty(E, d, d))
+        self.expert_v = nn.Parameter(torch.empty(E, d, d))
+        make_orthogonal(self, "expert_u", cfg.orthogonal_map)
+        make_orthogonal(self, "expert_v", cfg.orthogonal_map)
+        # The gate g: R^d -> R. No bias: a shared bias shifts every expert's logit equally and
+        # cancels in the softmax (it would only ever get a zero gradient).
+        self.gate = Linear(d, 1, bias=False)
+
+    def experts(self, x_BND: Tensor, ctx: LayerContext) -> tuple[Tensor, Tensor]:
+        """(a_BEND, w_BE): every expert's output and the per-sample mixture weights."""
+        lam_Bd = ctx.extras[LAMBDA_KEY]
+        U_Edd = _compute_dtype(x_BND, self.expert_u)
+        V_Edd = _compute_dtype(x_BND, self.expert_v)
+        lam_B11d = _compute_dtype(x_BND, lam_Bd)[:, None, None, :]
+        # A_e(X) = ELU( ((X U_e) * lambda) V_e^T ): row vectors, so "X U" is x @ U.
+        xu_BEND = torch.einsum("bnd,edk->benk", x_BND, U_Edd)
+        a_BEND = F.elu(torch.einsum("benk,ejk->benj", xu_BEND * lam_B11d, V_Edd))
+
+        # Gate: masked max over real tokens -> shared g -> softmax over experts (in fp32).
+        mask_B1N1 = ctx.mask_BN[:, None, :, None]
+        pooled_BED = a_BEND.masked_fill(~mask_B1N1, torch.finfo(a_BEND.dtype).min).amax(dim=2)
+        has_tokens_B11 = ctx.mask_BN.any(dim=1)[:, None, None]
+        pooled_BED = pooled_BED.masked_fill(~has_tokens_B11, 0.0)  # all-padding sample: no -inf
+        w_BE = self.gate(pooled_BED).squeeze(-1).float().softmax(dim=-1)
+        return a_BEND, w_BE
+
+    def expert_weights(self, x_BND: Tensor, ctx: LayerContext) -> Tensor:
+        """(B, E) per-sample mixture weights (each row sums to 1); for diagnostics."""
+        return self.experts(x_BND, ctx)[1]
+
+    def forward(self, x_BND: Tensor, ctx: LayerContext) -> AttentionOutput:
+        a_BEND, w_BE = self.experts(x_BND, ctx)
+        out_BND = torch.einsum("be,bend->bnd", w_BE.to(a_BEND.dtype), a_BEND)
+        return AttentionOutput(out_BND, {})
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer: injective residuals around attention and an orthogonal FFN
+# ---------------------------------------------------------------------------------------------
+
+
+class TransJectLayer(nn.Module):
+    """X <- X + alpha Attn(X);  X <- X + alpha ELU(W2 Drop(ELU(W1 X)));  alpha = tanh(r_l) / L_app.
+
+    r_l is owned by the encoder (one scalar per layer application, `ctx.residual_gate`), starts at
+    `cfg.transject.residual_init` (0: ReZero, the identity map at init), so |alpha| < 1/L_app and
+    every application is a contraction-perturbed identity: injective. No LayerNorm.
+    """
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.num_applications = cfg.num_layer_applications
+        self.attention = TransJectAttention(cfg)
+        self.ffn_in = make_orthogonal(Linear(d, d, bias=False), "weight", cfg.orthogonal_map)
+        self.ffn_out = make_orthogonal(Linear(d, d, bias=False), "weight", cfg.orthogonal_map)
+        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+
+    @staticmethod
+    def residual_gate_init(cfg: EncoderConfig) -> float:
+        """Initial r_l of every application (the encoder owns the scalars)."""
+        return cfg.transject.residual_init
+
+    def ffn(self, x_BND: Tensor) -> Tensor:
+        """ELU(W2 Drop(ELU(W1 X))): 1-Lipschitz (in eval mode) since W1, W2 are orthogonal."""
+        return F.elu(self.ffn_out(self.dropout(F.elu(self.ffn_in(x_BND)))))
+
+    def forward(self, x_BND: Tensor, ctx: LayerContext) -> tuple[Tensor, AuxLosses]:
+        if ctx.residual_gate is None:
+            raise ValueError("TransJectLayer needs ctx.residual_gate (the encoder's r_l)")
+        alpha = torch.tanh(ctx.residual_gate) / self.num_applications
+        attn = self.attention(x_BND, ctx)
+        x_BND = x_BND + alpha * attn.hidden_BND
+        x_BND = x_BND + alpha * self.ffn(x_BND)
+        return x_BND, attn.aux_losses
+
+
+FAMILY = AttentionFamily(
+    name="transject",
+    description=(
+        "TransJect (arXiv 2310.14206): injective orthogonal mixture-of-experts attention over "
+        "features, eigenvalue state, [token ; sinusoid] embeddings, no LayerNorm"
+    ),
+    layer=TransJectLayer,
+    embeddings=TransJectEmbeddings,
+    state=EigenState,
+)
+
+__all__ = [
+    "FAMILY",
+    "LAMBDA_KEY",
+    "RECONSTRUCTION_KEY",
+    "EigenState",
+    "TransJectAttention",
+    "TransJectEmbeddings",
+    "TransJectLayer",
+    "approximate_eigenvalues",
+    "sinusoidal_encoding",
+]
