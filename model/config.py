@@ -51,8 +51,8 @@ class TISAConfig:
 
     scope: Literal["shared", "per_layer"] = "shared"
     """`shared`: one scorer (3*S*H parameters) for every layer application, the TISA authors'
-    setup under ALBERT sharing. `per_layer`: one scorer per layer application (num_hidden_layers
-    scorers), so positional scoring can differ with depth even when layer weights are shared."""
+    setup under ALBERT sharing. `per_layer`: one scorer per layer application (num_hidden_layers x
+    inner_group_num scorers), so positional scoring can differ with depth even when layer weights are shared."""
 
     init: Literal["random", "zero_amplitude"] = "random"
     """`random`: the authors' init, c ~ N(0, 5^2), a ~ N(0.1, 0.01^2), b ~ N(0.1, 0.01^2).
@@ -62,8 +62,8 @@ class TISAConfig:
     backend: Literal["auto", "sdpa", "flex"] = "auto"
     """How the positional score reaches the softmax. `sdpa`: an (H, N, N) float bias built from
     the 2N-1 values of f per head, passed to scaled_dot_product_attention. `flex`: FlexAttention
-    with a score_mod (no N x N tensor in memory; CUDA, or CPU without gradients). `auto`: flex
-    where it runs (CUDA, or CPU under no_grad), else sdpa."""
+    with a score_mod (no N x N tensor in memory; CUDA, or CPU without gradients, where eager flex
+    still materialises the scores). `auto`: flex on CUDA when attention dropout is off, else sdpa."""
 
     def __post_init__(self) -> None:
         _check_positive("tisa.num_kernels", self.num_kernels)
