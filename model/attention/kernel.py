@@ -129,7 +129,9 @@ class FeedForwardFeatureMap(nn.Module):
         kc, h = cfg.kernel, cfg.head_dim
         rank = h // kc.gate_rank_divisor
         self.units = nn.ModuleList(
-            FeatureMapUnit(kc.feature_map, cfg.num_attention_heads, h, rank, i == kc.num_stacked - 1)
+            FeatureMapUnit(
+                kc.feature_map, cfg.num_attention_heads, h, rank, i == kc.num_stacked - 1
+            )
             for i in range(kc.num_stacked)
         )
 
@@ -180,6 +182,11 @@ class KernelAttention(ScoreKernel):
                 f"{kc.feature_map!r} has no orthogonally initialised W",
                 stacklevel=2,
             )
+        if kc.num_stacked != 1 and kc.feature_map == "elu":
+            warnings.warn(
+                f"kernel.num_stacked={kc.num_stacked} is ignored: feature_map='elu' has no units",
+                stacklevel=2,
+            )
         self.report_at = _first_application(cfg, layer_id)
 
     def orthogonality_loss(self) -> Tensor | None:
@@ -194,9 +201,10 @@ class KernelAttention(ScoreKernel):
         phi_k_BHNh = self.phi(self.dropout(k_BHNh))
         # The two sums over keys and the normaliser in fp32, whatever the autocast dtype.
         with torch.autocast(q_BHNh.device.type, enabled=False):
-            keep_B1N1 = ctx.mask_BN[:, None, :, None].float()
+            pad_B1N1 = ~ctx.mask_BN[:, None, :, None]
             phi_q_BHNh = phi_q_BHNh.float()
-            phi_k_BHNh = phi_k_BHNh.float() * keep_B1N1  # padding keys contribute nothing
+            # Padding keys contribute nothing (masked_fill, not a product: safe if phi is inf).
+            phi_k_BHNh = phi_k_BHNh.float().masked_fill(pad_B1N1, 0.0)
             kv_BHhh = phi_k_BHNh.transpose(-1, -2) @ v_BHNh.float()  # sum_j phi(k_j) v_j^T
             z_BH1h = phi_k_BHNh.sum(dim=-2, keepdim=True)  # sum_j phi(k_j)
             num_BHNh = phi_q_BHNh @ kv_BHhh

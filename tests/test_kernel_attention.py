@@ -1,0 +1,385 @@
+"""The `kernel` attention family: trainable feed-forward kernels (Yorsh & Kovalenko 2022).
+
+Checked against the explicit O(N^2) form, the feature-map formulas written out per head, the
+orthogonal init and penalty, padding invariance of the whole model, bf16 autocast, gradients,
+and the absence of any N x N intermediate.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from model.attention import ATTENTION_REGISTRY, LayerContext
+from model.attention.kernel import (
+    FeatureMapUnit,
+    KernelAttention,
+    naive_kernel_attention,
+)
+from model.config import EncoderConfig
+from model.encoder import Encoder
+from model.heads import EncoderForPretraining
+
+FEATURE_MAPS = ["ffn", "glu", "oglu", "aoglu", "elu"]
+ORTHOGONAL = ["ffn", "oglu", "aoglu"]
+STACKS = [1, 3]
+# Every feature map with 1 and 3 stacked units (elu has no units: once).
+CASES = [(fm, k) for fm in FEATURE_MAPS for k in STACKS if fm != "elu" or k == 1]
+ORTHOGONAL_CASES = [(fm, k) for fm in ORTHOGONAL for k in STACKS]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """These tensors are tiny: intra-op threads only add OpenMP spin-waits, which cost seconds
+    on a busy 2-core runner. Restored after this module."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def make_cfg(feature_map: str, stacked: int = 1, **kernel) -> EncoderConfig:
+    kernel = {"feature_map": feature_map, "num_stacked": stacked, "dropout": 0.0, **kernel}
+    return EncoderConfig.preset("debug", attention="kernel", kernel=kernel)
+
+
+def make_kernel(cfg: EncoderConfig, layer_id: int = 0) -> KernelAttention:
+    return KernelAttention(cfg, layer_id).eval()
+
+
+def random_qkv(cfg: EncoderConfig, B: int = 3, N: int = 9):
+    shape = (B, cfg.num_attention_heads, N, cfg.head_dim)
+    return tuple(torch.randn(shape) for _ in range(3))
+
+
+def padded_mask(B: int, N: int) -> torch.Tensor:
+    """Row 0 full, row 1 padded at the end, row 2 with holes (padding need not be trailing)."""
+    mask = torch.ones(B, N, dtype=torch.bool)
+    mask[1, N // 2 :] = False
+    mask[2, ::3] = False
+    return mask
+
+
+def units(kernel: KernelAttention) -> list[FeatureMapUnit]:
+    return [m for m in kernel.modules() if isinstance(m, FeatureMapUnit)]
+
+
+def manual_phi(feature_map: str, unit_list: list[FeatureMapUnit], x_BHNh: torch.Tensor):
+    """The feature maps of METHODS.md section 4, one head at a time."""
+    if feature_map == "elu":
+        return F.elu(x_BHNh) + 1
+    heads = []
+    for head in range(x_BHNh.size(1)):
+        x = x_BHNh[:, head]
+        for i, u in enumerate(unit_list):
+            g = F.softplus if i == len(unit_list) - 1 else (lambda t: t)
+            y = g(x @ u.w_Hhh[head])
+            if feature_map in ("glu", "oglu"):
+                y = y * torch.sigmoid(x @ u.v_Hhh[head])
+            elif feature_map == "aoglu":
+                y = y * torch.sigmoid(x @ u.a_Hhr[head] @ u.b_Hrh[head])
+            x = y
+        heads.append(x)
+    return torch.stack(heads, dim=1)
+
+
+def orthogonality_formula(unit_list: list[FeatureMapUnit]) -> torch.Tensor:
+    total = torch.zeros(())
+    for u in unit_list:
+        w = u.w_Hhh.detach()
+        total = total + ((w @ w.mT - torch.eye(w.size(-1))) ** 2).mean()
+    return total
+
+
+def test_registered():
+    family = ATTENTION_REGISTRY.get("kernel")
+    assert family.kernel is KernelAttention
+    cfg = make_cfg("aoglu")
+    layer = Encoder(cfg).groups[0][0]
+    assert isinstance(layer.attention.kernel, KernelAttention)
+
+
+@pytest.mark.parametrize(("feature_map", "stacked"), CASES)
+def test_feature_map_formula_positive_and_shared(feature_map, stacked):
+    torch.manual_seed(0)
+    cfg = make_cfg(feature_map, stacked)
+    kernel = make_kernel(cfg)
+    H, h = cfg.num_attention_heads, cfg.head_dim
+    # Per-head weights, the declared shapes, and no parameter outside the one shared phi.
+    assert set(kernel.parameters()) == set(kernel.phi.parameters())
+    for u in units(kernel):
+        assert u.w_Hhh.shape == (H, h, h)
+        if feature_map == "aoglu":
+            assert u.a_Hhr.shape == (H, h, h // cfg.kernel.gate_rank_divisor)
+            assert u.b_Hrh.shape == (H, h // cfg.kernel.gate_rank_divisor, h)
+    assert len(units(kernel)) == (0 if feature_map == "elu" else stacked)
+
+    x = 3 * torch.randn(2, H, 11, h)
+    phi = kernel.phi(x)
+    torch.testing.assert_close(phi, manual_phi(feature_map, units(kernel), x))
+    assert (phi > 0).all()
+
+    # The same module maps queries and keys.
+    seen = []
+    kernel.phi.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
+    q, k, v = random_qkv(cfg)
+    kernel(q, k, v, LayerContext(mask_BN=torch.ones(3, 9, dtype=torch.bool)))
+    assert len(seen) == 2
+    torch.testing.assert_close(seen[0], q)
+    torch.testing.assert_close(seen[1], k)
+
+
+def test_dropout_on_kernel_input():
+    """Dropout hits the per-head q and k before phi in training, and nothing in eval."""
+    torch.manual_seed(11)
+    cfg = make_cfg("aoglu", dropout=0.5)
+    kernel = KernelAttention(cfg, 0).train()
+    seen = []
+    kernel.phi.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
+    q, k, v = random_qkv(cfg)
+    ctx = LayerContext(mask_BN=torch.ones(3, 9, dtype=torch.bool))
+    out_train, _ = kernel(q, k, v, ctx)
+    for x, raw in zip(seen, (q, k)):
+        dropped = x == 0
+        assert 0.3 < dropped.float().mean() < 0.7
+        torch.testing.assert_close(x[~dropped], 2 * raw[~dropped])
+    seen.clear()
+    kernel.eval()
+    out_eval, _ = kernel(q, k, v, ctx)
+    torch.testing.assert_close(seen[0], q)
+    assert not torch.allclose(out_train, out_eval)
+
+
+@pytest.mark.parametrize(("feature_map", "stacked"), CASES)
+def test_matches_naive_with_padding(feature_map, stacked):
+    torch.manual_seed(1)
+    cfg = make_cfg(feature_map, stacked)
+    kernel = make_kernel(cfg)
+    q, k, v = random_qkv(cfg, B=3, N=9)
+    mask = padded_mask(3, 9)
+    out, aux = kernel(q, k, v, LayerContext(mask_BN=mask))
+    assert aux == {}
+    ref = naive_kernel_attention(kernel.phi(q), kernel.phi(k), v, mask, cfg.kernel.eps)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # Keys and values at padding do not matter...
+    k2, v2 = k.clone(), v.clone()
+    k2[~mask[:, None, :, None].expand_as(k)] = 100.0
+    v2[~mask[:, None, :, None].expand_as(v)] = -100.0
+    out2, _ = kernel(q, k2, v2, LayerContext(mask_BN=mask))
+    torch.testing.assert_close(out2, out, atol=1e-5, rtol=1e-5)
+    # ...and a trailing-padded row equals the same row computed without its padding.
+    n = int(mask[1].sum())
+    short, _ = kernel(
+        q[1:2, :, :n], k[1:2, :, :n], v[1:2, :, :n], LayerContext(mask_BN=mask[1:2, :n])
+    )
+    torch.testing.assert_close(out[1:2, :, :n], short, atol=1e-5, rtol=1e-5)
+
+
+def test_naive_reference_is_row_normalised_attention():
+    """The reference itself, against weights written out by hand."""
+    torch.manual_seed(2)
+    pq, pk, v = torch.rand(1, 1, 4, 3), torch.rand(1, 1, 5, 3), torch.randn(1, 1, 5, 2)
+    mask = torch.tensor([[True, False, True, True, False]])
+    weights = torch.stack(
+        [torch.stack([pq[0, 0, i] @ pk[0, 0, j] for j in (0, 2, 3)]) for i in range(4)]
+    )
+    expected = weights @ v[0, 0, [0, 2, 3]] / (weights.sum(-1, keepdim=True) + 1e-6)
+    got = naive_kernel_attention(pq, pk, v, mask, 1e-6)[0, 0]
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize(("feature_map", "stacked"), CASES)
+def test_model_padding_invariance(feature_map, stacked):
+    torch.manual_seed(3)
+    model = EncoderForPretraining(make_cfg(feature_map, stacked, dropout=0.1)).eval()
+    ids = torch.randint(1, 512, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, 7:] = 0
+    out = model(ids, mask)
+    # Append 6 positions of junk (not even the pad id) marked as padding.
+    ids_long = torch.cat([ids, torch.randint(1, 512, (2, 6))], dim=1)
+    mask_long = torch.cat([mask, torch.zeros(2, 6, dtype=torch.long)], dim=1)
+    out_long = model(ids_long, mask_long)
+    real = mask.bool()
+    torch.testing.assert_close(
+        out_long.encoder.last_hidden_state[:, :10][real],
+        out.encoder.last_hidden_state[real],
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    torch.testing.assert_close(
+        out_long.logits[:, :10][real], out.logits[real], atol=1e-5, rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize(("feature_map", "stacked"), ORTHOGONAL_CASES)
+def test_orthogonal_init_and_penalty(feature_map, stacked):
+    torch.manual_seed(4)
+    lam = 0.1
+    cfg = make_cfg(feature_map, stacked, orthogonality_penalty=lam)
+    model = EncoderForPretraining(cfg)  # the encoder's generic init must not clobber W
+    kernel = model.encoder.groups[0][0].attention.kernel
+    eye = torch.eye(cfg.head_dim)
+    for u in units(kernel):
+        torch.testing.assert_close(u.w_Hhh @ u.w_Hhh.mT, eye.expand_as(u.w_Hhh), atol=1e-5, rtol=0)
+        assert u.w_Hhh.std() > 0.1  # not N(0, 0.02)
+    assert kernel.orthogonality_loss().item() < 1e-10
+
+    with torch.no_grad():
+        for u in units(kernel):
+            u.w_Hhh.add_(0.1 * torch.randn_like(u.w_Hhh))
+    expected = lam * orthogonality_formula(units(kernel))
+    assert expected > 1e-4
+    torch.testing.assert_close(kernel.orthogonality_loss(), expected)
+
+    # In the model output; debug has 2 applications of one shared layer: counted once.
+    ids = torch.randint(1, 512, (2, 8))
+    aux = model(ids).aux_losses
+    assert set(aux) == {"kernel_orthogonality"}
+    torch.testing.assert_close(aux["kernel_orthogonality"], expected)
+
+    # Without the penalty, no aux loss at all.
+    plain = EncoderForPretraining(make_cfg(feature_map, stacked))
+    assert plain(ids).aux_losses == {}
+
+
+def test_glu_not_orthogonal_and_ignored_settings_warn():
+    torch.manual_seed(5)
+    kernel = make_kernel(make_cfg("glu"))
+    w = units(kernel)[0].w_Hhh
+    assert (w @ w.mT - torch.eye(w.size(-1))).abs().max() > 0.1
+    with pytest.warns(UserWarning, match="orthogonality_penalty"):
+        model = EncoderForPretraining(make_cfg("glu", orthogonality_penalty=0.1))
+    assert model(torch.randint(1, 512, (1, 6))).aux_losses == {}
+    with pytest.warns(UserWarning, match="num_stacked"):
+        KernelAttention(make_cfg("elu", 3), 0)
+
+
+def test_penalty_counted_once_per_distinct_layer():
+    """4 applications of 2 groups x 2 inner layers: each of the 4 distinct layers once."""
+    torch.manual_seed(6)
+    cfg = EncoderConfig.preset(
+        "debug",
+        attention="kernel",
+        num_hidden_layers=4,
+        num_hidden_groups=2,
+        inner_group_num=2,
+        kernel={"feature_map": "aoglu", "orthogonality_penalty": 0.5},
+    )
+    model = Encoder(cfg)
+    kernels = [layer.attention.kernel for group in model.groups for layer in group]
+    with torch.no_grad():
+        for kernel in kernels:
+            for u in units(kernel):
+                u.w_Hhh.mul_(1.1)
+    expected = sum(0.5 * orthogonality_formula(units(kernel)) for kernel in kernels)
+    aux = model(torch.randint(1, 512, (2, 5))).aux_losses
+    torch.testing.assert_close(aux["kernel_orthogonality"], expected)
+
+
+@pytest.mark.parametrize(("feature_map", "stacked"), CASES)
+def test_bf16_autocast(feature_map, stacked):
+    torch.manual_seed(7)
+    cfg = make_cfg(feature_map, stacked)
+    kernel = make_kernel(cfg)
+    q, k, v = random_qkv(cfg, B=3, N=16)
+    ctx = LayerContext(mask_BN=padded_mask(3, 16))
+    ref, _ = kernel(q, k, v, ctx)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out32, _ = kernel(q, k, v, ctx)
+        out16, _ = kernel(q.bfloat16(), k.bfloat16(), v.bfloat16(), ctx)
+    assert out32.dtype == torch.float32 and out16.dtype == torch.bfloat16
+    torch.testing.assert_close(out32, ref, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(out16.float(), ref, atol=5e-2, rtol=5e-2)
+
+    model = EncoderForPretraining(cfg).eval()
+    ids = torch.randint(1, 512, (2, 12))
+    ref_h = model(ids).encoder.last_hidden_state
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h16 = model(ids).encoder.last_hidden_state
+    assert torch.isfinite(h16).all()
+    torch.testing.assert_close(h16.float(), ref_h, atol=0.15, rtol=0.1)
+
+
+def test_sums_accumulated_in_fp32_under_autocast():
+    """Given the bf16 features phi(q), phi(k) and bf16 values, the output must be the exact
+    result rounded once to bf16: relative error <= 2^-8, plus an fp32-sized absolute slack for
+    outputs near 0. Sums and products kept in bf16 miss this bound by ~1e-3."""
+    torch.manual_seed(8)
+    cfg = make_cfg("ffn")
+    kernel = make_kernel(cfg)
+    q, k, v = (t.bfloat16() for t in random_qkv(cfg, B=3, N=512))
+    mask = padded_mask(3, 512)
+    feats = []
+    kernel.phi.register_forward_hook(lambda mod, args, out: feats.append(out))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = kernel(q, k, v, LayerContext(mask_BN=mask))
+    phi_q, phi_k = feats
+    assert phi_q.dtype == torch.bfloat16
+    exact = naive_kernel_attention(phi_q.double(), phi_k.double(), v.double(), mask, cfg.kernel.eps)
+    err = (out.double() - exact).abs()
+    assert (err <= 2**-8 * exact.abs() + 1e-5).all(), err.max()
+
+
+@pytest.mark.parametrize(("feature_map", "stacked"), CASES)
+def test_gradients_reach_feature_map(feature_map, stacked):
+    torch.manual_seed(9)
+    lam = 0.1 if feature_map in ORTHOGONAL else 0.0  # the penalty's gradient too
+    model = EncoderForPretraining(make_cfg(feature_map, stacked, orthogonality_penalty=lam))
+    model.train()
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, 5:] = 0
+    out = model(torch.randint(1, 512, (2, 8)), mask)
+    (out.logits.square().mean() + sum(out.aux_losses.values(), torch.zeros(()))).backward()
+    kernel = model.encoder.groups[0][0].attention.kernel
+    params = dict(kernel.phi.named_parameters())
+    per_unit = {"ffn": 1, "glu": 2, "oglu": 2, "aoglu": 3, "elu": 0}[feature_map]  # W, V / A, B
+    assert len(params) == per_unit * stacked
+    for name, p in params.items():
+        assert p.grad is not None, name
+        assert p.grad.abs().sum() > 0, name
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_linear_cost_no_N_by_N_intermediate():
+    """Forward and backward at N = 4096 never make a tensor larger than one (B, H, N, h).
+    (Wall time on a shared 2-core runner cannot tell O(N) from O(N^2) at this size; this can.)"""
+    torch.manual_seed(10)
+    N = 4096
+    cfg = EncoderConfig.preset(
+        "debug",
+        attention="kernel",
+        hidden_size=8,
+        num_attention_heads=2,
+        kernel={"feature_map": "aoglu", "num_stacked": 2, "dropout": 0.1},
+    )
+    kernel = KernelAttention(cfg, 0).train()
+    q, k, v = (t.requires_grad_() for t in random_qkv(cfg, B=1, N=N))
+    mask = torch.ones(1, N, dtype=torch.bool)
+    mask[0, -100:] = False
+    with LargestTensor() as probe:
+        out, _ = kernel(q, k, v, LayerContext(mask_BN=mask))
+        out.square().sum().backward()
+    assert probe.largest <= q.numel(), probe.largest  # (B, H, N, h), never (N, N)
+    assert out.shape == q.shape and torch.isfinite(q.grad).all()
+    # The probe does see an N x N tensor when there is one.
+    n = 64
+    with LargestTensor() as naive_probe:
+        naive_kernel_attention(q[..., :n, :], k[..., :n, :], v[..., :n, :], mask[:, :n], 1e-6)
+    assert naive_probe.largest >= n * n
