@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from model.encoder import Encoder
-from model.orthogonal import orthogonal_modules, orthogonality_error
+from model.orthogonal import orthogonal_cache, orthogonal_modules, orthogonality_error
 
 
 def _encoder(model: nn.Module) -> Encoder:
@@ -85,7 +85,7 @@ def expert_weights(
         raise ValueError(f"expert weights exist for transject only, not {enc.config.attention!r}")
     steps = enc.trace(input_ids, attention_mask)
     layers = [layer for _, layer in enc.layer_applications()]
-    with torch.nn.utils.parametrize.cached():
+    with orthogonal_cache():
         weights = [
             layer.attention.expert_weights(states, ctx)
             for layer, (states, ctx) in zip(layers, steps[:-1])

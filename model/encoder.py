@@ -8,7 +8,7 @@ of group `l * G // L` in turn. Per-application state (the ReZero / TransJect res
 TISA `per_layer` scorers) is indexed by the application, not by the weights.
 
 Activation checkpointing is applied from outside: `Encoder.checkpoint_fn` is called as
-`checkpoint_fn(layer, x_BND, ctx)` for every layer application when set (e.g.
+`checkpoint_fn(run_layer, x_BND, ctx)` for every layer application when set (e.g.
 `functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)`); see
 `enable_activation_checkpointing`.
 """
@@ -28,7 +28,13 @@ from model.attention import ATTENTION_REGISTRY, LayerContext, MultiHeadAttention
 from model.attention.base import AuxLosses, make_linear
 from model.config import EncoderConfig
 from model.embeddings import AlbertEmbeddings
-from model.orthogonal import FP32Orthogonal, Linear
+from model.orthogonal import (
+    FP32Orthogonal,
+    Linear,
+    active_orthogonal_cache,
+    orthogonal_cache,
+    orthogonal_modules,
+)
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu_new": functools.partial(F.gelu, approximate="tanh"),
@@ -162,7 +168,7 @@ class Encoder(nn.Module):
             else attention_mask.to(torch.bool)
         )
         # Each orthogonal map is evaluated once per forward, whatever the number of applications.
-        with parametrize.cached():
+        with orthogonal_cache():
             return self._forward(input_ids, mask_BN, token_type_ids, output_hidden_states)
 
     @torch.no_grad()
@@ -182,7 +188,7 @@ class Encoder(nn.Module):
             else attention_mask.to(torch.bool)
         )
         steps: list[tuple[Tensor, LayerContext | None]] = []
-        with parametrize.cached():
+        with orthogonal_cache():
             out = self._forward(input_ids, mask_BN, token_type_ids, False, steps)
         steps.append((out.last_hidden_state, None))
         return steps
@@ -198,15 +204,29 @@ class Encoder(nn.Module):
             add_aux(aux, state_aux)
         hidden_states = [x_BND] if output_hidden_states else None
         inner = self.config.inner_group_num
+        store = active_orthogonal_cache()
+        checkpointing = self.checkpoint_fn is not None and self.training
+        if checkpointing:
+            # Evaluate every orthogonal map before the first checkpointed region, so forward and
+            # recomputation both find them in the cache (same saved tensors).
+            for _, module, name in orthogonal_modules(self):
+                getattr(module, name)
+        used: set[int] = set()
         for index, layer in self.layer_applications():
             gate = self.residual_gates[index] if self.residual_gates is not None else None
             ctx = LayerContext(
-                mask_BN=mask_BN, layer_index=index, residual_gate=gate, extras=extras
+                mask_BN=mask_BN,
+                layer_index=index,
+                first_use=id(layer) not in used,
+                residual_gate=gate,
+                extras=extras,
             )
+            used.add(id(layer))
             if trace is not None:
                 trace.append((x_BND, ctx))
-            if self.checkpoint_fn is not None and self.training:
-                x_BND, layer_aux = self.checkpoint_fn(layer, x_BND, ctx)
+            if checkpointing:
+                run = functools.partial(_run_layer_with_cache, layer, store)
+                x_BND, layer_aux = self.checkpoint_fn(run, x_BND, ctx)
             else:
                 x_BND, layer_aux = layer(x_BND, ctx)
             add_aux(aux, layer_aux)
@@ -223,6 +243,12 @@ class Encoder(nn.Module):
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
             aux_losses=aux,
         )
+
+
+def _run_layer_with_cache(layer: nn.Module, store: dict, x_BND: Tensor, ctx: LayerContext):
+    """Runs a layer inside the forward's orthogonal cache (also when checkpointing recomputes it)."""
+    with orthogonal_cache(store):
+        return layer(x_BND, ctx)
 
 
 def init_weights(module: nn.Module, std: float) -> None:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from model.attention.base import AuxLosses
 from model.config import EncoderConfig
 from model.encoder import ACTIVATIONS, Encoder, EncoderOutput, add_aux, init_weights
-from model.orthogonal import Linear
+from model.orthogonal import Linear, orthogonal_cache
 
 Pooling = Literal["cls", "mean", "max"]
 
@@ -114,6 +114,14 @@ class EncoderForPretraining(_EncoderModel):
         masked_positions: Tensor | None = None,
         output_hidden_states: bool = False,
     ) -> ModelOutput:
+        with orthogonal_cache():  # the tied decoder may be orthogonal (TransJect): map it once
+            return self._forward(
+                input_ids, attention_mask, token_type_ids, masked_positions, output_hidden_states
+            )
+
+    def _forward(
+        self, input_ids, attention_mask, token_type_ids, masked_positions, output_hidden_states
+    ) -> ModelOutput:
         enc = self.encoder(input_ids, attention_mask, token_type_ids, output_hidden_states)
         hidden = enc.last_hidden_state
         if masked_positions is not None:
@@ -198,13 +206,17 @@ class EncoderForDualClassification(_EncoderModel):
         input_ids_2: Tensor,
         attention_mask_2: Tensor | None,
     ) -> ModelOutput:
-        u, enc1 = self._embed(input_ids, attention_mask)
-        v, enc2 = self._embed(input_ids_2, attention_mask_2)
+        with orthogonal_cache():  # both passes share the orthogonal matrices
+            u, enc1 = self._embed(input_ids, attention_mask)
+            v, enc2 = self._embed(input_ids_2, attention_mask_2)
         features = torch.cat([u, v, u * v, u - v], dim=-1)
         logits = self.classifier(self.dropout(self.act(self.dense(self.dropout(features)))))
+        # Both passes share the weights: average their auxiliary losses so each keeps the scale
+        # of a single encoder pass (a weight penalty is not counted twice).
         aux: AuxLosses = {}
         add_aux(aux, enc1.aux_losses)
         add_aux(aux, enc2.aux_losses)
+        aux = {name: value / 2 for name, value in aux.items()}
         return ModelOutput(logits=logits, encoder=enc1, aux_losses=aux)
 
 

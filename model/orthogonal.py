@@ -11,12 +11,18 @@ changes that matter for training at scale:
   which alone breaks orthogonality at 1e-2. Without it, Q = map(original) is exactly orthogonal
   whatever the storage dtype of `original`.
 
-Under cross-layer sharing a weight is used L times per forward; the model wraps its forward in
-`torch.nn.utils.parametrize.cached()` so each map is evaluated once per forward (see
-`model.encoder.Encoder.forward`).
+Under cross-layer sharing a weight is used L times per forward: inside `orthogonal_cache()` each
+map is evaluated once and the matrix reused (the models wrap their forward in it). We keep our
+own cache rather than `torch.nn.utils.parametrize.cached()` because activation checkpointing
+recomputes layers during backward, after that context has closed: the encoder hands each layer
+the forward's cache (the `store`) so the recomputation sees the very same matrices.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +30,47 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import _OrthMaps, _Orthogonal
 
+_CACHE: contextvars.ContextVar[dict[int, torch.Tensor] | None] = contextvars.ContextVar(
+    "orthogonal_cache", default=None
+)
+
+
+@contextlib.contextmanager
+def orthogonal_cache(
+    store: dict[int, torch.Tensor] | None = None,
+) -> Iterator[dict[int, torch.Tensor]]:
+    """Within the block each orthogonal map is evaluated at most once; yields the cache dict.
+
+    Without `store`, an already active cache is reused (nesting) or a new one started; with
+    `store`, that dict becomes the active cache (to re-enter a forward's cache in a recompute).
+    """
+    active = _CACHE.get()
+    token = _CACHE.set(store if store is not None else (active if active is not None else {}))
+    try:
+        yield _CACHE.get()
+    finally:
+        _CACHE.reset(token)
+
+
+def active_orthogonal_cache() -> dict[int, torch.Tensor] | None:
+    """The cache of the enclosing `orthogonal_cache()` block, or None outside one."""
+    return _CACHE.get()
+
 
 class FP32Orthogonal(_Orthogonal):
     """torch's orthogonal map, evaluated in fp32 (autocast off); returns an fp32 matrix."""
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
+        store = _CACHE.get()
+        if store is None:
+            return self.evaluate(X)
+        Q = store.get(id(self))
+        if Q is None:
+            Q = store[id(self)] = self.evaluate(X)
+        return Q
+
+    def evaluate(self, X: torch.Tensor) -> torch.Tensor:
+        """The map itself: free parameters -> orthogonal matrix, in fp32."""
         with torch.autocast(device_type=X.device.type, enabled=False):
             return super().forward(X.float())
 

@@ -199,25 +199,36 @@ def test_bf16_weights_and_autocast_run(family):
 # ---------------------------------------------------------------- orthogonal parametrization
 
 
+def count_map_evaluations(monkeypatch) -> list:
+    """Instruments FP32Orthogonal.evaluate (the map itself) to record each evaluation."""
+    calls = []
+    original = FP32Orthogonal.evaluate
+
+    def counting(self, X):
+        calls.append(self)
+        return original(self, X)
+
+    monkeypatch.setattr(FP32Orthogonal, "evaluate", counting)
+    return calls
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_orthogonal_maps_evaluated_once_per_forward(family):
-    """Under sharing each orthogonal map runs once per forward, not once per layer application."""
+def test_orthogonal_maps_evaluated_once_per_forward(family, checkpointing, monkeypatch):
+    """Under sharing each orthogonal map runs once per forward + backward, not once per layer
+    application, also when activation checkpointing recomputes the layers in backward."""
     cfg = tiny(family, orthogonal=True, num_hidden_layers=6)
     model = EncoderForPretraining(cfg)
+    if checkpointing:
+        model.encoder.enable_activation_checkpointing()
     found = orthogonal_modules(model)
     assert found, "the orthogonal option parameterised nothing"
-    calls = []
-    hooks = [
-        m.register_forward_hook(lambda mod, inp, out: calls.append(mod))
-        for m in model.modules()
-        if isinstance(m, FP32Orthogonal)
-    ]
+    calls = count_map_evaluations(monkeypatch)
     ids, mask = batch()
     out = model(ids, mask)
     (out.logits.sum() + sum(out.aux_losses.values(), torch.zeros(()))).backward()
-    for h in hooks:
-        h.remove()
     assert len(calls) == len(found), f"{len(calls)} evaluations for {len(found)} orthogonal tensors"
+    assert len(set(map(id, calls))) == len(found)
 
 
 def test_orthogonal_option_covers_square_projections():
@@ -242,9 +253,10 @@ def test_orthogonal_maps(orthogonal_map):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_activation_checkpointing_gives_same_gradients(family):
+@pytest.mark.parametrize("orthogonal", [False, True])
+def test_activation_checkpointing_gives_same_gradients(family, orthogonal):
     torch.manual_seed(0)
-    cfg = tiny(family, num_hidden_layers=3)
+    cfg = tiny(family, num_hidden_layers=3, orthogonal=orthogonal)
     ref = EncoderForPretraining(cfg)
     ckpt = copy.deepcopy(ref)
     ckpt.encoder.enable_activation_checkpointing()

@@ -46,6 +46,10 @@ class LayerContext:
     layer_index: int = 0
     """Index of this application in 0 .. num_layer_applications - 1 (depth, not weight id)."""
 
+    first_use: bool = True
+    """True at the first application of this layer's weights in this forward (under sharing a
+    layer runs many times): per-weight terms such as penalties are reported only then."""
+
     residual_gate: Tensor | None = None
     """Scalar residual weight of this application (ReZero alpha, TransJect r_l), if the layer uses one."""
 

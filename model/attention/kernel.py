@@ -23,7 +23,7 @@ Orthogonality penalty: lambda * sum over the orthogonally initialised W of every
 mean((W W^T - I)^2) (mean over heads and entries), returned as the auxiliary loss
 `kernel_orthogonality` when lambda > 0. **Decision (cross-layer sharing):** the penalty is a
 property of the weights, not of how often they run, so a layer reports it only at the FIRST
-application of its weights in the encoder's schedule (`LayerContext.layer_index`); the encoder's
+application of its weights in a forward (`LayerContext.first_use`); the encoder's
 sum over applications then counts every distinct W exactly once, whatever the depth. Without
 sharing this is the paper's sum over layers.
 
@@ -156,16 +156,6 @@ class EluFeatureMap(nn.Module):
         return None
 
 
-def _first_application(cfg: EncoderConfig, layer_id: int) -> int:
-    """The first `LayerContext.layer_index` at which the encoder runs layer `layer_id`.
-
-    The encoder numbers distinct layers `group * inner_group_num + i` and applications
-    `pass * inner_group_num + i`, with pass l running group `cfg.group_schedule()[l]`.
-    """
-    group, inner = divmod(layer_id, cfg.inner_group_num)
-    return cfg.group_schedule().index(group) * cfg.inner_group_num + inner
-
-
 class KernelAttention(ScoreKernel):
     """Non-causal linear attention with a trainable feature map phi shared by queries and keys."""
 
@@ -187,7 +177,6 @@ class KernelAttention(ScoreKernel):
                 f"kernel.num_stacked={kc.num_stacked} is ignored: feature_map='elu' has no units",
                 stacklevel=2,
             )
-        self.report_at = _first_application(cfg, layer_id)
 
     def orthogonality_loss(self) -> Tensor | None:
         """lambda * sum over units of mean((W W^T - I)^2); None if lambda = 0 or no such W."""
@@ -211,7 +200,7 @@ class KernelAttention(ScoreKernel):
             den_BHN1 = (phi_q_BHNh * z_BH1h).sum(dim=-1, keepdim=True) + self.eps
             out_BHNh = (num_BHNh / den_BHN1).to(v_BHNh.dtype)
         aux: AuxLosses = {}
-        if ctx.layer_index == self.report_at:
+        if ctx.first_use:
             loss = self.orthogonality_loss()
             if loss is not None:
                 aux["kernel_orthogonality"] = loss
