@@ -64,15 +64,16 @@ def differential_entropy(
     """(L + 1,): Gaussian differential entropy (nats) of the real-token hidden states, h_0 .. h_L."""
     steps = _encoder(model).trace(input_ids, attention_mask)
     mask_BN = steps[0][1].mask_BN
-    out = []
-    for states, _ in steps:
-        x = states[mask_BN].double()  # (tokens, d)
-        x = x - x.mean(0, keepdim=True)
-        cov = x.T @ x / max(x.shape[0] - 1, 1)
-        cov = cov + ridge * torch.eye(cov.shape[0], dtype=cov.dtype, device=cov.device)
-        d = cov.shape[0]
-        out.append(0.5 * (torch.logdet(cov) + d * math.log(2 * math.pi * math.e)))
-    return torch.stack(out).float()
+    return torch.stack([gaussian_entropy(states[mask_BN], ridge) for states, _ in steps]).float()
+
+
+def gaussian_entropy(x_TD: Tensor, ridge: float = 1e-6) -> Tensor:
+    """Differential entropy (nats) of a Gaussian fitted to the rows of x: 1/2 logdet(2 pi e Sigma)."""
+    x = x_TD.double()
+    x = x - x.mean(0, keepdim=True)
+    cov = x.T @ x / max(x.shape[0] - 1, 1)
+    cov = cov + ridge * torch.eye(cov.shape[0], dtype=cov.dtype, device=cov.device)
+    return 0.5 * (torch.logdet(cov) + cov.shape[0] * math.log(2 * math.pi * math.e))
 
 
 @torch.no_grad()
