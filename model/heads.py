@@ -138,20 +138,37 @@ class EncoderForSequenceClassification(_EncoderModel):
 
     head_type = "sequence_classification"
 
-    def __init__(self, cfg: EncoderConfig, num_labels: int = 2, pooling: Pooling = "cls"):
+    def __init__(
+        self,
+        cfg: EncoderConfig,
+        num_labels: int = 2,
+        pooling: Pooling = "cls",
+        classifier_dropout: float | None = None,
+    ):
         super().__init__(cfg)
         if num_labels < 1:
             raise ValueError(f"num_labels must be >= 1, got {num_labels}")
         if pooling not in ("cls", "mean", "max"):
             raise ValueError(f"unknown pooling {pooling!r}; choose cls, mean or max")
+        if classifier_dropout is not None and not 0 <= classifier_dropout < 1:
+            raise ValueError(f"classifier_dropout must be in [0, 1), got {classifier_dropout}")
         self.num_labels = num_labels
         self.pooling = pooling
-        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+        self.classifier_dropout = classifier_dropout
+        # HF ALBERT's classifier_dropout_prob; None: the encoder's hidden_dropout_prob.
+        self.dropout = nn.Dropout(
+            cfg.hidden_dropout_prob if classifier_dropout is None else classifier_dropout
+        )
         self.classifier = Linear(cfg.hidden_size, num_labels)
         self._init_heads()
 
     def head_config(self) -> dict[str, Any]:
-        return {"type": self.head_type, "num_labels": self.num_labels, "pooling": self.pooling}
+        return {
+            "type": self.head_type,
+            "num_labels": self.num_labels,
+            "pooling": self.pooling,
+            "classifier_dropout": self.classifier_dropout,
+        }
 
     def forward(
         self,

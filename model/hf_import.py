@@ -251,7 +251,12 @@ def head_from_hf(hf_config: dict[str, Any], hf_state: dict[str, torch.Tensor]) -
     else:
         head_type = "sequence_classification" if "classifier.weight" in hf_state else "pretraining"
     if head_type == "sequence_classification":
-        return {"type": head_type, "num_labels": hf_num_labels(hf_config), "pooling": "cls"}
+        return {
+            "type": head_type,
+            "num_labels": hf_num_labels(hf_config),
+            "pooling": "cls",
+            "classifier_dropout": hf_config.get("classifier_dropout_prob"),
+        }
     return {"type": head_type}
 
 
@@ -419,14 +424,6 @@ def _import(
     cfg = encoder_config_from_hf(hf_config, **_encoder_overrides(attention, tisa_overrides))
     hf_state = load_hf_state_dict(hf_dir)
     head = head_from_hf(hf_config, hf_state)
-    if head["type"] == "sequence_classification":
-        cls_dropout = hf_config.get("classifier_dropout_prob")
-        if cls_dropout is not None and cls_dropout != cfg.hidden_dropout_prob:
-            log.warning(
-                "HF classifier_dropout_prob=%s ignored: the classifier uses hidden_dropout_prob=%s",
-                cls_dropout,
-                cfg.hidden_dropout_prob,
-            )
     model = build_model(cfg, head)
     report = load_hf_weights(model, hf_state, allow_new=attention != "softmax")
     if report.initialised:

@@ -193,13 +193,16 @@ def test_tisa_zero_amplitude_parity(hf_pretraining, tmp_path, scope):
 def test_sequence_classification_parity(tmp_path):
     cfg = {**TINY, "num_hidden_layers": 3, "num_hidden_groups": 1, "inner_group_num": 1}
     hf = perturb_(
-        transformers.AlbertForSequenceClassification(transformers.AlbertConfig(**cfg, num_labels=3))
+        transformers.AlbertForSequenceClassification(
+            transformers.AlbertConfig(**{**cfg, "classifier_dropout_prob": 0.15}, num_labels=3)
+        )
     )
     hf.save_pretrained(str(tmp_path / "hf"))
     run_cli(tmp_path / "hf", tmp_path / "release")
     ours = load_release(tmp_path / "release").eval()
     assert ours.head_type == "sequence_classification"
     assert ours.num_labels == 3 and ours.pooling == "cls"
+    assert ours.dropout.p == 0.15  # HF's classifier_dropout_prob carries over to fine-tuning
 
     inputs = make_inputs(cfg["vocab_size"])
     with torch.no_grad():
