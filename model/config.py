@@ -207,8 +207,10 @@ class EncoderConfig:
     """Orthogonally parameterise every square projection (q, k, v, output, square FFN maps):
     TransJect's "Orthogonal Transformer" ablation, usable with any family."""
 
-    orthogonal_map: OrthogonalMap = "matrix_exp"
-    """The map from free parameters to orthogonal matrices (torch's orthogonal parametrization)."""
+    orthogonal_map: OrthogonalMap = "cayley"
+    """The map from free parameters to orthogonal matrices (torch's orthogonal parametrization):
+    `cayley` (default: accurate in fp32, 3.5e-7 at d=768, and the cheapest), `matrix_exp` (run in
+    fp64, 2.5x slower on CPU), `householder`."""
 
     tisa: TISAConfig = field(default_factory=TISAConfig)
     """Settings of the `tisa` family (ignored by the others)."""

@@ -355,3 +355,13 @@ def test_release_into_a_new_head_keeps_the_encoder(tmp_path):
         clf.encoder(ids, mask).pooled_output, pre.encoder(ids, mask).pooled_output
     )
     assert clf(ids, mask).logits.shape == (3, 3)
+
+
+def test_orthogonality_at_albert_base_width():
+    """The default map (cayley, fp32) stays orthogonal to 1e-5 at d = 768, every TransJect weight."""
+    cfg = EncoderConfig.preset(
+        "albert-base", attention="transject", vocab_size=300, num_hidden_layers=1
+    )
+    model = EncoderForPretraining(cfg)
+    errors = [orthogonality_error(getattr(m, n)) for _, m, n in orthogonal_modules(model)]
+    assert len(errors) >= 5 and max(errors) <= 1e-5

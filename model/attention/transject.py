@@ -114,8 +114,8 @@ class TransJectEmbeddings(nn.Module):
     is computed on the fly, so there is no maximum length. No LayerNorm (it is not injective).
 
     Token type ids are accepted for the common interface and ignored: the injective embedding has
-    no segment term (adding one would break the [E ; PE] structure), so segments are marked by the
-    [SEP] token alone.
+    no segment term (an added segment vector could make two (token, segment) pairs collide), so
+    segments are marked by the [SEP] token alone.
 
     The token embedding is orthogonally parameterised (rows orthonormal, needs V <= P) per
     `cfg.transject.token_embedding` (auto: orthogonal when V <= P, else plain); METHODS.md 3.
@@ -227,7 +227,9 @@ class EigenState(FamilyState):
             lam_1d, _ = _normalise(self.eigenvalues.float()[None, :])
             return {LAMBDA_KEY: lam_1d}, {}
         lam_Bd, recon_B = approximate_eigenvalues(x0_BND, mask_BN, self.eigenbasis)
-        return {LAMBDA_KEY: lam_Bd}, {RECONSTRUCTION_KEY: self.reconstruction_weight * recon_B.mean()}
+        return {LAMBDA_KEY: lam_Bd}, {
+            RECONSTRUCTION_KEY: self.reconstruction_weight * recon_B.mean()
+        }
 
 
 # ---------------------------------------------------------------------------------------------

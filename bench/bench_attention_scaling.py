@@ -1,0 +1,161 @@
+"""Attention scaling: forward time and peak memory per family as the sequence grows.
+
+Each (family, N) point runs in a fresh subprocess so its peak RSS is its own; the figure reported
+is the peak RSS minus the RSS after the model was built (what the forward itself allocated).
+Inference (no grad), batch 1, one encoder layer application, CPU fp32 by default.
+
+    python bench/bench_attention_scaling.py --lengths 256 512 1024 2048 4096 8192 --out bench/results/scaling.json
+
+Prints a markdown table with the speed-up of each family over softmax at every N, beside
+TransJect's Table 4 (5.0x to 26.3x inference speed-up, growing with sequence length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FAMILY_CONFIGS = {
+    "softmax": {},
+    "tisa": {"position_embedding": "none"},
+    "kernel": {"kernel": {"feature_map": "aoglu", "dropout": 0.0}},
+    "kernel-elu": {"attention": "kernel", "kernel": {"feature_map": "elu", "dropout": 0.0}},
+    "transject": {"transject": {"num_experts": 4}},
+}
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def run_point(
+    family: str, n: int, width: int, heads: int, layers: int, repeats: int, threads: int
+) -> dict:
+    import torch
+
+    from model import Encoder, EncoderConfig
+
+    torch.set_num_threads(threads)
+    overrides = dict(FAMILY_CONFIGS[family])
+    attention = overrides.pop("attention", family)
+    cfg = EncoderConfig.preset(
+        "debug",
+        vocab_size=1000,
+        embedding_size=128,
+        hidden_size=width,
+        num_attention_heads=heads,
+        intermediate_size=4 * width,
+        num_hidden_layers=layers,
+        max_position_embeddings=max(n, 512),
+        attention=attention,
+        **overrides,
+    )
+    model = Encoder(cfg).eval()
+    ids = torch.randint(4, 1000, (1, n))
+    mask = torch.ones(1, n, dtype=torch.bool)
+    with torch.no_grad():
+        model(ids, mask)  # warm-up
+        base = _rss_mb()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(ids, mask)
+            times.append(time.perf_counter() - start)
+    return {
+        "family": family,
+        "N": n,
+        "seconds": statistics.median(times),
+        "peak_mb": _rss_mb() - base,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192]
+    )
+    parser.add_argument("--families", nargs="+", default=list(FAMILY_CONFIGS))
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--point", nargs=2, metavar=("FAMILY", "N"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.point:
+        family, n = args.point[0], int(args.point[1])
+        print(
+            json.dumps(
+                run_point(
+                    family, n, args.width, args.heads, args.layers, args.repeats, args.threads
+                )
+            )
+        )
+        return
+    rows = []
+    for n in args.lengths:
+        for family in args.families:
+            cmd = [sys.executable, __file__, "--point", family, str(n)]
+            cmd += [
+                "--width",
+                str(args.width),
+                "--heads",
+                str(args.heads),
+                "--layers",
+                str(args.layers),
+            ]
+            cmd += ["--repeats", str(args.repeats), "--threads", str(args.threads)]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                rows.append(
+                    {"family": family, "N": n, "error": res.stderr.strip().splitlines()[-1]}
+                )
+            else:
+                rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
+            print(rows[-1], file=sys.stderr, flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(
+            json.dumps(
+                {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows},
+                indent=2,
+                default=str,
+            )
+        )
+    by = {(r["family"], r["N"]): r for r in rows}
+    print(
+        f"\nd={args.width}, H={args.heads}, {args.layers} layer(s), batch 1, forward, {args.threads} threads\n"
+    )
+    print(
+        "| N | "
+        + " | ".join(f"{f} ms (MB)" for f in args.families)
+        + " | "
+        + " | ".join(f"{f} speed-up" for f in args.families if f != "softmax")
+        + " |"
+    )
+    print("|---" * (1 + 2 * len(args.families) - 1) + "|")
+    for n in args.lengths:
+        cells, speed = [], []
+        soft = by.get(("softmax", n), {})
+        for f in args.families:
+            r = by.get((f, n), {})
+            cells.append(
+                f"{r['seconds'] * 1e3:.1f} ({r['peak_mb']:.0f})" if "seconds" in r else "error"
+            )
+            if f != "softmax":
+                ok = "seconds" in r and "seconds" in soft
+                speed.append(f"{soft['seconds'] / r['seconds']:.2f}x" if ok else "-")
+        print(f"| {n} | " + " | ".join(cells) + " | " + " | ".join(speed) + " |")
+
+
+if __name__ == "__main__":
+    main()

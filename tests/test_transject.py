@@ -1,0 +1,560 @@
+"""Tests of the TransJect family (model/attention/transject.py; METHODS.md section 3).
+
+Tiny widths throughout: the debug preset (d = 32, vocab 512 > d/2, so `auto` picks a plain token
+embedding) and a tiny vocabulary (vocab 16, d 64) that fits an orthogonal token embedding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention import ATTENTION_REGISTRY
+from model.attention.base import LayerContext
+from model.attention.transject import (
+    LAMBDA_KEY,
+    RECONSTRUCTION_KEY,
+    EigenState,
+    TransJectAttention,
+    TransJectEmbeddings,
+    TransJectLayer,
+    approximate_eigenvalues,
+    sinusoidal_encoding,
+)
+from model.config import EncoderConfig
+from model.encoder import Encoder
+from model.heads import EncoderForPretraining, EncoderForSequenceClassification
+from model.orthogonal import orthogonal_modules, orthogonality_error
+
+
+def debug_cfg(**overrides) -> EncoderConfig:
+    """Debug preset (d = 32, vocab 512: plain token embedding under `auto`)."""
+    return EncoderConfig.preset("debug", attention="transject", **overrides)
+
+
+def tiny_vocab_cfg(hidden_size: int = 64, **overrides) -> EncoderConfig:
+    """vocab 16 <= d/2: `auto` picks the orthogonal token embedding."""
+    return debug_cfg(vocab_size=16, hidden_size=hidden_size, **overrides)
+
+
+def set_gates(encoder: Encoder, values) -> None:
+    """Sets the encoder's residual scalars r_l (alpha_l = tanh(r_l) / L)."""
+    with torch.no_grad():
+        encoder.residual_gates.copy_(torch.as_tensor(values, dtype=encoder.residual_gates.dtype))
+
+
+def alphas(encoder: Encoder) -> torch.Tensor:
+    return (
+        torch.tanh(encoder.residual_gates.detach().double()) / encoder.config.num_layer_applications
+    )
+
+
+def random_batch(cfg: EncoderConfig, B: int = 2, N: int = 9, lengths=None, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, cfg.vocab_size, (B, N), generator=g)
+    mask = torch.ones(B, N, dtype=torch.bool)
+    for b, length in enumerate(lengths or []):
+        mask[b, length:] = False
+    return ids, mask
+
+
+def pretraining_loss(model: EncoderForPretraining, ids, mask) -> torch.Tensor:
+    out = model(ids, mask)
+    mlm = F.cross_entropy(out.logits.float().flatten(0, 1), ids.flatten(), reduction="none")
+    mlm = (mlm * mask.flatten().float()).sum() / mask.sum()
+    sop = F.cross_entropy(out.sop_logits.float(), torch.zeros(ids.shape[0], dtype=torch.long))
+    return mlm + sop + sum(v.float() for v in out.aux_losses.values())
+
+
+def pair_distances(h_BND: torch.Tensor, mask_BN: torch.Tensor) -> list[torch.Tensor]:
+    """Per sample: the distances ||h(i) - h(j)|| over pairs i < j of real tokens, in fp64."""
+    out = []
+    for h, m in zip(h_BND.double(), mask_BN):
+        d = torch.cdist(h[m], h[m])
+        iu = torch.triu_indices(d.shape[0], d.shape[0], offset=1)
+        out.append(d[iu[0], iu[1]])
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Structure and embeddings
+# --------------------------------------------------------------------------------------------
+
+
+def test_family_structure_and_no_layernorm():
+    family = ATTENTION_REGISTRY.get("transject")
+    assert family.layer is TransJectLayer
+    assert family.embeddings is TransJectEmbeddings
+    assert family.state is EigenState
+    encoder = Encoder(debug_cfg(num_hidden_layers=3))
+    assert isinstance(encoder.embeddings, TransJectEmbeddings)
+    assert isinstance(encoder.groups[0][0], TransJectLayer)
+    assert isinstance(encoder.family_state, EigenState)
+    assert encoder.residual_gates.shape == (3,)
+    assert torch.all(encoder.residual_gates == 0)  # ReZero start: alpha = 0
+    assert not any(isinstance(m, nn.LayerNorm) for m in encoder.modules())
+    for name, _ in encoder.named_parameters():
+        if "bias" in name:
+            assert name.startswith("pooler"), f"unexpected bias {name}"
+
+
+def test_layer_needs_residual_gate():
+    cfg = debug_cfg()
+    layer = TransJectLayer(cfg)
+    x = torch.randn(1, 3, cfg.hidden_size)
+    ctx = LayerContext(
+        mask_BN=torch.ones(1, 3, dtype=torch.bool), extras={LAMBDA_KEY: torch.ones(1, 32)}
+    )
+    with pytest.raises(ValueError, match="residual_gate"):
+        layer(x, ctx)
+
+
+def test_token_embedding_mode_selection():
+    assert not Encoder(debug_cfg()).embeddings.orthogonal  # vocab 512 > 16: auto -> plain
+    assert Encoder(tiny_vocab_cfg()).embeddings.orthogonal  # vocab 16 <= 32: auto -> orthogonal
+    assert not Encoder(tiny_vocab_cfg(transject={"token_embedding": "plain"})).embeddings.orthogonal
+    with pytest.raises(ValueError, match="vocab_size"):
+        debug_cfg(transject={"token_embedding": "orthogonal"})
+
+
+def test_plain_embedding_init_scale():
+    # The encoder's generic N(0, 0.02) init is replaced by N(0, 1/P) (rows of norm ~1).
+    torch.manual_seed(0)
+    emb = Encoder(debug_cfg()).embeddings
+    std = emb.token_embedding_weight.std().item()
+    assert abs(std - 1 / math.sqrt(16)) < 0.02, std
+
+
+def test_embedding_layout_any_length_and_token_types_ignored():
+    cfg = tiny_vocab_cfg(max_position_embeddings=128)
+    emb = Encoder(cfg).embeddings.eval()
+    P = cfg.hidden_size // 2
+    N = 300  # longer than max_position_embeddings: the sinusoid has no maximum length
+    ids = torch.randint(0, cfg.vocab_size, (2, N))
+    x = emb(ids)
+    assert x.shape == (2, N, cfg.hidden_size)
+    E = emb.token_embedding_weight
+    torch.testing.assert_close(x[..., :P], math.sqrt(P) * E[ids])
+    pos = torch.arange(N, dtype=torch.float32)
+    torch.testing.assert_close(x[0, :, P], torch.sin(pos))  # PE(i, 0) = sin(i)
+    torch.testing.assert_close(x[1, :, P + 1], torch.cos(pos))  # PE(i, 1) = cos(i)
+    k = 3  # PE(i, 2k) = sin(i / 10000^(2k/P))
+    torch.testing.assert_close(x[0, :, P + 2 * k], torch.sin(pos / 10000 ** (2 * k / P)))
+    assert sinusoidal_encoding(5, 7).shape == (5, 7)  # odd widths work too
+    types = torch.randint(0, 2, ids.shape)
+    torch.testing.assert_close(emb(ids, types), x)
+
+
+def test_embedding_is_injective():
+    cfg = tiny_vocab_cfg()
+    emb = Encoder(cfg).embeddings.eval()
+    N = 40
+    ids = torch.arange(cfg.vocab_size)[:, None].expand(-1, N)  # every (token, position) pair
+    x = emb(ids).reshape(-1, cfg.hidden_size).double()
+    d = torch.cdist(x, x) + torch.eye(x.shape[0], dtype=x.dtype) * 1e9
+    assert d.min() > 0.1
+
+
+def test_pretraining_head_ties_to_token_embedding():
+    cfg = tiny_vocab_cfg()
+    model = EncoderForPretraining(cfg)
+    ids, mask = random_batch(cfg, N=6)
+    out = model(ids, mask)
+    assert out.logits.shape == (2, 6, cfg.vocab_size)
+    assert model.encoder.embeddings.token_embedding_weight.shape == (16, 32)
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Orthogonality in fp32 and after bf16 training
+# --------------------------------------------------------------------------------------------
+
+EXPECTED_ORTHOGONAL = {
+    "encoder.embeddings.word_embeddings.weight",
+    "encoder.family_state.eigenbasis",
+    "encoder.groups.0.0.attention.expert_u",
+    "encoder.groups.0.0.attention.expert_v",
+    "encoder.groups.0.0.ffn_in.weight",
+    "encoder.groups.0.0.ffn_out.weight",
+}
+
+
+def orthogonality_errors(model: nn.Module) -> dict[str, float]:
+    with torch.no_grad():
+        return {
+            f"{qual}.{name}": orthogonality_error(getattr(mod, name))
+            for qual, mod, name in orthogonal_modules(model)
+        }
+
+
+@pytest.mark.parametrize("orthogonal_map", ["matrix_exp", "cayley", "householder"])
+def test_orthogonality_fp32(orthogonal_map):
+    # d = 32: fp32 matrix_exp of unit-variance skew matrices drifts by ~1e-5 at d = 64 and
+    # ~7e-5 at d = 768 (the error grows with the norm of the skew matrix), cayley and
+    # householder stay below 5e-6.
+    model = EncoderForPretraining(tiny_vocab_cfg(hidden_size=32, orthogonal_map=orthogonal_map))
+    errors = orthogonality_errors(model)
+    assert set(errors) == EXPECTED_ORTHOGONAL
+    assert max(errors.values()) <= 1e-5, errors
+    # The (E, d, d) expert stacks are orthogonal matrix by matrix; the (16, 16) embedding too.
+    assert model.encoder.groups[0][0].attention.expert_u.shape == (4, 32, 32)
+    assert model.encoder.embeddings.token_embedding_weight.shape == (16, 16)
+
+
+@pytest.mark.parametrize("mode", ["bf16_weights", "autocast"])
+def test_orthogonality_after_bf16_training(mode):
+    torch.manual_seed(0)
+    cfg = tiny_vocab_cfg(hidden_size=32, transject={"residual_init": 1.0})
+    model = EncoderForPretraining(cfg).train()
+    if mode == "bf16_weights":
+        model = model.to(torch.bfloat16)
+    originals = {
+        f"{q}.{n}": mod.parametrizations[n].original.detach().clone()
+        for q, mod, n in orthogonal_modules(model)
+    }
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ids, mask = random_batch(cfg, B=4, N=12, lengths=[12, 7, 12, 3])
+    for _ in range(3):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            loss = pretraining_loss(model, ids, mask)
+        loss.backward()
+        opt.step()
+    assert torch.isfinite(loss)
+    if mode == "bf16_weights":  # the whole forward runs in the storage dtype
+        assert model.encoder(ids, mask).last_hidden_state.dtype == torch.bfloat16
+    for q, mod, n in orthogonal_modules(model):  # the free parameters did move
+        assert not torch.equal(mod.parametrizations[n].original, originals[f"{q}.{n}"]), (q, n)
+    errors = orthogonality_errors(model)
+    assert set(errors) == EXPECTED_ORTHOGONAL
+    assert max(errors.values()) <= 1e-3, errors
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Injectivity / Lipschitz bound through depth
+# --------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_pairwise_distance_bound_through_24_layers():
+    """Pairwise token distances stay within prod_l (1 -+ |alpha_l|)^2 of the embeddings'.
+
+    Why: within one sample Lambda and the gate weights w are fixed (they depend on the sample,
+    not on the token), so each sublayer acts on every token vector by the same map
+    x -> x + alpha F(x). F is 1-Lipschitz: the attention is a convex combination (w) of
+    ELU(x U_e Lambda V_e^T) with ELU 1-Lipschitz and ||U_e Lambda V_e^T||_2 = max|lambda| = 1
+    (U_e, V_e orthogonal), the FFN is ELU(W2 ELU(W1 x)) with W1, W2 orthogonal (eval: no dropout).
+    Hence (1 - |alpha|) ||x - y|| <= ||f(x) - f(y)|| <= (1 + |alpha|) ||x - y|| per sublayer, two
+    sublayers per layer application. A bias, LayerNorm, an unnormalised Lambda or a non-orthogonal
+    weight breaks the per-sublayer check below.
+    """
+    torch.manual_seed(0)
+    L = 24
+    cfg = debug_cfg(num_hidden_layers=L)
+    encoder = Encoder(cfg).eval()
+    signs = torch.tensor([1.0, 1.0, 1.0, -1.0]).repeat(L // 4)  # mostly positive, some negative
+    set_gates(encoder, signs * (3.0 + torch.rand(L)))  # |tanh(r)| ~ 1: |alpha_l| ~ 1/L
+    a = alphas(encoder).abs()
+    assert a.min() > 0.99 / L
+    ids, mask = random_batch(cfg, B=3, N=16, lengths=[16, 11, 5])
+
+    steps = encoder.trace(ids, mask)
+    rtol = 1e-4
+    # Per layer application: each sublayer's F is 1-Lipschitz on the sample's token vectors.
+    for (x, ctx), (x_next, _), layer in zip(
+        steps[:-1], steps[1:], [m for _, m in encoder.layer_applications()]
+    ):
+        alpha = torch.tanh(ctx.residual_gate) / L
+        f_attn = layer.attention(x, ctx).hidden_BND
+        x_mid = x + alpha * f_attn
+        f_ffn = layer.ffn(x_mid)
+        torch.testing.assert_close(x_mid + alpha * f_ffn, x_next)
+        for inp, f in ((x, f_attn), (x_mid, f_ffn)):
+            for d_in, d_f in zip(pair_distances(inp, mask), pair_distances(f, mask)):
+                assert torch.all(d_f <= d_in * (1 + rtol))
+        lo, hi = (1 - alpha.abs().item()) ** 2, (1 + alpha.abs().item()) ** 2
+        for d_in, d_out in zip(pair_distances(x, mask), pair_distances(x_next, mask)):
+            ratio = d_out / d_in
+            assert ratio.min() >= lo * (1 - rtol) and ratio.max() <= hi * (1 + rtol)
+
+    # End to end: h_L versus h_0 within the product of the per-layer bounds.
+    lo = torch.prod((1 - a) ** 2).item()
+    hi = torch.prod((1 + a) ** 2).item()
+    h0, hL = steps[0][0], steps[-1][0]
+    for d0, dL in zip(pair_distances(h0, mask), pair_distances(hL, mask)):
+        assert d0.min() > 0  # injective embedding: distinct (token, position) pairs
+        ratio = dL / d0
+        assert ratio.min() >= lo * (1 - rtol), (ratio.min(), lo)
+        assert ratio.max() <= hi * (1 + rtol), (ratio.max(), hi)
+    # The layers did act: the representation moved away from the embeddings.
+    assert (hL - h0)[mask].norm() > 0.05 * h0[mask].norm()
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Depth: 96 layer applications
+# --------------------------------------------------------------------------------------------
+
+
+def test_96_layers_forward_backward_finite():
+    torch.manual_seed(0)
+    cfg = debug_cfg(num_hidden_layers=96, hidden_dropout_prob=0.1)
+    model = EncoderForSequenceClassification(cfg, num_labels=3, pooling="mean").train()
+    set_gates(model.encoder, 3.0)  # |alpha_l| ~ 1/96: every layer contributes
+    ids, mask = random_batch(cfg, B=2, N=12, lengths=[12, 6])
+    out = model(ids, mask)
+    loss = F.cross_entropy(out.logits, torch.tensor([0, 2])) + sum(out.aux_losses.values())
+    loss.backward()
+    assert torch.isfinite(out.encoder.last_hidden_state).all()
+    assert torch.isfinite(loss)
+    for name, p in model.named_parameters():
+        if not name.startswith("encoder.pooler."):  # unused by mean pooling
+            assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    assert (
+        model.encoder.groups[0][0].attention.parametrizations.expert_u.original.grad.abs().sum() > 0
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Gradients reach every parameter
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["approx_orthogonal_embedding", "random_plain_embedding"])
+def test_gradients_reach_every_parameter(variant):
+    """With alpha_l = tanh(r_l)/L = 0 (the ReZero start) every layer is the identity, so the
+    attention, FFN, gate and Lambda parameters get exactly zero gradient (only the r_l do); set
+    the r_l nonzero first, then every parameter must get a nonzero gradient."""
+    torch.manual_seed(0)
+    if variant == "approx_orthogonal_embedding":
+        cfg = tiny_vocab_cfg(num_hidden_layers=2, num_hidden_groups=2)
+        model = EncoderForPretraining(cfg)
+        loss_fn = pretraining_loss
+    else:
+        cfg = debug_cfg(num_hidden_layers=2, transject={"eigenvalues": "random"})
+        model = EncoderForSequenceClassification(cfg, num_labels=2, pooling="cls")
+
+        def loss_fn(m, ids, mask):
+            return F.cross_entropy(m(ids, mask).logits, torch.tensor([0, 1]))
+
+    ids, mask = random_batch(cfg, B=2, N=8, lengths=[8, 5])
+    attention = model.encoder.groups[0][0].attention
+
+    loss_fn(model, ids, mask).backward()  # alpha = 0
+    assert attention.parametrizations.expert_u.original.grad.abs().max() == 0
+    assert model.encoder.residual_gates.grad.abs().min() > 0
+    model.zero_grad()
+
+    set_gates(model.encoder, 0.5)
+    loss_fn(model, ids, mask).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        assert p.grad.abs().max() > 0, f"{name} got a zero gradient"
+
+
+# --------------------------------------------------------------------------------------------
+# 5. Eigenvalue paths
+# --------------------------------------------------------------------------------------------
+
+
+def test_eigenvalue_paths():
+    torch.manual_seed(0)
+    ids, mask = random_batch(debug_cfg(), B=3, N=10, lengths=[10, 6, 3])
+
+    approx = Encoder(debug_cfg(transject={"eigenvalues": "approx", "reconstruction_weight": 0.1}))
+    out = approx(ids, mask)
+    assert set(out.aux_losses) == {RECONSTRUCTION_KEY}
+    assert out.aux_losses[RECONSTRUCTION_KEY] > 0
+    x0 = approx.embeddings(ids)
+    extras, aux = approx.family_state(x0, mask)
+    lam = extras[LAMBDA_KEY]
+    assert lam.shape == (3, 32)
+    torch.testing.assert_close(lam.abs().amax(-1), torch.ones(3))
+
+    # Decision: lambda = diag(U^T M U) as a real matrix product, normalised; loss scale-free.
+    U = approx.family_state.eigenbasis.double()
+    xm = x0.double() * mask[..., None]
+    M = xm.mT @ xm
+    lam_raw = torch.diagonal(U.T @ M @ U, dim1=-2, dim2=-1)
+    s = lam_raw.abs().amax(-1, keepdim=True)
+    torch.testing.assert_close(lam.double(), lam_raw / s)
+    recon = ((M / s[..., None] - U @ torch.diag_embed(lam_raw / s) @ U.T) ** 2).mean()
+    torch.testing.assert_close(aux[RECONSTRUCTION_KEY].double(), 0.1 * recon)
+    # Scale-free: scaling X0 leaves lambda and the loss unchanged.
+    extras2, aux2 = approx.family_state(7.0 * x0, mask)
+    torch.testing.assert_close(extras2[LAMBDA_KEY], lam)
+    torch.testing.assert_close(aux2[RECONSTRUCTION_KEY], aux[RECONSTRUCTION_KEY])
+
+    random = Encoder(debug_cfg(transject={"eigenvalues": "random"}))
+    out = random(ids, mask)
+    assert out.aux_losses == {}
+    extras, aux = random.family_state(random.embeddings(ids), mask)
+    assert aux == {}
+    lam = extras[LAMBDA_KEY]
+    assert lam.shape == (1, 32)
+    assert lam.abs().max().item() == pytest.approx(1.0)
+    # Decision: a learned, registered parameter (not resampled every forward).
+    assert "family_state.eigenvalues" in dict(random.named_parameters())
+    torch.testing.assert_close(
+        random.family_state(random.embeddings(ids), mask)[0][LAMBDA_KEY], lam
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# 6. Padding invariance
+# --------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("eigenvalues", ["approx", "random"])
+def test_padding_invariance(eigenvalues):
+    torch.manual_seed(0)
+    cfg = debug_cfg(num_hidden_layers=3, transject={"eigenvalues": eigenvalues})
+    encoder = Encoder(cfg).eval()
+    set_gates(encoder, [1.0, -2.0, 3.0])
+    ids, _ = random_batch(cfg, B=2, N=7)
+    ref = encoder(ids)
+
+    # Append 5 padding positions holding arbitrary (non-pad) token ids.
+    extra = torch.randint(1, cfg.vocab_size, (2, 5))
+    padded_ids = torch.cat([ids, extra], dim=1)
+    mask = torch.cat([torch.ones(2, 7, dtype=torch.bool), torch.zeros(2, 5, dtype=torch.bool)], 1)
+    out = encoder(padded_ids, mask)
+    torch.testing.assert_close(
+        out.last_hidden_state[:, :7], ref.last_hidden_state, atol=1e-5, rtol=1e-5
+    )
+    torch.testing.assert_close(out.pooled_output, ref.pooled_output, atol=1e-5, rtol=1e-5)
+    for name, value in ref.aux_losses.items():
+        torch.testing.assert_close(out.aux_losses[name], value, atol=1e-7, rtol=1e-5)
+
+    # A padded batch of different lengths equals each sample run alone.
+    short = encoder(ids[1:, :4])
+    mask2 = torch.ones(2, 7, dtype=torch.bool)
+    mask2[1, 4:] = False
+    batch = encoder(ids, mask2)
+    torch.testing.assert_close(
+        batch.last_hidden_state[1, :4], short.last_hidden_state[0], atol=1e-5, rtol=1e-5
+    )
+    torch.testing.assert_close(
+        batch.last_hidden_state[0], ref.last_hidden_state[0], atol=1e-5, rtol=1e-5
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# 7. Expert weights, and the attention against a naive reference
+# --------------------------------------------------------------------------------------------
+
+
+def naive_transject_attention(attn: TransJectAttention, x_BND, mask_BN, lam_Bd) -> torch.Tensor:
+    """Loops over samples and experts: sum_e w_e ELU(x U_e diag(lambda) V_e^T)."""
+    U, V = attn.expert_u.double(), attn.expert_v.double()
+    g = attn.gate.weight.double()[0]
+    outs = []
+    for b in range(x_BND.shape[0]):
+        x = x_BND[b].double()
+        lam = lam_Bd[min(b, lam_Bd.shape[0] - 1)].double()
+        experts = [F.elu(x @ U[e] @ torch.diag(lam) @ V[e].T) for e in range(U.shape[0])]
+        logits = torch.stack([g @ a[mask_BN[b]].amax(0) for a in experts])
+        w = logits.softmax(0)
+        outs.append(sum(w[e] * experts[e] for e in range(len(experts))))
+    return torch.stack(outs)
+
+
+@torch.no_grad()
+def test_expert_weights_and_reference():
+    torch.manual_seed(0)
+    cfg = debug_cfg(num_hidden_layers=2, transject={"num_experts": 3})
+    encoder = Encoder(cfg).eval()
+    set_gates(encoder, 1.0)
+    ids, mask = random_batch(cfg, B=3, N=9, lengths=[9, 5, 2])
+    steps = encoder.trace(ids, mask)
+    for (x, ctx), (_, layer) in zip(steps[:-1], encoder.layer_applications()):
+        attn = layer.attention
+        w = attn.expert_weights(x, ctx)
+        assert w.shape == (3, 3)
+        assert torch.all(w >= 0)
+        torch.testing.assert_close(w.sum(-1), torch.ones(3))
+
+        # The forward equals a naive per-sample, per-expert loop.
+        ref = naive_transject_attention(attn, x, mask, ctx.extras[LAMBDA_KEY])
+        torch.testing.assert_close(attn(x, ctx).hidden_BND.double(), ref, atol=1e-5, rtol=1e-5)
+
+        # The gate ignores padding: huge values at padding rows change nothing...
+        x_bad = x.clone()
+        x_bad[~mask] = 100.0 * torch.randn(int((~mask).sum()), cfg.hidden_size)
+        torch.testing.assert_close(attn.expert_weights(x_bad, ctx), w)
+        # ...while they would, were padding counted as real tokens.
+        ctx_all = LayerContext(
+            mask_BN=torch.ones_like(mask), residual_gate=ctx.residual_gate, extras=ctx.extras
+        )
+        assert not torch.allclose(attn.expert_weights(x_bad, ctx_all), w, atol=1e-3)
+
+
+# --------------------------------------------------------------------------------------------
+# 8. The eigen basis learns the eigenvectors
+# --------------------------------------------------------------------------------------------
+
+
+def test_reconstruction_loss_trains_eigenbasis():
+    torch.manual_seed(0)
+    cfg = debug_cfg()
+    state = EigenState(cfg)
+    d = cfg.hidden_size
+    # X0 with an anisotropic spectrum in a random (non-axis) basis.
+    Q, _ = torch.linalg.qr(torch.randn(d, d))
+    scales = torch.linspace(0.2, 3.0, d)
+    x0 = torch.randn(4, 48, d) * scales @ Q.T
+    mask = torch.ones(4, 48, dtype=torch.bool)
+    mask[1, 30:] = False
+
+    def loss() -> torch.Tensor:
+        return state(x0, mask)[1][RECONSTRUCTION_KEY]
+
+    def eigen_error() -> float:
+        # lambda (sorted) against the true normalised eigenvalues of M.
+        lam, _ = approximate_eigenvalues(x0, mask, state.eigenbasis.detach())
+        xm = x0 * mask[..., None]
+        true = torch.linalg.eigvalsh(xm.mT @ xm)
+        true = true / true.amax(-1, keepdim=True)
+        return (lam.sort(-1).values - true).abs().mean().item()
+
+    original = state.parametrizations.eigenbasis.original
+    opt = torch.optim.Adam([original], lr=0.05)
+    first, err_first = loss().item(), eigen_error()
+    for _ in range(60):
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+    last, err_last = loss().item(), eigen_error()
+    assert last < 0.5 * first, (first, last)
+    assert err_last < err_first, (err_first, err_last)
+    assert orthogonality_error(state.eigenbasis) <= 1e-5
+
+
+# --------------------------------------------------------------------------------------------
+# Activation checkpointing (encoder path) agrees with the plain path
+# --------------------------------------------------------------------------------------------
+
+
+def test_activation_checkpointing_matches():
+    """The encoder's checkpointed path (layers recomputed in backward, orthogonal maps from the
+    forward's cache) gives the same loss and gradients as the plain path."""
+    torch.manual_seed(0)
+    cfg = debug_cfg(num_hidden_layers=3, transject={"residual_init": 1.0})
+    model = EncoderForPretraining(cfg).train()
+    ids, mask = random_batch(cfg, B=2, N=8, lengths=[8, 5])
+
+    def run():
+        model.zero_grad()
+        loss = pretraining_loss(model, ids, mask)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss_plain, grads_plain = run()
+    model.encoder.enable_activation_checkpointing()
+    loss_ckpt, grads_ckpt = run()
+    torch.testing.assert_close(loss_ckpt, loss_plain)
+    for name, grad in grads_plain.items():
+        torch.testing.assert_close(grads_ckpt[name], grad, msg=name)
