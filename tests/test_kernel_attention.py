@@ -30,16 +30,6 @@ CASES = [(fm, k) for fm in FEATURE_MAPS for k in STACKS if fm != "elu" or k == 1
 ORTHOGONAL_CASES = [(fm, k) for fm in ORTHOGONAL for k in STACKS]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """These tensors are tiny: intra-op threads only add OpenMP spin-waits, which cost seconds
-    on a busy 2-core runner. Restored after this module."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def make_cfg(feature_map: str, stacked: int = 1, **kernel) -> EncoderConfig:
     kernel = {"feature_map": feature_map, "num_stacked": stacked, "dropout": 0.0, **kernel}
     return EncoderConfig.preset("debug", attention="kernel", kernel=kernel)
