@@ -1,7 +1,7 @@
 """Attention scaling: forward time and peak memory per family as the sequence grows.
 
 Each (family, N) point runs in a fresh subprocess so its peak RSS is its own; the figure reported
-is the peak RSS minus the RSS after the model was built (what the forward itself allocated).
+is the peak RSS minus the RSS just before the first forward (what the forward itself allocated).
 Inference (no grad), batch 1, one encoder layer application, CPU fp32 by default.
 
     python bench/bench_attention_scaling.py --lengths 256 512 1024 2048 4096 8192 --out bench/results/scaling.json
@@ -30,8 +30,14 @@ FAMILY_CONFIGS = {
 }
 
 
-def _rss_mb() -> float:
+def _peak_rss_mb() -> float:
+    """High-water mark of this process's resident memory."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _current_rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
 def run_point(
@@ -60,8 +66,8 @@ def run_point(
     ids = torch.randint(4, 1000, (1, n))
     mask = torch.ones(1, n, dtype=torch.bool)
     with torch.no_grad():
+        base = _current_rss_mb()  # model and inputs built; the forwards' own memory comes next
         model(ids, mask)  # warm-up
-        base = _rss_mb()
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -71,7 +77,7 @@ def run_point(
         "family": family,
         "N": n,
         "seconds": statistics.median(times),
-        "peak_mb": _rss_mb() - base,
+        "peak_mb": _peak_rss_mb() - base,
     }
 
 

@@ -80,7 +80,15 @@ class FP32Orthogonal(_Orthogonal):
         """
         dtype = torch.float64 if self.orthogonal_map == _OrthMaps.matrix_exp else torch.float32
         with torch.autocast(device_type=X.device.type, enabled=False):
-            return super().forward(X.to(dtype)).float()
+            X = X.to(dtype)
+            if self.orthogonal_map == _OrthMaps.cayley and X.ndim > 2 and X.device.type == "cpu":
+                # One solve per matrix: with torch 2.13's CPU build (oneMKL), a batched
+                # linalg.solve of (4, 256, 256) fails ("Pivots given to lu_solve...") or hangs
+                # once torch.set_num_threads() has been called; single solves are unaffected.
+                flat = X.reshape(-1, *X.shape[-2:])
+                Q = torch.stack([_Orthogonal.forward(self, x) for x in flat])
+                return Q.view(X.shape).float()
+            return super().forward(X).float()
 
     @torch.no_grad()
     def right_inverse(self, Q: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -365,3 +367,19 @@ def test_orthogonality_at_albert_base_width():
     model = EncoderForPretraining(cfg)
     errors = [orthogonality_error(getattr(m, n)) for _, m, n in orthogonal_modules(model)]
     assert len(errors) >= 5 and max(errors) <= 1e-5
+
+
+def test_batched_cayley_survives_set_num_threads():
+    """Regression: after torch.set_num_threads(), oneMKL's batched solve fails on CPU; the
+    TransJect experts (a batch of E orthogonal matrices) must still evaluate. A subprocess, since
+    the thread setting is process-wide."""
+    code = (
+        "import torch; torch.set_num_threads(torch.get_num_threads());"
+        "from model import Encoder, EncoderConfig;"
+        "cfg = EncoderConfig.preset('debug', hidden_size=256, num_attention_heads=4,"
+        " num_hidden_layers=1, attention='transject', transject={'num_experts': 4});"
+        "out = Encoder(cfg)(torch.randint(4, 500, (1, 16)));"
+        "assert torch.isfinite(out.last_hidden_state).all(); print('ok')"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
