@@ -319,6 +319,13 @@ class EncoderConfig:
 
 
 # Named presets. ALBERT v2 sizes from the ALBERT paper / google-research/albert configs.
+_ALBERT_BASE: dict[str, Any] = dict(
+    embedding_size=128,
+    hidden_size=768,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    intermediate_size=3072,
+)
 PRESETS: dict[str, dict[str, Any]] = {
     "debug": dict(
         vocab_size=512,
@@ -329,13 +336,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=64,
         max_position_embeddings=128,
     ),
-    "albert-base": dict(
-        embedding_size=128,
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        intermediate_size=3072,
-    ),
+    "albert-base": _ALBERT_BASE,
     "albert-large": dict(
         embedding_size=128,
         hidden_size=1024,
@@ -344,20 +345,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=4096,
     ),
     # Depth presets: one shared group run 48 / 96 times (ALBERT-base width).
-    "albert-base-48": dict(
-        embedding_size=128,
-        hidden_size=768,
-        num_hidden_layers=48,
-        num_attention_heads=12,
-        intermediate_size=3072,
-    ),
-    "albert-base-96": dict(
-        embedding_size=128,
-        hidden_size=768,
-        num_hidden_layers=96,
-        num_attention_heads=12,
-        intermediate_size=3072,
-    ),
+    "albert-base-48": {**_ALBERT_BASE, "num_hidden_layers": 48},
+    "albert-base-96": {**_ALBERT_BASE, "num_hidden_layers": 96},
 }
 
 

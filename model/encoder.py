@@ -44,6 +44,13 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
+def key_mask(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """Bool (B, N), True at real tokens; all True when no mask is given."""
+    if attention_mask is None:
+        return torch.ones_like(input_ids, dtype=torch.bool)
+    return attention_mask.to(torch.bool)
+
+
 def add_aux(total: AuxLosses, new: AuxLosses) -> None:
     """Accumulates auxiliary losses by name, in place."""
     for name, value in new.items():
@@ -162,11 +169,7 @@ class Encoder(nn.Module):
     ) -> EncoderOutput:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
-        mask_BN = (
-            torch.ones_like(input_ids, dtype=torch.bool)
-            if attention_mask is None
-            else attention_mask.to(torch.bool)
-        )
+        mask_BN = key_mask(input_ids, attention_mask)
         # Each orthogonal map is evaluated once per forward, whatever the number of applications.
         with orthogonal_cache():
             return self._forward(input_ids, mask_BN, token_type_ids, output_hidden_states)
@@ -182,11 +185,7 @@ class Encoder(nn.Module):
 
         The first entry's states are the embeddings' output h_0. Used by `model.diagnostics`.
         """
-        mask_BN = (
-            torch.ones_like(input_ids, dtype=torch.bool)
-            if attention_mask is None
-            else attention_mask.to(torch.bool)
-        )
+        mask_BN = key_mask(input_ids, attention_mask)
         steps: list[tuple[Tensor, LayerContext | None]] = []
         with orthogonal_cache():
             out = self._forward(input_ids, mask_BN, token_type_ids, False, steps)

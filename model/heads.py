@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from model.attention.base import AuxLosses
 from model.config import EncoderConfig
-from model.encoder import ACTIVATIONS, Encoder, EncoderOutput, add_aux, init_weights
+from model.encoder import ACTIVATIONS, Encoder, EncoderOutput, add_aux, init_weights, key_mask
 from model.orthogonal import Linear, orthogonal_cache
 
 Pooling = Literal["cls", "mean", "max"]
@@ -178,11 +178,7 @@ class EncoderForSequenceClassification(_EncoderModel):
         output_hidden_states: bool = False,
     ) -> ModelOutput:
         enc = self.encoder(input_ids, attention_mask, token_type_ids, output_hidden_states)
-        mask = (
-            torch.ones_like(input_ids, dtype=torch.bool)
-            if attention_mask is None
-            else attention_mask.bool()
-        )
+        mask = key_mask(input_ids, attention_mask)
         pooled = pool(enc.last_hidden_state, mask, enc.pooled_output, self.pooling)
         logits = self.classifier(self.dropout(pooled))
         if self.num_labels == 1:
@@ -213,7 +209,7 @@ class EncoderForDualClassification(_EncoderModel):
 
     def _embed(self, ids: Tensor, mask: Tensor | None) -> tuple[Tensor, EncoderOutput]:
         enc = self.encoder(ids, mask)
-        m = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+        m = key_mask(ids, mask)
         return pool(enc.last_hidden_state, m, enc.pooled_output, self.pooling), enc
 
     def forward(
