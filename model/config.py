@@ -308,6 +308,11 @@ class EncoderConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EncoderConfig:
+        """Builds a config from a dict; a `preset` key starts from that preset (the other keys
+        override it), as in the YAML files under `configs/model/`."""
+        if "preset" in data:
+            data = dict(data)
+            return cls.preset(data.pop("preset"), **data)
         return config_from_dict(cls, data)
 
     @classmethod
