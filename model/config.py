@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
@@ -271,6 +272,17 @@ class EncoderConfig:
 
         ATTENTION_REGISTRY.get(self.attention)  # raises ValueError naming the valid ones
         if self.attention == "transject":
+            ignored = [
+                f"{name}={getattr(self, name)!r}"
+                for name, default in (("residual", "post_ln"), ("position_embedding", "absolute"))
+                if getattr(self, name) != default
+            ]
+            if ignored:
+                warnings.warn(
+                    f"attention='transject' ignores {', '.join(ignored)}: TransJect layers use their "
+                    "injective residual and a concatenated sinusoidal position encoding",
+                    stacklevel=2,
+                )
             if self.hidden_size % 2:
                 raise ValueError("transject needs an even hidden_size (token ; position halves)")
             if (

@@ -139,6 +139,7 @@ def test_softmax_kernel_equals_naive_reference():
     assert aux == {}
 
 
+@pytest.mark.filterwarnings("ignore:attention='transject' ignores")
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("residual", ["post_ln", "pre_ln", "rezero"])
 def test_padding_invariance_every_family(family, residual):
@@ -383,3 +384,8 @@ def test_batched_cayley_survives_set_num_threads():
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+def test_settings_transject_ignores_are_warned_about():
+    with pytest.warns(UserWarning, match="ignores residual='pre_ln'"):
+        EncoderConfig.preset("debug", attention="transject", residual="pre_ln")
