@@ -1,0 +1,206 @@
+"""The shard directory format: the contract between `data_prep shards` and the training loader.
+
+A shard directory holds:
+
+    manifest.json                 written last (by a single-job run or `finalize`); see below
+    tokenizer.json                the tokenizer the ids come from (copied in)
+    shard_00000.tokens.npy        1-D uint16 (vocab <= 65535) or uint32: all token ids of the
+                                  shard's examples, segment A then segment B, example after example
+    shard_00000.index.npy         int64 (num_examples, 3): [offset into tokens, len_a, len_b]
+    shard_00000.done.json         per-shard completion record, written atomically after both
+                                  arrays: {"examples", "tokens", "sha256": {file: digest}, ...}
+    ...
+
+An example is one ALBERT pretraining instance before masking: two consecutive segments A and B
+of one document, without special tokens. The loader adds [CLS] A [SEP] B [SEP], swaps A and B
+with probability 0.5 for sentence-order prediction and masks dynamically. Both arrays are read
+with `np.load(..., mmap_mode="r")`, so a reader's memory does not grow with the corpus.
+
+manifest.json:
+    {"format_version": 1,
+     "tokenizer_sha256": "<sha256 of tokenizer.json bytes>",
+     "tokenizer_kind": "unigram" | "wordpiece" | "bpe" | ...,
+     "special_tokens": {"pad": id, "unk": id, "cls": id, "sep": id, "mask": id},
+     "vocab_size": V,
+     "config": {... the ShardConfig used ...},
+     "num_shards": S,
+     "shards": [{"name": "shard_00000", "examples": n, "tokens": t,
+                 "sha256": {"shard_00000.tokens.npy": ..., "shard_00000.index.npy": ...}}, ...],
+     "totals": {"examples": ..., "tokens": ..., "documents": ...},
+     "input": {"files": [...], "documents": ..., "replaced_characters": ..., "skipped": {...}}}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer.json"
+
+# Special-token spellings, ALBERT/SentencePiece first, then BERT/WordPiece.
+SPECIAL_TOKEN_NAMES: dict[str, tuple[str, ...]] = {
+    "pad": ("<pad>", "[PAD]"),
+    "unk": ("<unk>", "[UNK]"),
+    "cls": ("[CLS]", "<cls>"),
+    "sep": ("[SEP]", "<sep>"),
+    "mask": ("[MASK]", "<mask>"),
+}
+# The order a trained tokenizer gets them in (ALBERT's ids: <pad>=0 <unk>=1 [CLS]=2 [SEP]=3 [MASK]=4).
+ALBERT_SPECIAL_TOKENS = ("<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]")
+
+
+def shard_name(index: int) -> str:
+    return f"shard_{index:05d}"
+
+
+def tokens_file(name: str) -> str:
+    return f"{name}.tokens.npy"
+
+
+def index_file(name: str) -> str:
+    return f"{name}.index.npy"
+
+
+def done_file(name: str) -> str:
+    return f"{name}.done.json"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Writes via a temp file in the same directory and os.replace: never a half-written file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_save_npy(path: str | os.PathLike, array: np.ndarray) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npy", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, array, allow_pickle=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    pad: int
+    unk: int
+    cls: int
+    sep: int
+    mask: int
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any) -> SpecialTokens:
+        """Finds the ids in a `tokenizers.Tokenizer`; ValueError naming what is missing."""
+        found, missing = {}, []
+        for role, spellings in SPECIAL_TOKEN_NAMES.items():
+            ids = [tokenizer.token_to_id(s) for s in spellings]
+            ids = [i for i in ids if i is not None]
+            if ids:
+                found[role] = ids[0]
+            else:
+                missing.append(f"{role} ({' or '.join(spellings)})")
+        if missing:
+            raise ValueError(f"tokenizer lacks special tokens needed for pretraining: {missing}")
+        return cls(**found)
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "pad": self.pad,
+            "unk": self.unk,
+            "cls": self.cls,
+            "sep": self.sep,
+            "mask": self.mask,
+        }
+
+
+class ShardError(ValueError):
+    """A shard directory that cannot be used: names the file and the reason."""
+
+
+def read_manifest(shard_dir: str | os.PathLike) -> dict[str, Any]:
+    path = Path(shard_dir) / MANIFEST
+    if not path.is_file():
+        raise ShardError(
+            f"{path} not found: not a finished shard directory (run `python -m data_prep shards`, "
+            "or `finalize` after a multi-job run)"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ShardError(f"{path} is not valid JSON: {e}") from e
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ShardError(
+            f"{path}: format_version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}"
+        )
+    return manifest
+
+
+def verify_shards(shard_dir: str | os.PathLike, manifest: dict[str, Any] | None = None) -> None:
+    """Checks every shard file exists and matches its sha256 in the manifest (ShardError if not)."""
+    shard_dir = Path(shard_dir)
+    manifest = manifest or read_manifest(shard_dir)
+    for shard in manifest["shards"]:
+        for fname, digest in shard["sha256"].items():
+            path = shard_dir / fname
+            if not path.is_file():
+                raise ShardError(f"{path} is missing (listed in {shard_dir / MANIFEST})")
+            actual = sha256_file(path)
+            if actual != digest:
+                raise ShardError(
+                    f"{path} is corrupt or truncated: sha256 {actual[:12]}... does not match the "
+                    f"manifest's {digest[:12]}..."
+                )
+
+
+def verify_tokenizer(shard_dir: str | os.PathLike, tokenizer_path: str | os.PathLike) -> None:
+    """ShardError if `tokenizer_path` is not the tokenizer the shards were made with."""
+    manifest = read_manifest(shard_dir)
+    actual = sha256_file(tokenizer_path)
+    if actual != manifest["tokenizer_sha256"]:
+        raise ShardError(
+            f"tokenizer {tokenizer_path} (sha256 {actual[:12]}...) does not match the tokenizer of "
+            f"the shards in {shard_dir} (sha256 {manifest['tokenizer_sha256'][:12]}...)"
+        )
+
+
+def open_shard(shard_dir: str | os.PathLike, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, index) of one shard, memory-mapped read-only."""
+    shard_dir = Path(shard_dir)
+    tokens = np.load(shard_dir / tokens_file(name), mmap_mode="r", allow_pickle=False)
+    index = np.load(shard_dir / index_file(name), mmap_mode="r", allow_pickle=False)
+    if index.ndim != 2 or index.shape[1] != 3:
+        raise ShardError(
+            f"{shard_dir / index_file(name)}: expected shape (n, 3), got {index.shape}"
+        )
+    return tokens, index
