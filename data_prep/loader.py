@@ -1,0 +1,612 @@
+"""The training-time loader: shard directory -> per-rank, resumable batches of masked examples.
+
+    data = PretrainingData("shards/", max_seq_length=512, masking=MaskingConfig(), seed=1)
+    loader = PretrainingLoader(data, batch_size=64, rank=rank, world_size=world, num_workers=2)
+    for batch in loader:             # dict of tensors, see `PretrainingCollator`
+        ...
+        ckpt["loader"] = loader.state_dict()
+    loader.load_state_dict(ckpt["loader"])   # the next batch is the one an uninterrupted run
+                                              # would have produced next
+
+Determinism. Everything random about an example (SOP swap, masking) comes from a numpy
+Generator seeded by `SeedSequence([seed, epoch, global_index])` only, and the order of examples
+from a keyed permutation of (seed, epoch). So batches do not depend on the number of workers,
+on when a run was interrupted, or on the rank count (beyond which rank gets which example).
+
+Shuffle scheme (memory O(1) in the corpus size). Each epoch's order is a keyed Feistel network:
+a 6-round balanced Feistel cipher over [0, 2^(2h)) (2^(2h) >= N, the smallest even bit width),
+round function splitmix64(right ^ round_key) truncated to h bits, round keys from
+`SeedSequence([seed, epoch])`; values >= N are re-encrypted until they fall in [0, N) ("cycle
+walking"), which keeps it a bijection of [0, N) (expected < 4 encryptions since 2^(2h) < 4N).
+Position p of the epoch maps to example `perm(p)`, computed per batch (vectorised over the
+batch): nothing of size N is ever built, and resuming at batch b costs nothing (the skipped
+batches are not decoded). Rank r of W takes positions r, r+W, r+2W, ... of the first
+W * (N // W) positions (the ragged tail is dropped so every rank has the same batch count).
+
+Shards are memory-mapped (format.open_shard) on first use in each process and kept in a small
+LRU (`max_open_shards`), so neither memory nor open file descriptors grow with the corpus.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from data_prep import format as fmt
+from data_prep.masking import IGNORE_INDEX, MaskingConfig, mask_example, word_start_table
+
+STATE_VERSION = 1
+_SHUFFLE_DOMAIN = 0x5348_5546  # spawn_key tag: shuffle keys never collide with example seeds
+
+
+# --------------------------------------------------------------------------------------------
+# Keyed permutation
+# --------------------------------------------------------------------------------------------
+
+_M1 = np.uint64(0x9E3779B97F4A7C15)
+_M2 = np.uint64(0xBF58476D1CE4E5B9)
+_M3 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on a uint64 array (wrapping arithmetic)."""
+    z = x + _M1
+    z = (z ^ (z >> np.uint64(30))) * _M2
+    z = (z ^ (z >> np.uint64(27))) * _M3
+    return z ^ (z >> np.uint64(31))
+
+
+class FeistelPermutation:
+    """A keyed pseudo-random bijection of [0, n), evaluated pointwise in O(1) memory.
+
+    Balanced Feistel network on 2h bits (2^(2h) >= n) with cycle walking; see the module
+    docstring. `key` is any sequence of non-negative ints (e.g. (seed, epoch)).
+    """
+
+    def __init__(self, n: int, key: Sequence[int], rounds: int = 6):
+        if n < 1:
+            raise ValueError(f"cannot permute {n} elements")
+        bits = max(2, (n - 1).bit_length())
+        bits += bits % 2
+        self.n = n
+        self.half = np.uint64(bits // 2)
+        self.mask = np.uint64((1 << (bits // 2)) - 1)
+        seq = np.random.SeedSequence(list(key), spawn_key=(_SHUFFLE_DOMAIN,))
+        self.round_keys = seq.generate_state(rounds, dtype=np.uint64)
+
+    def _encrypt(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> self.half, x & self.mask
+        for k in self.round_keys:
+            left, right = right, left ^ (_mix64(right ^ k) & self.mask)
+        return (left << self.half) | right
+
+    def __call__(self, positions: np.ndarray | Sequence[int]) -> np.ndarray:
+        """Maps positions (ints in [0, n)) to their elements; int64 array of the same shape."""
+        x = np.asarray(positions, dtype=np.int64)
+        if x.size and (x.min() < 0 or x.max() >= self.n):
+            raise IndexError(f"positions must be in [0, {self.n})")
+        y = self._encrypt(x.astype(np.uint64))
+        out = y >= np.uint64(self.n)
+        while out.any():  # cycle walking
+            y[out] = self._encrypt(y[out])
+            out = y >= np.uint64(self.n)
+        return y.astype(np.int64)
+
+
+# --------------------------------------------------------------------------------------------
+# Dataset
+# --------------------------------------------------------------------------------------------
+
+
+class PretrainingData(Dataset):
+    """Map-style dataset over a shard directory (see `data_prep/format.py`).
+
+    `data[i]` (epoch `self.epoch`) or `data[(epoch, i)]` is one masked ALBERT example as a dict
+    of numpy arrays: input_ids, token_type_ids, labels (-100 where not predicted), sop_label
+    (1 = A and B swapped; -100 when a segment is empty: never swapped, SOP ignores it), and in
+    static mode masked_positions, masked_weights, masked_labels (see `MaskingConfig`).
+
+    The sequence is `[CLS] A [SEP] B [SEP]` (token types 0 up to the first [SEP], 1 after). If it
+    is longer than `max_seq_length`, the longer segment is trimmed first (ALBERT's
+    truncate_seq_pair order), A from its front and B from its back, so the A|B junction that
+    SOP is about stays intact (ALBERT trims a random end; that would need the RNG for nothing).
+    Truncation happens before the swap.
+
+    verify_checksums: sha256 of every shard file against the manifest (reads the whole corpus).
+    tokenizer_path: the tokenizer training will use; ShardError if it is not the shards' one.
+    Bad input raises `format.ShardError` naming the file and the reason.
+    """
+
+    def __init__(
+        self,
+        shard_dir: str | os.PathLike,
+        max_seq_length: int = 512,
+        masking: MaskingConfig | None = None,
+        seed: int = 0,
+        *,
+        verify_checksums: bool = False,
+        tokenizer_path: str | os.PathLike | None = None,
+        max_open_shards: int = 64,
+    ):
+        self.shard_dir = Path(shard_dir)
+        self.masking = masking if masking is not None else MaskingConfig()
+        if max_seq_length < 5:
+            raise ValueError(
+                f"max_seq_length must be >= 5 ([CLS] A [SEP] B [SEP]), got {max_seq_length}"
+            )
+        k = self.masking.static_masked_positions
+        if k is not None and k > max_seq_length - 3:
+            raise ValueError(
+                f"static_masked_positions={k} exceeds the {max_seq_length - 3} maskable tokens "
+                f"of max_seq_length={max_seq_length}"
+            )
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        if max_open_shards < 1:
+            raise ValueError(f"max_open_shards must be >= 1, got {max_open_shards}")
+        self.max_seq_length = max_seq_length
+        self.seed = seed
+        self.max_open_shards = max_open_shards
+        self.epoch = 0
+
+        manifest = fmt.read_manifest(self.shard_dir)
+        self._check_manifest(manifest)
+        self.manifest = manifest
+        if tokenizer_path is not None:
+            if not Path(tokenizer_path).is_file():
+                raise fmt.ShardError(f"tokenizer {tokenizer_path} not found")
+            fmt.verify_tokenizer(self.shard_dir, tokenizer_path)
+        if verify_checksums:
+            fmt.verify_shards(self.shard_dir, manifest)
+
+        self.shard_names = [s["name"] for s in manifest["shards"]]
+        self.shard_examples = [int(s["examples"]) for s in manifest["shards"]]
+        for name, count in zip(self.shard_names, self.shard_examples):
+            for fname in (fmt.tokens_file(name), fmt.index_file(name)):
+                if count and not (self.shard_dir / fname).is_file():
+                    raise fmt.ShardError(
+                        f"{self.shard_dir / fname} is missing (listed in "
+                        f"{self.shard_dir / fmt.MANIFEST})"
+                    )
+        # (S + 1,) cumulative example counts: global index -> (shard, local) by binary search.
+        self.cumulative = np.concatenate([[0], np.cumsum(self.shard_examples, dtype=np.int64)])
+        self._cumulative = self.cumulative.tolist()
+        self.num_examples = int(self.cumulative[-1])
+
+        self.special = fmt.SpecialTokens(
+            **{r: int(manifest["special_tokens"][r]) for r in fmt.SPECIAL_TOKEN_NAMES}
+        )
+        self.vocab_size = int(manifest["vocab_size"])
+        specials = set(self.special.to_dict().values())
+        self.word_start: np.ndarray | None = None
+        # The tokenizer is needed for whole-word masking; otherwise it is only consulted (when
+        # present) for special tokens beyond the five roles.
+        if self.masking.whole_word or (self.shard_dir / fmt.TOKENIZER).is_file():
+            tokenizer = self._load_tokenizer()
+            added = tokenizer.get_added_tokens_decoder()
+            specials |= {i for i, token in added.items() if token.special}
+            if self.masking.whole_word:
+                self.word_start = word_start_table(tokenizer, self.vocab_size)
+        # Random replacements never draw these (the 5 roles + the tokenizer's special tokens).
+        self.special_ids = np.array(
+            sorted(i for i in specials if i < self.vocab_size), dtype=np.int64
+        )
+        self._open: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+
+    # -- validation ---------------------------------------------------------------------------
+
+    def _check_manifest(self, manifest: dict[str, Any]) -> None:
+        path = self.shard_dir / fmt.MANIFEST
+
+        def bad(reason: str) -> fmt.ShardError:
+            return fmt.ShardError(f"{path}: {reason}")
+
+        for key in ("shards", "vocab_size", "special_tokens", "tokenizer_sha256"):
+            if key not in manifest:
+                raise bad(f"missing key {key!r}")
+        if not isinstance(manifest["shards"], list) or not manifest["shards"]:
+            raise bad("'shards' must be a non-empty list")
+        missing = [r for r in fmt.SPECIAL_TOKEN_NAMES if r not in manifest["special_tokens"]]
+        if missing:
+            raise bad(f"special_tokens lacks {missing}")
+        for i, shard in enumerate(manifest["shards"]):
+            if not isinstance(shard, dict) or "name" not in shard or "examples" not in shard:
+                raise bad(f"shards[{i}] needs 'name' and 'examples'")
+            if not isinstance(shard["examples"], int) or shard["examples"] < 0:
+                raise bad(f"shards[{i}] ({shard['name']}): bad example count {shard['examples']!r}")
+        total = sum(s["examples"] for s in manifest["shards"])
+        if total == 0:
+            raise bad("the shards hold no examples")
+        declared = manifest.get("totals", {}).get("examples")
+        if declared is not None and declared != total:
+            raise bad(f"totals.examples is {declared} but the shards add up to {total}")
+
+    def _load_tokenizer(self) -> Any:
+        from tokenizers import Tokenizer
+
+        path = self.shard_dir / fmt.TOKENIZER
+        if not path.is_file():
+            raise fmt.ShardError(f"{path} not found (whole-word masking needs the tokenizer)")
+        fmt.verify_tokenizer(self.shard_dir, path)
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as e:
+            raise fmt.ShardError(f"{path} cannot be loaded as a tokenizer: {e}") from e
+
+    def _shard(self, s: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, index) of shard s, memory-mapped; opened on first use, LRU-bounded."""
+        if s in self._open:
+            self._open.move_to_end(s)
+            return self._open[s]
+        name = self.shard_names[s]
+        try:
+            tokens, index = fmt.open_shard(self.shard_dir, name)
+        except fmt.ShardError:
+            raise
+        except (OSError, ValueError) as e:
+            raise fmt.ShardError(f"{self.shard_dir}/{name}.*.npy cannot be opened: {e}") from e
+        where = self.shard_dir / fmt.index_file(name)
+        if index.shape[0] != self.shard_examples[s]:
+            raise fmt.ShardError(
+                f"{where}: {index.shape[0]} rows but the manifest says {self.shard_examples[s]} examples"
+            )
+        if tokens.ndim != 1 or tokens.dtype.kind not in "ui" or index.dtype.kind not in "ui":
+            raise fmt.ShardError(
+                f"{self.shard_dir / fmt.tokens_file(name)}: expected 1-D integer tokens and integer "
+                f"index, got {tokens.dtype}{tokens.shape} / {index.dtype}{index.shape}"
+            )
+        off, la, lb = (int(v) for v in index[-1])  # rows are in order: the last one ends last
+        if off < 0 or la < 0 or lb < 0 or off + la + lb > tokens.shape[0]:
+            raise fmt.ShardError(
+                f"{where}: last example [{off}, {la}, {lb}] runs past the {tokens.shape[0]} tokens "
+                f"of {fmt.tokens_file(name)} (truncated shard?)"
+            )
+        # Plain ndarray views of the maps (they keep the maps alive): cheaper to index than np.memmap.
+        self._open[s] = (tokens.view(np.ndarray), index.view(np.ndarray))
+        if len(self._open) > self.max_open_shards:
+            self._open.popitem(last=False)
+        return self._open[s]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Workers started with spawn re-open shards themselves: never pickle the memmaps.
+        state = self.__dict__.copy()
+        state["_open"] = OrderedDict()
+        return state
+
+    # -- examples -----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.num_examples
+
+    def segments(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """The raw segments (A, B) of example `index`, as int64 arrays (no truncation)."""
+        a, b = self._segments(index)
+        return a.astype(np.int64), b.astype(np.int64)
+
+    def _segments(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """(A, B) as views into the token map (its dtype)."""
+        if not 0 <= index < self.num_examples:
+            raise IndexError(f"example {index} out of range [0, {self.num_examples})")
+        s = bisect.bisect_right(self._cumulative, index) - 1
+        tokens, rows = self._shard(s)
+        off, la, lb = rows[index - self._cumulative[s]].tolist()
+        return tokens[off : off + la], tokens[off + la : off + la + lb]
+
+    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, Any]:
+        epoch, index = key if isinstance(key, tuple) else (self.epoch, key)
+        index = int(index)
+        a, b = self._segments(index)
+        rng = np.random.default_rng(np.random.SeedSequence([self.seed, int(epoch), index]))
+        return self.build(a, b, rng)
+
+    def build(self, a: np.ndarray, b: np.ndarray, rng: np.random.Generator) -> dict[str, Any]:
+        """Truncate, SOP-swap and mask one (A, B) pair."""
+        la, lb = _truncated_lengths(len(a), len(b), self.max_seq_length - 3)
+        a, b = a[len(a) - la :], b[:lb]  # A loses its front, B its back
+        draw = rng.random()  # drawn even when unused: the stream stays aligned
+        has_pair = la > 0 and lb > 0
+        swap = has_pair and draw < self.masking.sop_probability
+        sop_label = int(swap) if has_pair else IGNORE_INDEX
+        if swap:
+            a, b = b, a
+        sp = self.special
+        n, sep1 = la + lb + 3, len(a) + 1
+        ids = np.empty(n, dtype=np.int64)
+        ids[0], ids[sep1], ids[n - 1] = sp.cls, sp.sep, sp.sep
+        ids[1:sep1], ids[sep1 + 1 : n - 1] = a, b
+        token_types = np.zeros(n, dtype=np.int64)
+        token_types[sep1 + 1 :] = 1
+        special_mask = np.zeros(n, dtype=bool)
+        special_mask[0] = special_mask[sep1] = special_mask[n - 1] = True
+        word_start = None if self.word_start is None else self.word_start[ids]
+        m = mask_example(
+            ids,
+            special_mask,
+            word_start,
+            rng,
+            self.masking,
+            self.vocab_size,
+            sp.mask,
+            self.special_ids,
+        )
+        out = {
+            "input_ids": m.input_ids,
+            "token_type_ids": token_types,
+            "labels": m.labels,
+            "sop_label": sop_label,
+        }
+        if m.masked_positions is not None:
+            out["masked_positions"] = m.masked_positions
+            out["masked_weights"] = m.masked_weights
+            out["masked_labels"] = m.masked_labels
+        return out
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a saved loader state must agree with to resume exactly."""
+        return {
+            "tokenizer_sha256": self.manifest["tokenizer_sha256"],
+            "num_examples": self.num_examples,
+            "shards": [[n, c] for n, c in zip(self.shard_names, self.shard_examples)],
+            "max_seq_length": self.max_seq_length,
+            "masking": dataclasses.asdict(self.masking),
+        }
+
+
+def _truncated_lengths(la: int, lb: int, budget: int) -> tuple[int, int]:
+    """ALBERT's truncate_seq_pair lengths: pop one token from the longer segment (B on ties)
+    until la + lb <= budget, in closed form."""
+    excess = la + lb - budget
+    if excess <= 0:
+        return la, lb
+    if la > lb:  # trim the longer one alone until both are equal
+        d = min(excess, la - lb)
+        la, excess = la - d, excess - d
+    elif lb > la:
+        d = min(excess, lb - la)
+        lb, excess = lb - d, excess - d
+    # Now equal: B, A, B, A, ...
+    lb -= (excess + 1) // 2
+    la -= excess // 2
+    return la, lb
+
+
+# --------------------------------------------------------------------------------------------
+# Batching
+# --------------------------------------------------------------------------------------------
+
+
+class PretrainingCollator:
+    """Pads a list of examples into a batch dict of tensors.
+
+    input_ids (B, L) long, pad id at padding; attention_mask (B, L) long, 1 at real tokens;
+    token_type_ids (B, L) long; mlm_labels (B, L) long, -100 where not predicted; sop_labels (B,)
+    long (-100: no SOP target); static mode adds masked_positions (B, K) long, masked_weights
+    (B, K) float32, masked_labels (B, K) long. L is the longest example of the batch, or
+    `pad_to` (static shapes).
+    """
+
+    def __init__(self, pad_id: int, pad_to: int | None = None):
+        self.pad_id = pad_id
+        self.pad_to = pad_to
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        lengths = [len(e["input_ids"]) for e in examples]
+        width = self.pad_to if self.pad_to is not None else max(lengths)
+        bsz = len(examples)
+        input_ids = np.full((bsz, width), self.pad_id, dtype=np.int64)
+        attention = np.zeros((bsz, width), dtype=np.int64)
+        types = np.zeros((bsz, width), dtype=np.int64)
+        labels = np.full((bsz, width), IGNORE_INDEX, dtype=np.int64)
+        for i, (e, n) in enumerate(zip(examples, lengths)):
+            input_ids[i, :n] = e["input_ids"]
+            attention[i, :n] = 1
+            types[i, :n] = e["token_type_ids"]
+            labels[i, :n] = e["labels"]
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": attention,
+            "token_type_ids": types,
+            "mlm_labels": labels,
+            "sop_labels": np.array([e["sop_label"] for e in examples], dtype=np.int64),
+        }
+        if "masked_positions" in examples[0]:
+            for key in ("masked_positions", "masked_weights", "masked_labels"):
+                batch[key] = np.stack([e[key] for e in examples])
+        return {k: torch.from_numpy(v) for k, v in batch.items()}
+
+
+class EpochPlan:
+    """Which examples make batch b of epoch e on this rank: pure index arithmetic, O(batch)."""
+
+    def __init__(
+        self,
+        num_examples: int,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        drop_last: bool,
+    ):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"need 0 <= rank < world_size, got rank={rank} world_size={world_size}"
+            )
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.num_examples = num_examples
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.per_rank = num_examples // world_size  # the ragged tail is dropped on every rank
+        if drop_last:
+            self.batches_per_epoch = self.per_rank // batch_size
+        else:
+            self.batches_per_epoch = math.ceil(self.per_rank / batch_size)
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"{num_examples} examples over {world_size} rank(s) give no full batch of "
+                f"{batch_size}"
+            )
+        self._perm: tuple[int, FeistelPermutation] | None = None
+
+    def permutation(self, epoch: int) -> FeistelPermutation:
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, FeistelPermutation(self.num_examples, (self.seed, epoch)))
+        return self._perm[1]
+
+    def batch_indices(self, epoch: int, batch: int) -> np.ndarray:
+        """Global example indices of batch `batch` of `epoch` for this rank."""
+        start = batch * self.batch_size
+        j = np.arange(start, min(start + self.batch_size, self.per_rank), dtype=np.int64)
+        return self.permutation(epoch)(j * self.world_size + self.rank)
+
+
+class _BatchSampler:
+    """Yields [(epoch, index), ...] lists from (epoch, batch) on, across epochs."""
+
+    def __init__(self, plan: EpochPlan, epoch: int, batch: int, num_epochs: int | None):
+        self.plan, self.epoch, self.batch, self.num_epochs = plan, epoch, batch, num_epochs
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch, batch = self.epoch, self.batch
+        while self.num_epochs is None or epoch < self.num_epochs:
+            while batch < self.plan.batches_per_epoch:
+                yield [(epoch, i) for i in self.plan.batch_indices(epoch, batch).tolist()]
+                batch += 1
+            epoch, batch = epoch + 1, 0
+
+
+class PretrainingLoader:
+    """Per-rank, resumable, endlessly reshuffled batches of a `PretrainingData`.
+
+    Every epoch is a fresh keyed permutation (see the module docstring); rank r takes every
+    W-th position. Iterating yields `PretrainingCollator` dicts and goes on across epochs until
+    `num_epochs` (None: forever); iterating again continues where the last iteration stopped
+    (keep one live iterator at a time: they share the position counters).
+
+    num_workers: DataLoader worker processes (0: in the main process); batches are identical
+        for any value.
+    drop_last: drop the last partial batch of each epoch (same count on every rank either way).
+    static_shapes: pad every batch to max_seq_length (compiled models). None: on when the
+        masking config has static_masked_positions.
+    """
+
+    def __init__(
+        self,
+        data: PretrainingData,
+        batch_size: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        num_epochs: int | None = None,
+        drop_last: bool = True,
+        static_shapes: bool | None = None,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+    ):
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if num_epochs is not None and num_epochs < 1:
+            raise ValueError(f"num_epochs must be None or >= 1, got {num_epochs}")
+        if prefetch_factor is not None and num_workers == 0:
+            raise ValueError("prefetch_factor needs num_workers > 0")
+        self.data = data
+        self.plan = EpochPlan(data.num_examples, batch_size, rank, world_size, data.seed, drop_last)
+        self.num_workers = num_workers
+        self.num_epochs = num_epochs
+        self.drop_last = drop_last
+        if static_shapes is None:
+            static_shapes = data.masking.static_masked_positions is not None
+        self.static_shapes = static_shapes
+        self.collate = PretrainingCollator(
+            data.special.pad, data.max_seq_length if static_shapes else None
+        )
+        self.pin_memory = pin_memory
+        self.prefetch_factor = prefetch_factor
+        self.epoch = 0
+        self.batch_in_epoch = 0  # batches of `epoch` already handed out
+
+    @property
+    def batch_size(self) -> int:
+        return self.plan.batch_size
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.plan.batches_per_epoch
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        if self.num_epochs is not None and self.epoch >= self.num_epochs:
+            return
+        sampler = _BatchSampler(self.plan, self.epoch, self.batch_in_epoch, self.num_epochs)
+        extra = {} if self.prefetch_factor is None else {"prefetch_factor": self.prefetch_factor}
+        loader = DataLoader(
+            self.data,
+            batch_sampler=sampler,
+            num_workers=self.num_workers,
+            collate_fn=self.collate,
+            pin_memory=self.pin_memory,
+            **extra,
+        )
+        for batch in loader:
+            # Counted when handed out: a state saved after this batch resumes at the next one.
+            self.batch_in_epoch += 1
+            if self.batch_in_epoch == self.plan.batches_per_epoch:
+                self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "seed": self.data.seed,
+            "rank": self.plan.rank,
+            "world_size": self.plan.world_size,
+            "batch_size": self.plan.batch_size,
+            "drop_last": self.drop_last,
+            "data": self.data.fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resumes at the saved position (ValueError if the state is from a different setup:
+        another seed, rank layout, batch size or data, where exact resume is impossible)."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"loader state version {state.get('version')!r}, expected {STATE_VERSION}"
+            )
+        mine = self.state_dict()
+        diff = [
+            k
+            for k in ("seed", "rank", "world_size", "batch_size", "drop_last", "data")
+            if _jsonish(state.get(k)) != _jsonish(mine[k])
+        ]
+        if diff:
+            raise ValueError(
+                "loader state does not match this loader in "
+                + ", ".join(f"{k} (saved {state.get(k)!r}, now {mine[k]!r})" for k in diff)
+            )
+        epoch, batch = int(state["epoch"]), int(state["batch_in_epoch"])
+        if epoch < 0 or not 0 <= batch < self.plan.batches_per_epoch:
+            raise ValueError(f"loader state position epoch={epoch} batch={batch} is out of range")
+        self.epoch, self.batch_in_epoch = epoch, batch
+
+
+def _jsonish(x: Any) -> Any:
+    """Tuples and lists compare equal (a state may have gone through JSON/YAML)."""
+    if isinstance(x, dict):
+        return {k: _jsonish(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonish(v) for v in x]
+    return x
