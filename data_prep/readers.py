@@ -1,0 +1,458 @@
+"""Corpus readers: every input kind becomes a stream of documents, each a list of sentences.
+
+Input kinds (chosen by the path, after stripping a `.gz` / `.zst` suffix):
+
+    embedded, embedded:N   the embedded corpus (data_prep/corpus.py), or its first N documents
+    *.jsonl *.json *.ndjson one JSON object per line; the document is `record[text_field]`
+    *.parquet              one row per document, column `text_field`
+    a directory            a local HF `datasets` directory made by `save_to_disk` (one split;
+                           a DatasetDict directory is refused with its split names)
+    anything else          plain text in the BERT/ALBERT convention: one sentence per line, a
+                           blank line between documents (and a file boundary ends a document)
+
+`.gz` and `.zst` compressed text and JSONL are decompressed on the fly. An input argument may
+be a path, a glob pattern (expanded and sorted; `**` recurses) or `@list.txt` (one path or glob
+per line, relative to the current directory, kept in the file's order; `#` starts a comment).
+
+For JSONL, Parquet, HF and embedded documents the "sentences" are the document's lines (the
+text split at newlines). Every sentence is stripped of surrounding whitespace; empty ones are
+dropped and documents without sentences are skipped.
+
+Bad input (the policy, all tested):
+* a missing file, a glob matching nothing, an empty list file -> FileNotFoundError naming it;
+* no documents at all -> ValueError;
+* undecodable UTF-8 bytes -> replaced by U+FFFD and counted (`replaced_characters`);
+* a line longer than `max_line_chars` characters -> skipped, counted (`skipped.long_lines`) and
+  warned about; it is never held in memory whole (read in bounded pieces). For JSONL this
+  applies to the lines of each record's text; the record itself (a physical line, which may
+  hold a whole book) may be 64x longer before it is skipped (`skipped.long_records`);
+* a JSONL line that is not valid JSON -> skipped, counted (`skipped.bad_json_lines`) and warned
+  about with its file and line (crawls often end in a truncated line; one bad line should not
+  cost a day-long job). A record without the text field, or whose text is not a string, is
+  an error naming the file, line and the fields present (almost always a wrong `--text-field`);
+  a null text is skipped and counted (`skipped.null_text`);
+* corrupt gzip / zstd data -> ValueError naming the file and the line reached.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+log = logging.getLogger(__name__)
+
+EMBEDDED = "embedded"
+DEFAULT_MAX_LINE_CHARS = 1_000_000
+# A JSONL record may hold a whole book: its lines are limited to max_line_chars, the record
+# itself (the physical JSONL line) to this many times that.
+JSONL_RECORD_FACTOR = 64
+_GLOB_CHARS = set("*?[")
+_WARN_LIMIT = 5  # warnings per kind and file; the counts in ReadStats are always complete
+
+
+@dataclass
+class ReadStats:
+    """What the readers saw; reported in the shard manifest under "input"."""
+
+    files: list[str] = field(default_factory=list)
+    documents: int = 0
+    sentences: int = 0
+    characters: int = 0
+    replaced_characters: int = 0
+    skipped: dict[str, int] = field(
+        default_factory=lambda: {
+            "long_lines": 0,
+            "long_records": 0,
+            "bad_json_lines": 0,
+            "null_text": 0,
+        }
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "files": list(self.files),
+            "documents": self.documents,
+            "sentences": self.sentences,
+            "characters": self.characters,
+            "replaced_characters": self.replaced_characters,
+            "skipped": dict(self.skipped),
+        }
+
+
+# ----------------------------------------------------------------------------- input expansion
+
+
+def _has_glob(pattern: str) -> bool:
+    return any(c in _GLOB_CHARS for c in pattern)
+
+
+def _expand_one(item: str, origin: str) -> list[str]:
+    if item == EMBEDDED or item.startswith(EMBEDDED + ":"):
+        _embedded_limit(item)  # validates the suffix
+        return [item]
+    if _has_glob(item):
+        matches = sorted(glob.glob(item, recursive=True))
+        matches = [m for m in matches if os.path.isfile(m) or _is_hf_dir(m)]
+        if not matches:
+            raise FileNotFoundError(f"input pattern {item!r}{origin} matches no file")
+        return matches
+    if not os.path.exists(item):
+        raise FileNotFoundError(f"input file {item!r}{origin} does not exist")
+    if os.path.isdir(item) and not _is_hf_dir(item):
+        raise ValueError(
+            f"input {item!r}{origin} is a directory but not a HF datasets directory "
+            "(no dataset_info.json / state.json); pass files or a glob such as 'dir/*.txt'"
+        )
+    return [item]
+
+
+def expand_inputs(inputs: Iterable[str]) -> list[str]:
+    """The input files in reading order: globs sorted, @list files in their own order."""
+    inputs = list(inputs)
+    if not inputs:
+        raise ValueError("no input given")
+    files: list[str] = []
+    for item in inputs:
+        if item.startswith("@"):
+            list_path = item[1:]
+            if not os.path.isfile(list_path):
+                raise FileNotFoundError(f"input list file {list_path!r} does not exist")
+            entries = []
+            with open(list_path, encoding="utf-8") as f:
+                for line in f:
+                    line = line.strip()
+                    if line and not line.startswith("#"):
+                        entries.append(line)
+            if not entries:
+                raise FileNotFoundError(f"input list file {list_path!r} lists no file")
+            for entry in entries:
+                files.extend(_expand_one(entry, f" (listed in {list_path})"))
+        else:
+            files.extend(_expand_one(item, ""))
+    return files
+
+
+def _embedded_limit(item: str) -> int | None:
+    if item == EMBEDDED:
+        return None
+    suffix = item[len(EMBEDDED) + 1 :]
+    if not suffix.isdigit() or int(suffix) < 1:
+        raise ValueError(f"bad input {item!r}: use 'embedded' or 'embedded:N' with N >= 1")
+    return int(suffix)
+
+
+def _is_hf_dir(path: str) -> bool:
+    p = Path(path)
+    return p.is_dir() and any(
+        (p / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")
+    )
+
+
+def input_kind(path: str) -> str:
+    """'embedded' | 'hf' | 'parquet' | 'jsonl' | 'text' for an expanded input."""
+    if path == EMBEDDED or path.startswith(EMBEDDED + ":"):
+        return "embedded"
+    if _is_hf_dir(path):
+        return "hf"
+    name = path.lower()
+    for suffix in (".gz", ".zst", ".zstd"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith((".jsonl", ".json", ".ndjson")):
+        return "jsonl"
+    return "text"
+
+
+# ----------------------------------------------------------------------------- low-level reading
+
+
+def _open_binary(path: str) -> BinaryIO:
+    name = path.lower()
+    if name.endswith(".gz"):
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    if name.endswith((".zst", ".zstd")):
+        import zstandard
+
+        raw = open(path, "rb")  # noqa: SIM115 (closed through the reader)
+        reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
+        return io.BufferedReader(reader, buffer_size=1 << 20)  # type: ignore[arg-type]
+    return open(path, "rb", buffering=1 << 20)
+
+
+def _decode(raw: bytes, stats: ReadStats) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+        # Count only the replacements we made, not U+FFFD characters already in the input.
+        stats.replaced_characters += text.count("\ufffd") - raw.count("\ufffd".encode())
+        return text
+
+
+class _Warner:
+    """At most _WARN_LIMIT warnings per (kind, file); ReadStats keeps the full counts."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str], int] = {}
+
+    def __call__(self, kind: str, path: str, msg: str) -> None:
+        n = self.counts.get((kind, path), 0) + 1
+        self.counts[(kind, path)] = n
+        if n <= _WARN_LIMIT:
+            log.warning(
+                "%s%s", msg, " (further such warnings suppressed)" if n == _WARN_LIMIT else ""
+            )
+
+
+def _iter_lines(
+    path: str, stats: ReadStats, max_line_chars: int, warn: _Warner, what: str = "line"
+) -> Iterator[tuple[int, str]]:
+    """(1-based line number, decoded line without its newline) of a possibly compressed file.
+
+    A line is read in pieces of at most 4 * max_line_chars + 1 bytes (a UTF-8 character is at
+    most 4 bytes), so an absurdly long line is skipped without ever being held whole. Skipped
+    lines are counted in `stats.skipped[f"long_{what}s"]`."""
+    limit = 4 * max_line_chars + 1
+    counter = f"long_{what}s"
+    lineno = 0
+    try:
+        with _open_binary(path) as f:
+            while True:
+                raw = f.readline(limit)
+                if not raw:
+                    break
+                lineno += 1
+                if len(raw) == limit and not raw.endswith(b"\n"):
+                    while True:  # drain the rest of the long line
+                        more = f.readline(1 << 20)
+                        if not more or more.endswith(b"\n"):
+                            break
+                    stats.skipped[counter] += 1
+                    warn(
+                        "long",
+                        path,
+                        f"{path}:{lineno}: {what} longer than {max_line_chars} "
+                        "characters skipped (--max-line-chars)",
+                    )
+                    continue
+                line = _decode(raw, stats).rstrip("\r\n")
+                if len(line) > max_line_chars:
+                    stats.skipped[counter] += 1
+                    warn(
+                        "long",
+                        path,
+                        f"{path}:{lineno}: {what} of {len(line)} characters "
+                        f"skipped (> {max_line_chars})",
+                    )
+                    continue
+                yield lineno, line
+    except Exception as e:
+        # OSError / EOFError / zlib.error from gzip, zstandard.ZstdError: nothing else runs in
+        # this block (a consumer's exceptions are not thrown into the generator).
+        hint = " (corrupt or truncated compressed data)" if _is_compressed(path) else ""
+        raise ValueError(
+            f"{path}: read error after line {lineno}{hint}: {type(e).__name__}: {e}"
+        ) from e
+
+
+def _is_compressed(path: str) -> bool:
+    return path.lower().endswith((".gz", ".zst", ".zstd"))
+
+
+def _split_sentences(
+    text: str, stats: ReadStats, max_line_chars: int, where: str, warn: _Warner
+) -> list[str]:
+    sentences = []
+    for line in text.split("\n"):
+        line = line.strip()
+        if not line:
+            continue
+        if len(line) > max_line_chars:
+            stats.skipped["long_lines"] += 1
+            warn(
+                "long",
+                where,
+                f"{where}: line of {len(line)} characters skipped "
+                f"(> --max-line-chars {max_line_chars})",
+            )
+            continue
+        sentences.append(line)
+    return sentences
+
+
+# ----------------------------------------------------------------------------- per-kind readers
+
+
+def _read_text(
+    path: str, text_field: str, stats: ReadStats, max_line_chars: int, warn: _Warner
+) -> Iterator[list[str]]:
+    doc: list[str] = []
+    for _, line in _iter_lines(path, stats, max_line_chars, warn):
+        line = line.strip()
+        if line:
+            doc.append(line)
+        elif doc:
+            yield doc
+            doc = []
+    if doc:
+        yield doc
+
+
+def _read_jsonl(
+    path: str, text_field: str, stats: ReadStats, max_line_chars: int, warn: _Warner
+) -> Iterator[list[str]]:
+    max_record = JSONL_RECORD_FACTOR * max_line_chars
+    for lineno, line in _iter_lines(path, stats, max_record, warn, what="record"):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            stats.skipped["bad_json_lines"] += 1
+            warn("json", path, f"{path}:{lineno}: not valid JSON, line skipped ({e})")
+            continue
+        if not isinstance(record, dict) or text_field not in record:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(
+                f"{path}:{lineno}: record has no field {text_field!r} (fields: {keys}); "
+                "pick the text field with --text-field"
+            )
+        text = record[text_field]
+        if text is None:
+            stats.skipped["null_text"] += 1
+            continue
+        if not isinstance(text, str):
+            raise ValueError(
+                f"{path}:{lineno}: field {text_field!r} is a {type(text).__name__}, not a string"
+            )
+        yield _split_sentences(text, stats, max_line_chars, f"{path}:{lineno}", warn)
+
+
+def _texts_from_column(
+    path: str,
+    column: Iterable[Any],
+    text_field: str,
+    stats: ReadStats,
+    max_line_chars: int,
+    warn: _Warner,
+    row0: int,
+) -> Iterator[list[str]]:
+    for i, text in enumerate(column):
+        if text is None:
+            stats.skipped["null_text"] += 1
+            continue
+        if not isinstance(text, str):
+            raise ValueError(
+                f"{path}: row {row0 + i}: column {text_field!r} holds {type(text).__name__}, "
+                "not strings"
+            )
+        yield _split_sentences(text, stats, max_line_chars, f"{path} row {row0 + i}", warn)
+
+
+def _read_parquet(
+    path: str, text_field: str, stats: ReadStats, max_line_chars: int, warn: _Warner
+) -> Iterator[list[str]]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:
+        raise ValueError(f"{path}: not a readable Parquet file: {e}") from e
+    names = pf.schema_arrow.names
+    if text_field not in names:
+        raise ValueError(
+            f"{path}: no column {text_field!r} (columns: {names}); pick it with --text-field"
+        )
+    row = 0
+    for batch in pf.iter_batches(batch_size=1024, columns=[text_field]):
+        column = batch.column(0).to_pylist()
+        yield from _texts_from_column(path, column, text_field, stats, max_line_chars, warn, row)
+        row += len(column)
+
+
+def _read_hf(
+    path: str, text_field: str, stats: ReadStats, max_line_chars: int, warn: _Warner
+) -> Iterator[list[str]]:
+    import datasets
+
+    ds = datasets.load_from_disk(path)
+    if isinstance(ds, datasets.DatasetDict):
+        raise ValueError(
+            f"{path} holds a DatasetDict with splits {sorted(ds)}; pass one split's directory, "
+            f"e.g. {os.path.join(path, sorted(ds)[0])}"
+        )
+    if text_field not in ds.column_names:
+        raise ValueError(
+            f"{path}: no column {text_field!r} (columns: {ds.column_names}); "
+            "pick it with --text-field"
+        )
+    ds = ds.select_columns([text_field])
+    row = 0
+    for batch in ds.iter(batch_size=1024):
+        column = batch[text_field]
+        yield from _texts_from_column(path, column, text_field, stats, max_line_chars, warn, row)
+        row += len(column)
+
+
+def _read_embedded(
+    item: str, text_field: str, stats: ReadStats, max_line_chars: int, warn: _Warner
+) -> Iterator[list[str]]:
+    from data_prep.corpus import embedded_documents
+
+    limit = _embedded_limit(item)
+    for i, text in enumerate(embedded_documents()):
+        if limit is not None and i >= limit:
+            break
+        yield _split_sentences(text, stats, max_line_chars, f"{item} document {i}", warn)
+
+
+_READERS = {
+    "embedded": _read_embedded,
+    "hf": _read_hf,
+    "parquet": _read_parquet,
+    "jsonl": _read_jsonl,
+    "text": _read_text,
+}
+
+# ----------------------------------------------------------------------------- the entry point
+
+
+def iter_documents(
+    inputs: list[str],
+    text_field: str = "text",
+    stats: ReadStats | None = None,
+    max_line_chars: int = DEFAULT_MAX_LINE_CHARS,
+) -> Iterator[list[str]]:
+    """Yields every document (a list of non-empty sentence strings) of `inputs`, in order.
+
+    The order is deterministic: inputs in the order given, each glob sorted, @list files in
+    their order, documents in file order. `stats` (if given) is filled as reading goes; it is
+    complete once the iterator is exhausted. Raises FileNotFoundError for a missing input
+    (before yielding anything) and ValueError if there is no document at all."""
+    if max_line_chars < 1:
+        raise ValueError(f"max_line_chars must be >= 1, got {max_line_chars}")
+    stats = stats if stats is not None else ReadStats()
+    files = expand_inputs(inputs)
+    stats.files = files
+    warn = _Warner()
+    for path in files:
+        read = _READERS[input_kind(path)]
+        for doc in read(path, text_field, stats, max_line_chars, warn):
+            if not doc:
+                continue
+            stats.documents += 1
+            stats.sentences += len(doc)
+            stats.characters += sum(len(s) for s in doc)
+            yield doc
+    if stats.documents == 0:
+        raise ValueError(f"no documents found in the input ({', '.join(files)}): it is empty")

@@ -1,0 +1,707 @@
+"""Shards stage: tokenize documents and write ALBERT pretraining examples as numpy shards.
+
+Examples (ALBERT's `create_instances_from_document`, google-research/albert
+create_pretraining_data.py, for sentence-order prediction):
+
+    per document, with max_num_tokens = max_seq_length - 3 ([CLS] A [SEP] B [SEP]):
+    target = max_num_tokens, or with probability short_seq_prob a uniform length in [2, max_num_tokens]
+    accumulate consecutive sentences into a chunk until it holds >= target tokens (or the
+    document ends); split the chunk at a random sentence boundary into A and B; truncate the
+    longer side one token at a time, from the front or the back at random, until
+    len(A) + len(B) <= max_num_tokens.
+
+Decisions where this differs from ALBERT's code (MLM masking and the SOP swap are done at
+training time by the loader, so none of that happens here):
+
+* **Target drawn per example.** ALBERT draws `target` once per document; here it is drawn again
+  for every chunk, so the share of short examples is `short_seq_prob` whatever the document
+  lengths (with ALBERT's rule one long short-target document makes many short examples).
+* **A sentence longer than the target is cut** into pieces: the first fills the open chunk up to
+  the target exactly, the rest are handled like the next sentences (so they become target-size
+  pieces). Long JSONL lines lose nothing to truncation.
+* **A one-sentence chunk is split inside the sentence** at a random token, so A and B stay
+  consecutive text of one document (ALBERT takes B from a random other document there, which
+  would make SOP's "not swapped" label wrong). A one-token chunk has no A/B split and is
+  dropped (counted in `dropped_tokens`).
+* No `dupe_factor`: masking is dynamic, so one pass over the corpus gives one set of A/B splits.
+
+Determinism: document d (0-based, `iter_documents` order) goes to shard d % S, and all its
+randomness comes from `random.Random(f"{seed}:{d}")`; nothing depends on --workers,
+--job-index or --num-jobs, so the bytes of every file are the same however the work is split
+(for one Python and `tokenizers` version).
+
+Writing: each shard streams its tokens and index rows to hidden `.partial` files (memory stays
+bounded whatever the corpus and the number of shards a worker holds), then writes the two .npy
+arrays (temp file + rename), then its done-record (`format.done_file`) last. A shard with a
+valid done-record is complete; anything else is rebuilt. The manifest is written by `finalize`
+(at the end of a single-job run, or explicitly after a multi-job run) from the done-records.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import logging
+import multiprocessing as mp
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data_prep import format as fmt
+from data_prep.readers import DEFAULT_MAX_LINE_CHARS, ReadStats, iter_documents
+from data_prep.tokenizer import load_tokenizer, tokenizer_kind
+
+log = logging.getLogger(__name__)
+
+# Documents are tokenized in batches of about this many characters (one encode_batch call,
+# parallel over sentences inside `tokenizers`).
+BATCH_CHARS = 2_000_000
+# Buffered tokens across all shards one worker holds before they go to the .partial files.
+BUFFER_TOKENS = 1 << 25
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """Everything besides the tokenizer that decides the bytes of the shards. Recorded in every
+    done-record and in the manifest; a shard directory made with another config is refused.
+    (--workers, --job-index and --num-jobs only split the work and are not part of it.)"""
+
+    inputs: tuple[str, ...]
+    """Input arguments as given: paths, globs, @list files, `embedded[:N]`."""
+
+    num_shards: int
+    """S: document d goes to shard d % S."""
+
+    max_seq_length: int = 512
+    """Length of [CLS] A [SEP] B [SEP]; A and B hold at most max_seq_length - 3 tokens."""
+
+    short_seq_prob: float = 0.1
+    """Probability that an example's target length is drawn uniformly from [2, max]."""
+
+    seed: int = 0
+    """Document d's randomness comes from random.Random(f"{seed}:{d}")."""
+
+    text_field: str = "text"
+    """JSONL field / Parquet or HF column holding a document's text."""
+
+    max_line_chars: int = DEFAULT_MAX_LINE_CHARS
+    """Longer input lines are skipped (and counted)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        if not self.inputs:
+            raise ValueError("no input given")
+        if self.num_shards < 1:
+            raise ValueError(f"--num-shards must be >= 1, got {self.num_shards}")
+        if self.max_seq_length < 5:
+            raise ValueError(f"--max-seq-length must be >= 5, got {self.max_seq_length}")
+        if not 0.0 <= self.short_seq_prob <= 1.0:
+            raise ValueError(f"--short-seq-prob must be in [0, 1], got {self.short_seq_prob}")
+        if self.seed < 0:
+            raise ValueError(f"--seed must be >= 0, got {self.seed}")
+        if self.max_line_chars < 1:
+            raise ValueError(f"--max-line-chars must be >= 1, got {self.max_line_chars}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["inputs"] = list(self.inputs)
+        return d
+
+
+# ----------------------------------------------------------------------------- examples
+
+
+def build_examples(
+    sentences: Sequence[Sequence[int]],
+    max_num_tokens: int,
+    short_seq_prob: float,
+    rng: random.Random,
+) -> tuple[list[tuple[list[int], list[int]]], int]:
+    """ALBERT SOP examples (A, B) of one tokenized document, and the number of tokens dropped
+    (truncation, one-token leftovers). See the module docstring for the rules."""
+
+    def draw_target() -> int:
+        if rng.random() < short_seq_prob:
+            return rng.randint(2, max_num_tokens)
+        return max_num_tokens
+
+    queue = deque(list(s) for s in sentences if len(s))
+    examples: list[tuple[list[int], list[int]]] = []
+    dropped = 0
+    chunk: list[list[int]] = []
+    length = 0
+    target = draw_target()
+    while queue:
+        segment = queue.popleft()
+        if len(segment) > target:
+            # Cut a too-long sentence so the open chunk ends exactly at the target.
+            cut = target - length
+            queue.appendleft(segment[cut:])
+            segment = segment[:cut]
+        chunk.append(segment)
+        length += len(segment)
+        if not queue or length >= target:
+            pair, lost = _split_chunk(chunk, max_num_tokens, rng)
+            dropped += lost
+            if pair is not None:
+                examples.append(pair)
+            chunk, length = [], 0
+            target = draw_target()
+    return examples, dropped
+
+
+def _split_chunk(
+    chunk: list[list[int]], max_num_tokens: int, rng: random.Random
+) -> tuple[tuple[list[int], list[int]] | None, int]:
+    if len(chunk) >= 2:
+        a_end = rng.randint(1, len(chunk) - 1)
+        a = [t for seg in chunk[:a_end] for t in seg]
+        b = [t for seg in chunk[a_end:] for t in seg]
+    else:
+        (tokens,) = chunk
+        if len(tokens) < 2:
+            return None, len(tokens)
+        cut = rng.randint(1, len(tokens) - 1)
+        a, b = tokens[:cut], tokens[cut:]
+    # ALBERT's truncate_seq_pair: drop from the longer side, front or back at random.
+    a0, a1, b0, b1 = 0, len(a), 0, len(b)
+    while (a1 - a0) + (b1 - b0) > max_num_tokens:
+        if a1 - a0 > b1 - b0:
+            if rng.random() < 0.5:
+                a0 += 1
+            else:
+                a1 -= 1
+        elif rng.random() < 0.5:
+            b0 += 1
+        else:
+            b1 -= 1
+    lost = len(a) + len(b) - (a1 - a0) - (b1 - b0)
+    return (a[a0:a1], b[b0:b1]), lost
+
+
+def document_rng(seed: int, document_index: int) -> random.Random:
+    """The RNG of one document: depends on (seed, d) only."""
+    return random.Random(f"{seed}:{document_index}")
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _publish_mode(path: Path) -> None:
+    """mkstemp files are 0600; give finished files the usual umask-based mode."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def _atomic_write_json(path: Path, data: Any) -> None:
+    fmt.atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+    _publish_mode(path)
+
+
+def _atomic_copy(src: Path, dst: Path) -> None:
+    """Copies via a unique temp file + rename (concurrent jobs may copy the same file)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    try:
+        with os.fdopen(fd, "wb") as f, open(src, "rb") as s:
+            shutil.copyfileobj(s, f)
+        _publish_mode(Path(tmp))
+        os.replace(tmp, dst)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _partial_files(out_dir: Path, name: str) -> tuple[Path, Path]:
+    return out_dir / f".{name}.tokens.partial", out_dir / f".{name}.index.partial"
+
+
+def _raw_to_npy(raw: Path, final: Path, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+    """Writes the .npy `final` (np.save's exact bytes) from a raw native-order dump, atomically."""
+    assert raw.stat().st_size == int(np.prod(shape)) * dtype.itemsize, (raw, shape)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False}
+            np.lib.format.write_array_header_1_0(f, {**header, "shape": shape})
+            with open(raw, "rb") as src:
+                shutil.copyfileobj(src, f, 1 << 22)
+        _publish_mode(Path(tmp))
+        os.replace(tmp, final)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class _ShardWriter:
+    """Appends examples of one shard; `finish` writes the arrays, then the done-record."""
+
+    def __init__(self, out_dir: Path, index: int, dtype: np.dtype, flush_tokens: int) -> None:
+        self.out_dir, self.index, self.dtype = out_dir, index, dtype
+        self.name = fmt.shard_name(index)
+        self.tok_raw, self.idx_raw = _partial_files(out_dir, self.name)
+        for p in (self.tok_raw, self.idx_raw):
+            p.unlink(missing_ok=True)
+            p.touch()
+        self.tokens = array.array("H" if dtype.itemsize == 2 else "I")
+        assert self.tokens.itemsize == dtype.itemsize
+        self.rows = array.array("q")
+        self.flush_tokens = flush_tokens
+        self.offset = self.examples = self.documents = self.dropped = 0
+
+    def add(self, examples: list[tuple[list[int], list[int]]], dropped: int) -> None:
+        self.documents += 1
+        self.dropped += dropped
+        for a, b in examples:
+            self.rows.extend((self.offset, len(a), len(b)))
+            self.tokens.extend(a)
+            self.tokens.extend(b)
+            self.offset += len(a) + len(b)
+        self.examples += len(examples)
+        if len(self.tokens) >= self.flush_tokens:
+            self._flush()
+
+    def _flush(self) -> None:
+        with open(self.tok_raw, "ab") as f:
+            self.tokens.tofile(f)
+        with open(self.idx_raw, "ab") as f:
+            self.rows.tofile(f)
+        del self.tokens[:]
+        del self.rows[:]
+
+    def finish(self, record_extra: dict[str, Any]) -> dict[str, Any]:
+        self._flush()
+        files = {
+            fmt.tokens_file(self.name): (self.tok_raw, self.dtype, (self.offset,)),
+            fmt.index_file(self.name): (self.idx_raw, np.dtype(np.int64), (self.examples, 3)),
+        }
+        for fname, (raw, dtype, shape) in files.items():
+            _raw_to_npy(raw, self.out_dir / fname, dtype, shape)
+            raw.unlink()
+        record = {
+            "format_version": fmt.FORMAT_VERSION,
+            "name": self.name,
+            "examples": self.examples,
+            "tokens": self.offset,
+            "documents": self.documents,
+            "dropped_tokens": self.dropped,
+            "sha256": {f: fmt.sha256_file(self.out_dir / f) for f in files},
+            **record_extra,
+        }
+        _atomic_write_json(self.out_dir / fmt.done_file(self.name), record)
+        return record
+
+
+# ----------------------------------------------------------------------------- the worker
+
+
+@dataclass(frozen=True)
+class _Task:
+    config: ShardConfig
+    tokenizer_path: str
+    tokenizer_sha256: str
+    out_dir: str
+    shards: tuple[int, ...]
+    worker: int
+
+
+def _run_task(task: _Task, progress: Callable[[int, int], None] | None = None) -> list[str]:
+    """Reads the whole input, keeps the documents of `task.shards`, writes those shards."""
+    from tokenizers import Tokenizer
+
+    cfg = task.config
+    out_dir = Path(task.out_dir)
+    tok = Tokenizer.from_file(task.tokenizer_path)
+    dtype = fmt.token_dtype(tok.get_vocab_size())
+    flush_tokens = max(1 << 14, BUFFER_TOKENS // len(task.shards))
+    writers = {s: _ShardWriter(out_dir, s, dtype, flush_tokens) for s in task.shards}
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # same ids, no offsets
+    max_num_tokens = cfg.max_seq_length - 3
+    stats = ReadStats()
+    pending: list[tuple[int, list[str]]] = []
+    pending_chars = 0
+    written = 0
+
+    def flush_pending() -> None:
+        nonlocal written
+        flat = [s for _, doc in pending for s in doc]
+        encodings = encode(flat, add_special_tokens=False) if flat else []
+        k = 0
+        for d, doc in pending:
+            ids = [encodings[k + j].ids for j in range(len(doc))]
+            k += len(doc)
+            examples, dropped = build_examples(
+                ids, max_num_tokens, cfg.short_seq_prob, document_rng(cfg.seed, d)
+            )
+            writers[d % cfg.num_shards].add(examples, dropped)
+            written += sum(len(a) + len(b) for a, b in examples)
+        pending.clear()
+
+    docs = iter_documents(list(cfg.inputs), cfg.text_field, stats, cfg.max_line_chars)
+    d = -1
+    for d, doc in enumerate(docs):
+        if d % cfg.num_shards in writers:
+            pending.append((d, doc))
+            pending_chars += sum(len(s) for s in doc)
+            if pending_chars >= BATCH_CHARS:
+                flush_pending()
+                pending_chars = 0
+                if progress:
+                    progress(d + 1, written)
+    flush_pending()
+    if progress:
+        progress(d + 1, written)
+    extra = {
+        "config": cfg.to_dict(),
+        "tokenizer_sha256": task.tokenizer_sha256,
+        "input": stats.to_dict(),
+    }
+    return [writers[s].finish(extra)["name"] for s in task.shards]
+
+
+_COUNTERS: Any = None  # per-process: shared (documents, tokens) slots of all workers
+
+
+def _init_worker(counters: Any, threads: int, log_level: int) -> None:
+    global _COUNTERS
+    _COUNTERS = counters
+    os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _run_task_in_pool(task: _Task) -> list[str]:
+    if task.worker > 0:  # every worker reads the same input: warn about it once
+        logging.getLogger("data_prep.readers").setLevel(logging.ERROR)
+
+    def progress(docs: int, tokens: int) -> None:
+        _COUNTERS[2 * task.worker] = docs
+        _COUNTERS[2 * task.worker + 1] = tokens
+
+    return _run_task(task, progress)
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """A tqdm bar on a terminal; otherwise a plain log line every `interval` seconds."""
+
+    def __init__(self, desc: str, unit: str, interval: float = 30.0) -> None:
+        self.desc, self.unit, self.interval = desc, unit, interval
+        self.start = self.last = time.monotonic()
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(desc=desc, unit=unit, unit_scale=True, dynamic_ncols=True)
+
+    def update(self, n: int, **postfix: Any) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.update(n - self.bar.n)
+            return
+        now = time.monotonic()
+        if now - self.last >= self.interval:
+            self.last = now
+            rate = n / max(now - self.start, 1e-9)
+            extra = " ".join(f"{k}={v}" for k, v in postfix.items())
+            log.info("%s: %d %s (%.0f %s/s) %s", self.desc, n, self.unit, rate, self.unit, extra)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise fmt.ShardError(f"{path} cannot be read: {e}") from e
+
+
+def _config_diff(old: dict[str, Any], new: dict[str, Any]) -> str:
+    keys = sorted(set(old) | set(new))
+    return ", ".join(
+        f"{k}: {old.get(k)!r} there vs {new.get(k)!r} now" for k in keys if old.get(k) != new.get(k)
+    )
+
+
+def _check_same_origin(
+    path: Path, record: dict[str, Any], config: dict[str, Any], tok_sha: str
+) -> None:
+    if record.get("config") != config:
+        raise fmt.ShardError(
+            f"{path.parent} holds shards made with a different config ({path.name}: "
+            f"{_config_diff(record.get('config') or {}, config)}); use another --out "
+            "directory or delete this one"
+        )
+    if record.get("tokenizer_sha256") != tok_sha:
+        raise fmt.ShardError(
+            f"{path.parent} holds shards made with a different tokenizer ({path.name}: sha256 "
+            f"{str(record.get('tokenizer_sha256'))[:12]}... vs {tok_sha[:12]}... now); use "
+            "another --out directory or delete this one"
+        )
+
+
+def _shard_is_done(out_dir: Path, name: str) -> bool:
+    """True if the done-record exists and the arrays match it; False (with a warning for a
+    stale record) if the shard must be (re)built."""
+    done = out_dir / fmt.done_file(name)
+    if not done.is_file():
+        return False
+    record = _read_json(done)
+    for fname, digest in record.get("sha256", {}).items():
+        path = out_dir / fname
+        if not path.is_file() or fmt.sha256_file(path) != digest:
+            log.warning("%s does not match %s: rebuilding %s", path, done.name, name)
+            return False
+    return True
+
+
+def _clean_shard(out_dir: Path, name: str) -> None:
+    (out_dir / fmt.done_file(name)).unlink(missing_ok=True)  # first: never a record without files
+    for p in (out_dir / fmt.tokens_file(name), out_dir / fmt.index_file(name)):
+        p.unlink(missing_ok=True)
+    for p in out_dir.glob(f".{name}.*"):  # .partial files, temp files of a killed writer
+        p.unlink(missing_ok=True)
+
+
+def build_shards(
+    config: ShardConfig,
+    tokenizer_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    workers: int = 1,
+    job_index: int = 0,
+    num_jobs: int = 1,
+) -> dict[str, Any]:
+    """Builds the shards s with s % num_jobs == job_index that are not already done (resume),
+    in `workers` processes; a single-job run then writes manifest.json. Returns a summary."""
+    if num_jobs < 1 or not 0 <= job_index < num_jobs:
+        raise ValueError(f"need 0 <= --job-index < --num-jobs, got {job_index} and {num_jobs}")
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    tok = load_tokenizer(tokenizer_path)
+    tok_sha = fmt.sha256_file(tokenizer_path)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_dict = config.to_dict()
+
+    # An existing directory must come from the same config and tokenizer: never overwrite.
+    out_tok = out / fmt.TOKENIZER
+    if out_tok.exists() and fmt.sha256_file(out_tok) != tok_sha:
+        raise fmt.ShardError(
+            f"{out} holds a different tokenizer.json than {tokenizer_path}; use another --out "
+            "directory or delete this one"
+        )
+    for path in [*sorted(out.glob("shard_*.done.json")), out / fmt.MANIFEST]:
+        if path.is_file():
+            _check_same_origin(path, _read_json(path), cfg_dict, tok_sha)
+    if not out_tok.exists():
+        _atomic_copy(Path(tokenizer_path), out_tok)
+
+    mine = [s for s in range(config.num_shards) if s % num_jobs == job_index]
+    todo = [s for s in mine if not _shard_is_done(out, fmt.shard_name(s))]
+    log.info(
+        "shards: %d of %d for job %d/%d, %d already done, %d to build with %d worker(s)",
+        len(mine),
+        config.num_shards,
+        job_index,
+        num_jobs,
+        len(mine) - len(todo),
+        len(todo),
+        min(workers, max(len(todo), 1)),
+    )
+    start = time.perf_counter()
+    if todo:
+        (out / fmt.MANIFEST).unlink(missing_ok=True)  # a manifest only lists complete shards
+        for s in todo:
+            _clean_shard(out, fmt.shard_name(s))
+        _run(config, str(tokenizer_path), tok_sha, out, todo, workers)
+    seconds = time.perf_counter() - start
+    records = [_read_json(out / fmt.done_file(fmt.shard_name(s))) for s in todo]
+    tokens = sum(r["tokens"] for r in records)
+    summary = {
+        "built": len(todo),
+        "skipped": len(mine) - len(todo),
+        "examples": sum(r["examples"] for r in records),
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds if todo and seconds > 0 else None,
+        "manifest": None,
+    }
+    if todo:
+        chars = records[0]["input"]["characters"]
+        log.info(
+            "built %d shard(s): %d examples, %d tokens in %.1f s (%.0f tokens/s; read %.1f M "
+            "characters per worker, %.2f M characters/s)",
+            len(todo),
+            summary["examples"],
+            tokens,
+            seconds,
+            tokens / seconds,
+            chars / 1e6,
+            chars / 1e6 / seconds,
+        )
+    del tok
+    if num_jobs == 1:
+        finalize(out)
+        summary["manifest"] = str(out / fmt.MANIFEST)
+    else:
+        log.info(
+            "job %d/%d done; run `python -m data_prep finalize --out %s` after all jobs",
+            job_index,
+            num_jobs,
+            out,
+        )
+    return summary
+
+
+def _run(
+    config: ShardConfig, tokenizer_path: str, tok_sha: str, out: Path, todo: list[int], workers: int
+) -> None:
+    workers = min(workers, len(todo))
+    tasks = [
+        _Task(config, tokenizer_path, tok_sha, str(out), tuple(todo[w::workers]), w)
+        for w in range(workers)
+    ]
+    bar = Progress("shards", "tok")
+    try:
+        if workers == 1:
+            _run_task(tasks[0], lambda docs, toks: bar.update(toks, docs=docs))
+            return
+        ctx = mp.get_context("spawn")  # fresh interpreters: no forked tokenizers thread pools
+        counters = ctx.Array("q", 2 * workers, lock=False)
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        with ctx.Pool(
+            workers, _init_worker, (counters, threads, logging.getLogger().level)
+        ) as pool:
+            result = pool.map_async(_run_task_in_pool, tasks, chunksize=1)
+            while not result.ready():
+                result.wait(0.5)
+                bar.update(sum(counters[1::2]), docs=min(counters[0::2]))
+            result.get()  # re-raises a worker's exception here
+    finally:
+        bar.close()
+
+
+# ----------------------------------------------------------------------------- finalize
+
+
+def finalize(out_dir: str | os.PathLike) -> dict[str, Any]:
+    """Checks that every shard's done-record exists and matches its files (sha256) and that all
+    come from one config, tokenizer and input; then writes manifest.json. Byte-identical to
+    the manifest of a single-job run. ShardError (naming the file) otherwise."""
+    out = Path(out_dir)
+    done_paths = sorted(out.glob("shard_*.done.json"))
+    if not done_paths:
+        raise fmt.ShardError(
+            f"{out}: no shard done-records (shard_*.done.json); nothing to finalize"
+        )
+    first = _read_json(done_paths[0])
+    config, tok_sha, input_stats = (
+        first.get("config"),
+        first.get("tokenizer_sha256"),
+        first.get("input"),
+    )
+    if not isinstance(config, dict) or "num_shards" not in config:
+        raise fmt.ShardError(f"{done_paths[0]} has no config: not a done-record of this format")
+    num_shards = int(config["num_shards"])
+    records = []
+    missing = []
+    for s in range(num_shards):
+        path = out / fmt.done_file(fmt.shard_name(s))
+        if not path.is_file():
+            missing.append(fmt.shard_name(s))
+            continue
+        record = _read_json(path)
+        _check_same_origin(path, record, config, tok_sha)
+        if record.get("input") != input_stats:
+            raise fmt.ShardError(
+                f"{path} was made from different input than {done_paths[0].name} (input stats "
+                "differ: did the input files change between jobs?); rebuild the directory"
+            )
+        records.append(record)
+    if missing:
+        shown = ", ".join(missing[:10]) + (
+            f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        )
+        raise fmt.ShardError(
+            f"{out}: {len(missing)} of {num_shards} shards are not done ({shown}); run the job(s) "
+            "that make them (with --num-jobs k, shard s is made by job s % k), then finalize"
+        )
+    tok_path = out / fmt.TOKENIZER
+    if not tok_path.is_file() or fmt.sha256_file(tok_path) != tok_sha:
+        raise fmt.ShardError(
+            f"{tok_path} is missing or is not the tokenizer the shards were made with"
+        )
+    for record in records:
+        for fname, digest in record["sha256"].items():
+            path = out / fname
+            if not path.is_file():
+                raise fmt.ShardError(
+                    f"{path} is missing (listed in {fmt.done_file(record['name'])})"
+                )
+            if fmt.sha256_file(path) != digest:
+                raise fmt.ShardError(
+                    f"{path} is corrupt or truncated: its sha256 does not match "
+                    f"{fmt.done_file(record['name'])}; delete that done-record and re-run the "
+                    "shards command to rebuild it"
+                )
+    tok = load_tokenizer(tok_path)
+    empty = [r["name"] for r in records if r["examples"] == 0]
+    if empty:
+        log.warning(
+            "%d shard(s) hold no example (more shards than documents?): %s",
+            len(empty),
+            ", ".join(empty[:10]),
+        )
+    manifest = {
+        "format_version": fmt.FORMAT_VERSION,
+        "tokenizer_sha256": tok_sha,
+        "tokenizer_kind": tokenizer_kind(tok_path),
+        "special_tokens": fmt.SpecialTokens.from_tokenizer(tok).to_dict(),
+        "vocab_size": tok.get_vocab_size(),
+        "token_dtype": fmt.token_dtype(tok.get_vocab_size()).name,
+        "config": config,
+        "num_shards": num_shards,
+        "shards": [
+            {
+                "name": r["name"],
+                "examples": r["examples"],
+                "tokens": r["tokens"],
+                "documents": r["documents"],
+                "sha256": r["sha256"],
+            }
+            for r in records
+        ],
+        "totals": {
+            "examples": sum(r["examples"] for r in records),
+            "tokens": sum(r["tokens"] for r in records),
+            "documents": sum(r["documents"] for r in records),
+            "dropped_tokens": sum(r["dropped_tokens"] for r in records),
+        },
+        "input": input_stats,
+    }
+    _atomic_write_json(out / fmt.MANIFEST, manifest)
+    log.info(
+        "wrote %s: %d shards, %d examples, %d tokens",
+        out / fmt.MANIFEST,
+        num_shards,
+        manifest["totals"]["examples"],
+        manifest["totals"]["tokens"],
+    )
+    return manifest
