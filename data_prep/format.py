@@ -4,9 +4,11 @@ A shard directory holds:
 
     manifest.json                 written last (by a single-job run or `finalize`); see below
     tokenizer.json                the tokenizer the ids come from (copied in)
-    shard_00000.tokens.npy        1-D uint16 (vocab <= 65535) or uint32: all token ids of the
+    shard_00000.tokens.npy        1-D uint16 (vocab <= 65536) or uint32: all token ids of the
                                   shard's examples, segment A then segment B, example after example
-    shard_00000.index.npy         int64 (num_examples, 3): [offset into tokens, len_a, len_b]
+    shard_00000.index.npy         int64 (num_examples, 3): [offset into tokens, len_a, len_b];
+                                  rows in order and contiguous (offset[i+1] = offset[i] + len_a
+                                  + len_b), both lengths >= 1
     shard_00000.done.json         per-shard completion record, written atomically after both
                                   arrays: {"examples", "tokens", "sha256": {file: digest}, ...}
     ...
@@ -86,6 +88,14 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def publish_mode(path: str | os.PathLike) -> None:
+    """Gives a finished file the mode a normally created file gets (mkstemp's temp files are
+    0600, which would make shards unreadable to the rest of a team on a shared cluster)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Writes via a temp file in the same directory and os.replace: never a half-written file."""
     path = Path(path)
@@ -93,6 +103,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        publish_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -105,6 +116,7 @@ def atomic_save_npy(path: str | os.PathLike, array: np.ndarray) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             np.save(f, array, allow_pickle=False)
+        publish_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -197,16 +197,8 @@ def document_rng(seed: int, document_index: int) -> random.Random:
 # ----------------------------------------------------------------------------- writing
 
 
-def _publish_mode(path: Path) -> None:
-    """mkstemp files are 0600; give finished files the usual umask-based mode."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
 def _atomic_write_json(path: Path, data: Any) -> None:
     fmt.atomic_write_text(path, json.dumps(data, indent=2) + "\n")
-    _publish_mode(path)
 
 
 def _atomic_copy(src: Path, dst: Path) -> None:
@@ -215,7 +207,7 @@ def _atomic_copy(src: Path, dst: Path) -> None:
     try:
         with os.fdopen(fd, "wb") as f, open(src, "rb") as s:
             shutil.copyfileobj(s, f)
-        _publish_mode(Path(tmp))
+        fmt.publish_mode(Path(tmp))
         os.replace(tmp, dst)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -236,7 +228,7 @@ def _raw_to_npy(raw: Path, final: Path, dtype: np.dtype, shape: tuple[int, ...])
             np.lib.format.write_array_header_1_0(f, {**header, "shape": shape})
             with open(raw, "rb") as src:
                 shutil.copyfileobj(src, f, 1 << 22)
-        _publish_mode(Path(tmp))
+        fmt.publish_mode(Path(tmp))
         os.replace(tmp, final)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
