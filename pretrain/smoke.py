@@ -1,18 +1,25 @@
-"""Model smoke run: a few MLM + SOP steps of every attention family on the embedded corpus.
+"""Smoke run of the pipeline: data_prep on the embedded corpus, then a few MLM + SOP steps of
+every attention family fed by the real training loader.
 
-This is the README's main job until the full pipeline (data_prep -> DeepSpeed pretraining ->
-export) lands with issues #3 and #4. It uses byte-level token ids (no tokenizer yet), trains each
-family for a few steps on CPU, writes a release per family, reloads it and checks the logits
-match, and prints losses and diagnostics.
+This is the README's main job until DeepSpeed pretraining and export land (issue #4):
+
+    1. `data_prep tokenizer`: a SentencePiece-unigram tokenizer trained on the embedded corpus
+       (CPython's own documentation text, so nothing is downloaded);
+    2. `data_prep shards`: ALBERT sentence-pair examples in memory-mapped shards + manifest;
+    3. for each attention family: a small encoder trained for a few steps with the training
+       loader (dynamic n-gram masking, SOP), a release written with the tokenizer, reloaded,
+       and its logits checked; losses and diagnostics printed.
 
     python -m pretrain.smoke --out runs/smoke [--steps 60] [--families softmax tisa ...]
+
+Re-running reuses the tokenizer and the finished shards (data_prep resumes); the per-family
+releases are rewritten.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -20,12 +27,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from data_prep.corpus import embedded_documents
+from data_prep.format import TOKENIZER
+from data_prep.loader import PretrainingData, PretrainingLoader
+from data_prep.shards import ShardConfig, build_shards
+from data_prep.tokenizer import write_tokenizer
 from model import ATTENTION_REGISTRY, EncoderConfig, EncoderForPretraining, diagnostics
 from model.release import load_release, save_release
-
-PAD, CLS, SEP, MASK, OFFSET = 0, 1, 2, 3, 4
-VOCAB = 256 + OFFSET
 
 FAMILY_OVERRIDES = {
     "softmax": {},
@@ -35,83 +42,66 @@ FAMILY_OVERRIDES = {
 }
 
 
-def make_examples(seq_len: int, seed: int) -> list[tuple[list[int], list[int], int]]:
-    """(ids, token types, SOP label): [CLS] A [SEP] B [SEP], A/B consecutive byte chunks of one doc."""
-    rng = random.Random(seed)
-    half = (seq_len - 3) // 2
-    examples = []
-    for doc in embedded_documents():
-        data = [b + OFFSET for b in doc.encode("utf-8")]
-        for start in range(0, len(data) - 2 * half, 2 * half):
-            a, b = data[start : start + half], data[start + half : start + 2 * half]
-            swapped = rng.random() < 0.5
-            if swapped:
-                a, b = b, a
-            ids = [CLS, *a, SEP, *b, SEP]
-            types = [0] * (len(a) + 2) + [1] * (len(b) + 1)
-            examples.append((ids, types, int(swapped)))
-    rng.shuffle(examples)
-    return examples
+def prepare_data(args) -> tuple[Path, Path]:
+    """Tokenizer + shards on the embedded corpus (both reused when already there)."""
+    out = Path(args.out)
+    tok_path = out / "tokenizer" / TOKENIZER
+    if not tok_path.exists():
+        write_tokenizer(out / "tokenizer", inputs=["embedded"], vocab_size=args.vocab_size)
+    shard_dir = out / "shards"
+    config = ShardConfig(
+        inputs=("embedded",), num_shards=2, max_seq_length=args.seq_len, seed=args.seed
+    )
+    build_shards(config, tok_path, shard_dir, workers=1)
+    return tok_path, shard_dir
 
 
-def mask_batch(ids: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """15% of non-special tokens: 80% [MASK], 10% random byte, 10% unchanged. Returns (inputs, labels)."""
-    special = ids < OFFSET
-    picked = (torch.rand(ids.shape, generator=gen) < 0.15) & ~special
-    labels = torch.where(picked, ids, torch.full_like(ids, -100))
-    roll = torch.rand(ids.shape, generator=gen)
-    inputs = ids.clone()
-    inputs[picked & (roll < 0.8)] = MASK
-    rand_tok = torch.randint(OFFSET, VOCAB, ids.shape, generator=gen)
-    replace = picked & (roll >= 0.8) & (roll < 0.9)
-    inputs[replace] = rand_tok[replace]
-    return inputs, labels
-
-
-def train_family(name: str, args, examples) -> dict:
+def train_family(name: str, args, tok_path: Path, shard_dir: Path) -> dict:
     torch.manual_seed(args.seed)
+    data = PretrainingData(
+        shard_dir, max_seq_length=args.seq_len, seed=args.seed, tokenizer_path=tok_path
+    )
+    loader = PretrainingLoader(data, batch_size=args.batch, num_workers=0)
     cfg = EncoderConfig.preset(
         "debug",
-        vocab_size=VOCAB,
+        vocab_size=data.vocab_size,
         hidden_size=64,
         embedding_size=32,
         num_hidden_layers=4,
         num_attention_heads=4,
         intermediate_size=128,
         max_position_embeddings=args.seq_len,
+        pad_token_id=data.special.pad,
         attention=name,
         **FAMILY_OVERRIDES.get(name, {}),
     )
     model = EncoderForPretraining(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    gen = torch.Generator().manual_seed(args.seed)
     losses, start = [], time.perf_counter()
+    batches = iter(loader)
     for step in range(args.steps):
-        batch = [examples[(step * args.batch + i) % len(examples)] for i in range(args.batch)]
-        ids = torch.tensor([b[0] for b in batch])
-        types = torch.tensor([b[1] for b in batch])
-        sop = torch.tensor([b[2] for b in batch])
-        inputs, labels = mask_batch(ids, gen)
-        out = model(inputs, torch.ones_like(ids, dtype=torch.bool), types)
-        mlm = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-        loss = (
-            mlm
-            + F.cross_entropy(out.sop_logits, sop)
-            + sum(out.aux_losses.values(), torch.zeros(()))
+        batch = next(batches)
+        out = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+        mlm = F.cross_entropy(
+            out.logits.flatten(0, 1), batch["mlm_labels"].flatten(), ignore_index=-100
         )
+        sop = F.cross_entropy(out.sop_logits, batch["sop_labels"], ignore_index=-100)
+        loss = mlm + sop + sum(out.aux_losses.values(), torch.zeros(()))
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"{name}: non-finite loss at step {step}")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(mlm.item())
-        if not torch.isfinite(loss):
-            raise RuntimeError(f"{name}: non-finite loss at step {step}")
     seconds = time.perf_counter() - start
 
-    release = save_release(Path(args.out) / name, model, overwrite=True)
+    release = save_release(
+        Path(args.out) / "releases" / name, model, tokenizer_file=tok_path, overwrite=True
+    )
     model.eval()
     reloaded = load_release(release).eval()
-    probe = torch.tensor([examples[0][0]])
+    probe = next(batches)["input_ids"][:1]
     with torch.no_grad():
         same = torch.equal(model(probe).logits, reloaded(probe).logits)
     if not same:
@@ -135,21 +125,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", default="runs/smoke", help="directory for the per-family releases")
+    parser.add_argument(
+        "--out", default="runs/smoke", help="directory for tokenizer, shards, releases"
+    )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--vocab-size", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--families", nargs="+", default=ATTENTION_REGISTRY.names())
     args = parser.parse_args(argv)
     unknown = [f for f in args.families if f not in ATTENTION_REGISTRY]
     if unknown:
         parser.error(f"unknown families {unknown}; valid: {ATTENTION_REGISTRY.names()}")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    examples = make_examples(args.seq_len, args.seed)
-    print(f"embedded corpus: {len(examples)} examples of {args.seq_len} byte tokens")
-    rows = [train_family(name, args, examples) for name in args.families]
+    start = time.perf_counter()
+    tok_path, shard_dir = prepare_data(args)
+    manifest = json.loads((shard_dir / "manifest.json").read_text())
+    print(
+        f"data_prep: tokenizer {tok_path} (vocab {manifest['vocab_size']}), "
+        f"{manifest['totals']['examples']} examples / {manifest['totals']['tokens']} tokens "
+        f"in {manifest['num_shards']} shards at {shard_dir} ({time.perf_counter() - start:.1f} s)"
+    )
+    rows = [train_family(name, args, tok_path, shard_dir) for name in args.families]
     print(
         f"\n{'family':<10} {'mlm first':>10} {'mlm last':>10} {'sec':>6} {'params':>8} {'orth err':>9}"
     )
@@ -161,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
-    print(f"\nreleases and summary.json in {args.out}")
+    print(
+        f"\nreleases in {Path(args.out) / 'releases'}, summary in {Path(args.out) / 'summary.json'}"
+    )
     failed = [r["family"] for r in rows if not r["mlm_loss_last"] < r["mlm_loss_first"]]
     if failed:
         print(f"MLM loss did not decrease for: {failed}", file=sys.stderr)
