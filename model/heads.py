@@ -92,8 +92,10 @@ class _EncoderModel(nn.Module):
 class EncoderForPretraining(_EncoderModel):
     """Encoder + MLM (tied decoder) + SOP. `logits` are the MLM logits.
 
-    `masked_positions` (optional, (B, N) bool) decodes only those positions: logits then have
-    shape (num_masked, V), in row-major order of the mask (saves the (B, N, V) tensor).
+    `masked_positions` (optional) decodes only some positions, saving the (B, N, V) tensor:
+    a (B, N) bool mask gives logits (num_masked, V) in row-major order of the mask (dynamic
+    shapes); a (B, K) integer index tensor (the loader's static-shape `masked_positions`) gives
+    logits (B, K, V), a fixed shape for compiled models.
     """
 
     head_type = "pretraining"
@@ -125,7 +127,11 @@ class EncoderForPretraining(_EncoderModel):
         enc = self.encoder(input_ids, attention_mask, token_type_ids, output_hidden_states)
         hidden = enc.last_hidden_state
         if masked_positions is not None:
-            hidden = hidden[masked_positions]
+            if masked_positions.dtype == torch.bool:
+                hidden = hidden[masked_positions]  # (num_masked, d)
+            else:  # (B, K) indices -> (B, K, d)
+                index = masked_positions.unsqueeze(-1).expand(-1, -1, hidden.size(-1))
+                hidden = hidden.gather(1, index)
         logits = self.mlm(hidden, self.encoder.embeddings.token_embedding_weight)
         sop_logits = self.sop(self.sop_dropout(enc.pooled_output))
         return ModelOutput(

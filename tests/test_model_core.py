@@ -312,9 +312,17 @@ def test_sparse_mlm_decoding_equals_dense():
     picked = torch.zeros_like(mask)
     picked[0, [1, 4]] = True
     picked[2, 2] = True
-    dense = model(ids, mask).logits[picked]
+    full = model(ids, mask).logits
+    dense = full[picked]
     sparse = model(ids, mask, masked_positions=picked).logits
     torch.testing.assert_close(sparse, dense)
+    # Static shapes: (B, K) indices (the loader's masked_positions, 0 as padding) -> (B, K, V).
+    index = torch.tensor([[1, 4, 0], [0, 0, 0], [2, 0, 0]])
+    static = model(ids, mask, masked_positions=index).logits
+    assert static.shape == (3, 3, full.shape[-1])
+    torch.testing.assert_close(
+        static, full.gather(1, index[..., None].expand(-1, -1, full.shape[-1]))
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
