@@ -29,9 +29,8 @@ from model.attention.base import AuxLosses, make_linear
 from model.config import EncoderConfig
 from model.embeddings import AlbertEmbeddings
 from model.orthogonal import (
-    FP32Orthogonal,
-    Linear,
     active_orthogonal_cache,
+    is_orthogonal_parametrized,
     orthogonal_cache,
     orthogonal_modules,
 )
@@ -60,12 +59,12 @@ def add_aux(total: AuxLosses, new: AuxLosses) -> None:
 class EncoderLayer(nn.Module):
     """Attention + feed-forward block with post-LN (ALBERT), pre-LN or ReZero residuals."""
 
-    def __init__(self, cfg: EncoderConfig, layer_id: int = 0):
+    def __init__(self, cfg: EncoderConfig):
         super().__init__()
         family = ATTENTION_REGISTRY.get(cfg.attention)
         d = cfg.hidden_size
         self.residual = cfg.residual
-        self.attention = MultiHeadAttention(cfg, family.kernel(cfg, layer_id))
+        self.attention = MultiHeadAttention(cfg, family.kernel(cfg))
         self.ffn_in = make_linear(cfg, d, cfg.intermediate_size)
         self.ffn_out = make_linear(cfg, cfg.intermediate_size, d)
         self.act = ACTIVATIONS[cfg.hidden_act]
@@ -121,11 +120,8 @@ class Encoder(nn.Module):
         self.embeddings = (family.embeddings or AlbertEmbeddings)(cfg)
         make_layer = family.layer or EncoderLayer
         self.groups = nn.ModuleList(
-            nn.ModuleList(
-                make_layer(cfg) if family.layer else EncoderLayer(cfg, g * cfg.inner_group_num + i)
-                for i in range(cfg.inner_group_num)
-            )
-            for g in range(cfg.num_hidden_groups)
+            nn.ModuleList(make_layer(cfg) for _ in range(cfg.inner_group_num))
+            for _ in range(cfg.num_hidden_groups)
         )
         self.schedule = cfg.group_schedule()
         gate_init = make_layer.residual_gate_init(cfg)
@@ -256,11 +252,8 @@ def init_weights(module: nn.Module, std: float) -> None:
     if hasattr(module, "init_parameters"):
         module.init_parameters()
         return
-    if isinstance(module, (nn.Linear, Linear)):
-        if not (
-            parametrize.is_parametrized(module, "weight")
-            and isinstance(module.parametrizations.weight[0], FP32Orthogonal)
-        ):
+    if isinstance(module, nn.Linear):
+        if not is_orthogonal_parametrized(module):
             nn.init.normal_(module.weight, std=std)
         if module.bias is not None:
             nn.init.zeros_(module.bias)

@@ -35,8 +35,8 @@ def make_cfg(feature_map: str, stacked: int = 1, **kernel) -> EncoderConfig:
     return EncoderConfig.preset("debug", attention="kernel", kernel=kernel)
 
 
-def make_kernel(cfg: EncoderConfig, layer_id: int = 0) -> KernelAttention:
-    return KernelAttention(cfg, layer_id).eval()
+def make_kernel(cfg: EncoderConfig) -> KernelAttention:
+    return KernelAttention(cfg).eval()
 
 
 def random_qkv(cfg: EncoderConfig, B: int = 3, N: int = 9):
@@ -125,7 +125,7 @@ def test_dropout_on_kernel_input():
     """Dropout hits the per-head q and k before phi in training, and nothing in eval."""
     torch.manual_seed(11)
     cfg = make_cfg("aoglu", dropout=0.5)
-    kernel = KernelAttention(cfg, 0).train()
+    kernel = KernelAttention(cfg).train()
     seen = []
     kernel.phi.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
     q, k, v = random_qkv(cfg)
@@ -244,7 +244,7 @@ def test_glu_not_orthogonal_and_ignored_settings_warn():
         model = EncoderForPretraining(make_cfg("glu", orthogonality_penalty=0.1))
     assert model(torch.randint(1, 512, (1, 6))).aux_losses == {}
     with pytest.warns(UserWarning, match="num_stacked"):
-        KernelAttention(make_cfg("elu", 3), 0)
+        KernelAttention(make_cfg("elu", 3))
 
 
 def test_penalty_counted_once_per_distinct_layer():
@@ -359,7 +359,7 @@ def test_linear_cost_no_N_by_N_intermediate():
         num_attention_heads=2,
         kernel={"feature_map": "aoglu", "num_stacked": 2, "dropout": 0.1},
     )
-    kernel = KernelAttention(cfg, 0).train()
+    kernel = KernelAttention(cfg).train()
     q, k, v = (t.requires_grad_() for t in random_qkv(cfg, B=1, N=N))
     mask = torch.ones(1, N, dtype=torch.bool)
     mask[0, -100:] = False

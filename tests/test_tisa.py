@@ -78,7 +78,7 @@ def test_kernel_matches_naive_softmax_with_bias(scope):
     q, k, v, mask_BN = qkv_and_mask()
     scorers = [random_scorer(seed=s) for s in range(3)]
     layer = 2 if scope == "per_layer" else 0
-    kernel = TISAKernel(cfg, layer_id=0)
+    kernel = TISAKernel(cfg)
     for inputs in (q, k, v):
         inputs.requires_grad_(True)
     values_PHM = torch.stack([s.values(q.size(-2)) for s in scorers])

@@ -136,8 +136,8 @@ class AttentionFamily:
 
     name: str
     description: str
-    kernel: Callable[[EncoderConfig, int], ScoreKernel] | None = None
-    """Builds the ScoreKernel of a standard layer: (cfg, layer_id) -> kernel."""
+    kernel: Callable[[EncoderConfig], ScoreKernel] | None = None
+    """Builds the ScoreKernel of a standard layer: cfg -> kernel."""
     layer: Callable[[EncoderConfig], nn.Module] | None = None
     """Builds a whole layer (replaces the standard layer): cfg -> module."""
     embeddings: Callable[[EncoderConfig], nn.Module] | None = None

@@ -159,7 +159,7 @@ class EluFeatureMap(nn.Module):
 class KernelAttention(ScoreKernel):
     """Non-causal linear attention with a trainable feature map phi shared by queries and keys."""
 
-    def __init__(self, cfg: EncoderConfig, layer_id: int = 0):
+    def __init__(self, cfg: EncoderConfig):
         super().__init__()
         kc = cfg.kernel
         self.eps = kc.eps

@@ -36,7 +36,7 @@ def naive_softmax_attention(
 class SoftmaxKernel(ScoreKernel):
     """Scaled dot-product softmax attention with a key-padding mask."""
 
-    def __init__(self, cfg: EncoderConfig, layer_id: int = 0):
+    def __init__(self, cfg: EncoderConfig):
         super().__init__()
         self.dropout_p = cfg.attention_probs_dropout_prob
 

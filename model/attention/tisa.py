@@ -175,7 +175,7 @@ class TISAState(FamilyState):
 class TISAKernel(ScoreKernel):
     """softmax(Q K^T / sqrt(h) + F_P + key_padding) V, with F_P from `TISAState`'s values."""
 
-    def __init__(self, cfg: EncoderConfig, layer_id: int = 0):
+    def __init__(self, cfg: EncoderConfig):
         super().__init__()
         self.cfg = cfg
         self.per_layer = cfg.tisa.scope == "per_layer"
