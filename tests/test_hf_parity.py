@@ -118,13 +118,9 @@ def run_cli(hf_dir, out, *extra) -> None:
     assert main(["--hf-dir", str(hf_dir), "--out", str(out), *extra]) == 0
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
-def test_pretraining_parity(hf_pretraining, tmp_path, fmt):
-    hf, root = hf_pretraining
-    run_cli(root / fmt, tmp_path / "release")
-    ours = load_release(tmp_path / "release").eval()
-    assert ours.head_type == "pretraining"
-
+def assert_pretraining_parity(ours, hf):
+    """MLM logits (real tokens), SOP logits and every hidden state agree with the HF model.
+    Returns (our output, the inputs, the real-token mask) for further checks."""
     inputs = make_inputs(TINY["vocab_size"])
     with torch.no_grad():
         ref = hf(**inputs, output_hidden_states=True)
@@ -133,6 +129,17 @@ def test_pretraining_parity(hf_pretraining, tmp_path, fmt):
     assert_close(out.logits[m], ref.prediction_logits[m], "MLM logits")
     assert_close(out.sop_logits, ref.sop_logits, "SOP logits")
     compare_hidden(out.encoder.hidden_states, ref.hidden_states, m, TINY)
+    return out, inputs, m
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_pretraining_parity(hf_pretraining, tmp_path, fmt):
+    hf, root = hf_pretraining
+    run_cli(root / fmt, tmp_path / "release")
+    ours = load_release(tmp_path / "release").eval()
+    assert ours.head_type == "pretraining"
+
+    assert_pretraining_parity(ours, hf)
 
     if fmt == "safetensors":
         assert tokenizer_path(tmp_path / "release").read_text() == '{"model": "stand-in"}\n'
@@ -172,14 +179,7 @@ def test_tisa_zero_amplitude_parity(hf_pretraining, tmp_path, scope):
     assert new and all(k.startswith("encoder.family_state.") for k in new), new
     ours = load_release(tmp_path / "release").eval()
 
-    inputs = make_inputs(TINY["vocab_size"])
-    with torch.no_grad():
-        ref = hf(**inputs, output_hidden_states=True)
-    out = our_forward(ours, inputs)
-    m = inputs["attention_mask"].bool()
-    assert_close(out.logits[m], ref.prediction_logits[m], "MLM logits")
-    assert_close(out.sop_logits, ref.sop_logits, "SOP logits")
-    compare_hidden(out.encoder.hidden_states, ref.hidden_states, m, TINY)
+    out, inputs, m = assert_pretraining_parity(ours, hf)
 
     # The TISA scorer is live: moving its new parameters off their init changes the outputs.
     with torch.no_grad():
