@@ -557,6 +557,9 @@ class PretrainingLoader:
             num_workers=self.num_workers,
             collate_fn=self.collate,
             pin_memory=self.pin_memory,
+            # Its own generator: creating the iterator must not draw from the global torch RNG
+            # (that would shift dropout after a resume). Examples draw from (seed, epoch, index).
+            generator=torch.Generator().manual_seed(self.data.seed),
             **extra,
         )
         for batch in loader:

@@ -1,0 +1,670 @@
+"""A run directory's checkpoint store: atomic multi-rank saves, verified loads with fallback.
+
+On-disk layout::
+
+    run_dir/checkpoints/
+      latest                       # text: the tag of the newest complete checkpoint
+      step_00000100/               # complete: DeepSpeed's files + rank_00000.pt ... + COMPLETE.json
+      step_00000200.partial/       # being written (or left by a crash): never loaded
+
+A checkpoint is a directory named by its tag (``step_%08d``). It is written under a staging
+name (``<tag>.partial``) by every rank, sealed by rank 0 with ``COMPLETE.json`` (the step, the
+world size, the caller's ``meta`` and the size of every file in the directory), and only then
+renamed to its tag; ``latest`` is replaced atomically after that. The protocol, on every rank::
+
+    staging = store.begin(step)                       # rank 0 makes an empty staging dir
+    engine.save_checkpoint(store.root, tag=store.staging_tag(step), save_latest=False)
+    save_rank_state(staging, rank, {"rng": rng_state(), "loader": loader.state_dict()})
+    store.commit(step, meta={"loss": loss})           # seal, rename, move `latest`, prune
+
+and to resume::
+
+    found = store.resolve()                           # None: fresh run
+    if found is not None:
+        path, _ = found
+        engine.load_checkpoint(store.root, tag=path.name)
+        set_rng_state(load_rank_state(path, rank)["rng"])
+
+Crash safety. A crash before the rename leaves a ``.partial`` directory that is never a
+candidate (and is removed by the next ``begin`` of that step or a later ``commit``). A crash
+between the rename and the update of ``latest`` leaves a complete checkpoint that ``latest`` does
+not name yet; it is still found (the other complete checkpoints follow ``latest``, newest first).
+Every file is fsynced before ``COMPLETE.json`` is written, and ``COMPLETE.json`` before the
+rename, so a complete-looking checkpoint never has missing data after a power loss. Files are
+checked against their recorded sizes when loaded, so a truncated file makes a checkpoint
+unusable and ``resolve`` falls back to the previous one with a warning.
+
+Saving a step that already has a complete checkpoint replaces it (``begin(step, replace=True)``,
+the default). This happens after a resume from an older checkpoint (a fallback, or an explicit
+step), when training reaches the same step again; refusing would make a requeued job fail
+forever. The old directory stays loadable until the new one is sealed: ``commit`` then moves it
+aside (``<tag>.removing``), renames the new one into place and deletes the old one. The only
+unprotected moment is between those two renames; a crash there loses that step and ``resolve``
+falls back to an older one. ``replace=False`` raises ``CheckpointError`` instead.
+
+Multi-rank. The store makes no ``torch.distributed`` calls: ``begin`` and ``commit`` are
+collective through the ``barrier`` callable, all other methods are local reads. Every rank must
+see the same shared filesystem (Lustre, GPFS, NFS with close-to-open consistency; not
+DeepSpeed's node-local storage). An exception raised on rank 0 inside ``commit`` (a full disk)
+leaves the other ranks waiting in the barrier until the process group times out.
+
+torch is imported inside the functions that need it (RNG and per-rank state), so the store
+itself is cheap to import from tools and subprocesses that never touch tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, BinaryIO, TypeVar
+
+import numpy as np
+
+__all__ = [
+    "CHECKPOINT_DIR_PATTERN",
+    "COMPLETE_FILE",
+    "LATEST_FILE",
+    "CheckpointError",
+    "CheckpointStore",
+    "load_rank_state",
+    "rank_state_path",
+    "rng_state",
+    "save_rank_state",
+    "set_rng_state",
+    "step_of",
+    "tag_for",
+]
+
+CHECKPOINT_DIR_PATTERN = "step_%08d"
+"""``%``-format of a checkpoint tag (the directory name under the store's root)."""
+STAGING_SUFFIX = ".partial"
+"""Suffix of a checkpoint directory that is being written (or was left by a crash)."""
+REMOVING_SUFFIX = ".removing"
+"""Suffix of a checkpoint directory that is being deleted (replaced or pruned)."""
+COMPLETE_FILE = "COMPLETE.json"
+"""The seal written last into a checkpoint directory; lists every other file and its size."""
+LATEST_FILE = "latest"
+"""Text file under the root holding the tag of the newest complete checkpoint (DeepSpeed reads
+the same name and format when ``load_checkpoint`` gets no tag)."""
+RANK_STATE_PATTERN = "rank_%05d.pt"
+"""``%``-format of the per-rank state file inside a checkpoint directory."""
+
+_TAG_RE = re.compile(r"step_(\d{8,})")
+_RECORD_KEYS = ("step", "tag", "world_size", "time", "meta", "files")
+
+T = TypeVar("T")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint (or a checkpoint file) that cannot be used; names the path and why."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        super().__init__(str(path), reason)  # both in args, so the error pickles across processes
+        self.path = Path(path)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+def _check_step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"checkpoint step={step!r} is invalid; valid: an integer >= 0")
+    return step
+
+
+def tag_for(step: int) -> str:
+    """The tag (directory name) of the checkpoint of ``step``: ``tag_for(100) == "step_00000100"``."""
+    return CHECKPOINT_DIR_PATTERN % _check_step(step)
+
+
+def step_of(tag: str) -> int | None:
+    """The step that ``tag`` names, or None when ``tag`` is not exactly what ``tag_for`` makes."""
+    m = _TAG_RE.fullmatch(tag)
+    if m is None or tag_for(int(m.group(1))) != tag:
+        return None
+    return int(m.group(1))
+
+
+def _step_of_prefixed(name: str, suffix: str) -> int | None:
+    """The step of ``<tag><suffix>`` (a staging or removing directory name), else None."""
+    return step_of(name[: -len(suffix)]) if name.endswith(suffix) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# durable file operations
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a directory's entries (creations, renames) durable. No-op where unsupported."""
+    if os.name == "nt":  # Windows cannot open a directory to fsync it
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write ``path`` through ``<path>.tmp`` + fsync + ``os.replace``: readers see the old file or
+    the whole new one, never a prefix."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _remove(path: Path) -> None:
+    """Delete a directory tree (or a file); missing is fine."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _remove_via_rename(path: Path) -> None:
+    """Delete a checkpoint directory so that a crash midway never leaves a half-deleted
+    directory under its tag: rename it to ``<tag>.removing`` first."""
+    aside = path.with_name(path.name + REMOVING_SUFFIX)
+    _remove(aside)
+    os.replace(path, aside)
+    _remove(aside)
+
+
+def _file_sizes(directory: Path) -> dict[str, int]:
+    """``{relative posix path: size}`` of every file under ``directory`` except the seal."""
+    sizes: dict[str, int] = {}
+    for dirpath, dirnames, filenames in os.walk(directory):
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = Path(dirpath, name)
+            rel = path.relative_to(directory).as_posix()
+            if rel != COMPLETE_FILE:
+                sizes[rel] = path.stat().st_size
+    return sizes
+
+
+def _json_copy(meta: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(meta, dict):
+        raise ValueError(f"checkpoint meta must be a dict, got {type(meta).__name__}")
+    try:
+        return json.loads(json.dumps(meta))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"checkpoint meta must be JSON-serializable: {exc}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# the store
+
+
+def _no_barrier() -> None:
+    """The barrier of a single-process run."""
+
+
+class CheckpointStore:
+    """The checkpoints of one run under ``root`` (see the module docstring for the protocol).
+
+    ``rank``/``world_size`` say which process this is; only rank 0 writes the store's own files.
+    ``keep_last`` complete checkpoints are kept (newest steps; the one ``latest`` names is never
+    deleted); 0 keeps all. ``barrier`` is called by ``begin`` and ``commit`` on every rank, e.g.
+    ``torch.distributed.barrier``; the default does nothing (single process).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        keep_last: int = 3,
+        barrier: Callable[[], object] = _no_barrier,
+    ) -> None:
+        for name, value, minimum in (("world_size", world_size, 1), ("keep_last", keep_last, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name}={value!r} is invalid; valid: an integer >= {minimum}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank!r} is invalid; valid: an integer in [0, {world_size})")
+        if not callable(barrier):
+            raise ValueError(f"barrier must be callable, got {type(barrier).__name__}")
+        self.root = Path(root)
+        self.rank = rank
+        self.world_size = world_size
+        self.keep_last = keep_last
+        self._barrier = barrier
+
+    def __repr__(self) -> str:
+        return (
+            f"CheckpointStore({str(self.root)!r}, rank={self.rank}, "
+            f"world_size={self.world_size}, keep_last={self.keep_last})"
+        )
+
+    # ---------------------------------------------------------------------------- saving
+
+    def staging_tag(self, step: int) -> str:
+        """Name of the directory under ``root`` that the checkpoint of ``step`` is written to."""
+        return tag_for(step) + STAGING_SUFFIX
+
+    def begin(self, step: int, *, replace: bool = True) -> Path:
+        """Start saving ``step`` (collective): returns the empty staging directory to write into.
+
+        Rank 0 deletes a stale staging directory of the same step (left by a crash) and creates
+        it; the other ranks wait in the barrier. An existing complete checkpoint of ``step`` is
+        replaced by ``commit`` (and stays loadable until then); with ``replace=False`` it raises
+        ``CheckpointError`` instead, on every rank alike.
+        """
+        tag = tag_for(step)
+        if not replace and self._is_complete(tag):
+            raise CheckpointError(
+                self.root / tag,
+                "a complete checkpoint of this step exists and begin(replace=False) was asked",
+            )
+        staging = self.root / self.staging_tag(step)
+        if self.rank == 0:
+            _remove(staging)
+            staging.mkdir(parents=True)
+            _fsync_dir(self.root)
+        self._barrier()
+        return staging
+
+    def commit(self, step: int, meta: dict[str, Any]) -> Path:
+        """Finish saving ``step`` (collective, after every rank wrote its files): returns the
+        checkpoint directory ``root/<tag>``.
+
+        After the barrier, rank 0 seals the staging directory with ``COMPLETE.json`` (fsyncing
+        every file first), renames it to its tag (an old checkpoint of the same step is moved
+        aside first and deleted after), replaces ``latest``, prunes beyond ``keep_last`` and
+        deletes stale staging directories of older steps. ``meta`` (JSON-serializable) is stored
+        in ``COMPLETE.json`` and comes back from ``read_complete``.
+        """
+        tag = tag_for(step)
+        meta = _json_copy(meta)
+        staging = self.root / self.staging_tag(step)
+        if not staging.is_dir():  # checked on every rank, before the barrier: all fail alike
+            raise CheckpointError(staging, f"does not exist; call begin({step}) before commit")
+        self._barrier()
+        final = self.root / tag
+        if self.rank == 0:
+            self._seal(staging, step, meta)
+            self._publish(staging, final)
+            _write_atomically(self.root / LATEST_FILE, lambda f: f.write(tag.encode()))
+            self._prune(step)
+        self._barrier()
+        return final
+
+    def _seal(self, staging: Path, step: int, meta: dict[str, Any]) -> None:
+        files = _file_sizes(staging)
+        for rel in files:
+            _fsync_file(staging / rel)
+        record = {
+            "step": step,
+            "tag": tag_for(step),
+            "world_size": self.world_size,
+            "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "meta": meta,
+            "files": files,
+        }
+        data = json.dumps(record, indent=2).encode()
+        for dirpath, _, _ in os.walk(staging):  # entries of nested directories are durable too
+            _fsync_dir(Path(dirpath))
+        _write_atomically(staging / COMPLETE_FILE, lambda f: f.write(data))
+
+    def _publish(self, staging: Path, final: Path) -> None:
+        aside = final.with_name(final.name + REMOVING_SUFFIX)
+        if final.exists():
+            _remove(aside)
+            os.replace(final, aside)  # the new checkpoint is sealed: the old one may go
+        os.replace(staging, final)
+        _fsync_dir(self.root)
+        _remove(aside)
+
+    def _prune(self, step: int) -> None:
+        latest = self.latest_tag()
+        steps = self.complete_steps()
+        keep = set(steps[-self.keep_last :]) if self.keep_last else set(steps)
+        for old in steps:  # ascending: a crash midway leaves the newer ones
+            if old not in keep and tag_for(old) != latest:
+                _remove_via_rename(self.root / tag_for(old))
+        for path in self.root.iterdir():
+            staged = _step_of_prefixed(path.name, STAGING_SUFFIX)
+            if (staged is not None and staged < step) or _step_of_prefixed(
+                path.name, REMOVING_SUFFIX
+            ) is not None:
+                _remove(path)
+
+    # ---------------------------------------------------------------------------- reading
+
+    def _tag_dirs(self) -> Iterator[tuple[str, int]]:
+        """``(tag, step)`` of every checkpoint directory (complete or not), in no order."""
+        if not self.root.is_dir():
+            return
+        for path in self.root.iterdir():
+            step = step_of(path.name)
+            if step is not None and path.is_dir():
+                yield path.name, step
+
+    def _is_complete(self, tag: str) -> bool:
+        return (self.root / tag / COMPLETE_FILE).is_file()
+
+    def complete_steps(self) -> list[int]:
+        """Steps that have a sealed (``COMPLETE.json``) checkpoint directory, ascending. The files
+        are not checked here: see ``verify``."""
+        return sorted(step for tag, step in self._tag_dirs() if self._is_complete(tag))
+
+    def latest_tag(self) -> str | None:
+        """The tag in ``latest`` when it names an existing checkpoint directory, else None."""
+        try:
+            text = (self.root / LATEST_FILE).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+        if step_of(text) is None or not (self.root / text).is_dir():
+            return None
+        return text
+
+    def _directory(self, tag: str) -> Path:
+        if not isinstance(tag, str) or step_of(tag) is None:
+            raise ValueError(f"{tag!r} is not a checkpoint tag; valid: like {tag_for(100)!r}")
+        return self.root / tag
+
+    def _checked_record(self, tag: str) -> dict[str, Any]:
+        """The parsed ``COMPLETE.json`` of ``tag`` after checking it and the files it lists."""
+        directory = self._directory(tag)
+        seal = directory / COMPLETE_FILE
+        try:
+            record = json.loads(seal.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise CheckpointError(directory, f"is incomplete: no {COMPLETE_FILE}") from None
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise CheckpointError(directory, f"{COMPLETE_FILE} is unreadable ({exc})") from None
+        if not isinstance(record, dict) or any(key not in record for key in _RECORD_KEYS):
+            raise CheckpointError(
+                directory, f"{COMPLETE_FILE} is malformed (needs keys {list(_RECORD_KEYS)})"
+            )
+        if record["tag"] != tag or record["step"] != step_of(tag):
+            raise CheckpointError(
+                directory,
+                f"{COMPLETE_FILE} describes {record['tag']!r} (step {record['step']!r}), "
+                "not this directory",
+            )
+        files = record["files"]
+        if not isinstance(files, dict):
+            raise CheckpointError(directory, f"{COMPLETE_FILE} is malformed ('files')")
+        problems = [p for rel, size in files.items() if (p := _file_problem(directory, rel, size))]
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise CheckpointError(directory, "is damaged: " + "; ".join(problems[:3]) + more)
+        return record
+
+    def verify(self, tag: str) -> None:
+        """Raise ``CheckpointError`` (naming the directory and why) unless checkpoint ``tag`` is
+        sealed and every file listed in ``COMPLETE.json`` exists with its recorded size. The
+        world size is not compared: it is in ``read_complete(tag)["world_size"]``."""
+        self._checked_record(tag)
+
+    def read_complete(self, tag: str) -> dict[str, Any]:
+        """The ``COMPLETE.json`` of checkpoint ``tag`` (``step``, ``tag``, ``world_size``,
+        ``time``, ``meta``, ``files``), after ``verify``."""
+        return self._checked_record(tag)
+
+    def candidates(self, step: int | None = None) -> list[str]:
+        """Tags to try loading, best first.
+
+        With ``step``: ``[tag_for(step)]``, or ``CheckpointError`` when that checkpoint does not
+        exist or is not sealed. Without: the tag in ``latest``, then the other sealed
+        checkpoints, newest step first. Unsealed checkpoint directories are skipped with a
+        warning; staging directories are never candidates.
+        """
+        if step is not None:
+            tag = tag_for(step)
+            if not (self.root / tag).is_dir():
+                raise CheckpointError(
+                    self.root / tag,
+                    f"no checkpoint of step {step} (complete steps: {self.complete_steps()})",
+                )
+            if not self._is_complete(tag):
+                raise CheckpointError(self.root / tag, f"is incomplete: no {COMPLETE_FILE}")
+            return [tag]
+        latest = self.latest_tag()
+        if latest is None and (self.root / LATEST_FILE).exists():
+            warnings.warn(
+                f"{self.root / LATEST_FILE} does not name an existing checkpoint; ignoring it",
+                stacklevel=2,
+            )
+        tags = [tag for tag, _ in sorted(self._tag_dirs(), key=lambda ts: ts[1], reverse=True)]
+        if latest is not None:
+            tags.remove(latest)
+            tags.insert(0, latest)
+        usable = []
+        for tag in tags:
+            if self._is_complete(tag):
+                usable.append(tag)
+            else:
+                warnings.warn(
+                    f"checkpoint {self.root / tag} is incomplete (no {COMPLETE_FILE}); skipping it",
+                    stacklevel=2,
+                )
+        return usable
+
+    def resolve(
+        self, step: int | None = None, loader: Callable[[Path], T] | None = None
+    ) -> tuple[Path, T | None] | None:
+        """The checkpoint to resume from: ``(directory, loader(directory) or None)``.
+
+        Candidates are tried in order (``candidates``): ``verify``, then ``loader`` if given.
+        When one fails, a warning names it and the reason and the next one is tried; ``loader``
+        must therefore fully overwrite whatever a failed attempt loaded. Returns None when there
+        is no checkpoint directory at all (a fresh run); raises ``CheckpointError`` listing every
+        reason when checkpoints exist but none is usable. With ``step`` there is no fallback:
+        that checkpoint or ``CheckpointError``.
+
+        Ranks resolve independently. ``verify`` sees the same shared files on every rank, but a
+        ``loader`` may fail on one rank only; in a multi-rank job, resolve without a loader (or
+        agree on the step across ranks) before loading.
+        """
+        if step is not None:
+            tag = self.candidates(step)[0]
+            try:
+                return self.root / tag, self._attempt(tag, loader)
+            except Exception as exc:
+                raise CheckpointError(self.root / tag, _reason(exc)) from exc
+        tags = self.candidates()
+        if not tags:
+            if any(True for _ in self._tag_dirs()):
+                raise CheckpointError(self.root, "has checkpoint directories but none is complete")
+            return None
+        reasons = []
+        for i, tag in enumerate(tags):
+            try:
+                return self.root / tag, self._attempt(tag, loader)
+            except Exception as exc:
+                reason = _reason(exc)
+                reasons.append(f"{tag}: {reason}")
+                if i + 1 < len(tags):
+                    warnings.warn(
+                        f"checkpoint {self.root / tag} is unusable ({reason}); "
+                        f"falling back to {self.root / tags[i + 1]}",
+                        stacklevel=2,
+                    )
+        raise CheckpointError(self.root, "no usable checkpoint: " + "; ".join(reasons))
+
+    def _attempt(self, tag: str, loader: Callable[[Path], T] | None) -> T | None:
+        self.verify(tag)
+        return None if loader is None else loader(self.root / tag)
+
+
+def _file_problem(directory: Path, rel: object, size: object) -> str | None:
+    """What is wrong with one file listed in a seal, or None."""
+    if not isinstance(rel, str) or Path(rel).is_absolute() or ".." in Path(rel).parts:
+        return f"listed path {rel!r} is not inside the checkpoint"
+    try:
+        actual = (directory / rel).stat().st_size
+    except FileNotFoundError:
+        return f"{rel} is missing"
+    if actual != size:
+        return f"{rel} has {actual} bytes, {size} expected"
+    return None
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, CheckpointError):
+        return exc.reason
+    return f"{type(exc).__name__}: {exc}"
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG and per-rank state
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states, for an exact resume: Python's ``random``, numpy's global RNG,
+    torch's CPU generator and (when CUDA is available) every CUDA device's generator. Holds
+    only tensors, ints, floats, strings, lists, dicts and None, so it loads with
+    ``torch.load(weights_only=True)``."""
+    import torch
+
+    version, internal, gauss_next = random.getstate()
+    kind, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
+        "numpy": {
+            "kind": str(kind),
+            "key": torch.from_numpy(key.astype(np.int64)),  # uint32 -> int64: no uint32 tensors
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _byte_tensor(value: object, what: str) -> Any:
+    import torch
+
+    if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.ndim == 1):
+        raise ValueError(f"malformed RNG state: {what} must be a 1-D uint8 tensor")
+    return value.cpu()
+
+
+def _parse_rng_state(state: dict[str, Any]) -> tuple[tuple, tuple, Any, list[Any] | None]:
+    """Check ``state`` completely (nothing is applied on a malformed dict) and convert it."""
+    import torch
+
+    if not isinstance(state, dict) or any(k not in state for k in ("python", "numpy", "torch")):
+        raise ValueError("malformed RNG state: needs a dict with 'python', 'numpy', 'torch'")
+    try:
+        py, npy = state["python"], state["numpy"]
+        python_state = (int(py["version"]), tuple(int(x) for x in py["state"]), py["gauss_next"])
+        key = npy["key"]
+        key = np.asarray(key.cpu().numpy() if isinstance(key, torch.Tensor) else key)
+        numpy_state = (
+            str(npy["kind"]),
+            key,
+            int(npy["pos"]),
+            int(npy["has_gauss"]),
+            float(npy["cached_gaussian"]),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"malformed RNG state: {type(exc).__name__}: {exc}") from None
+    if len(python_state[1]) != len(random.getstate()[1]):
+        raise ValueError("malformed RNG state: python state has the wrong length")
+    if python_state[2] is not None and not isinstance(python_state[2], float):
+        raise ValueError("malformed RNG state: python gauss_next must be a float or None")
+    if (
+        numpy_state[0] != "MT19937"
+        or key.shape != (624,)
+        or key.dtype.kind not in "iu"
+        or key.min() < 0
+        or key.max() >= 2**32
+    ):
+        raise ValueError("malformed RNG state: numpy state must be MT19937 with 624 uint32 words")
+    numpy_state = (numpy_state[0], key.astype(np.uint32), *numpy_state[2:])
+    cpu = _byte_tensor(state["torch"], "'torch'")
+    if cpu.numel() != torch.get_rng_state().numel():
+        raise ValueError("malformed RNG state: 'torch' has the wrong size")
+    cuda = state.get("cuda")
+    if cuda is not None:
+        if not isinstance(cuda, (list, tuple)):
+            raise ValueError("malformed RNG state: 'cuda' must be a list of tensors")
+        cuda = [_byte_tensor(s, f"'cuda'[{i}]") for i, s in enumerate(cuda)]
+    return python_state, numpy_state, cpu, cuda
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what ``rng_state`` returned. A CUDA part is applied when CUDA is available (to the
+    devices both runs have, with a warning when the counts differ) and ignored with a warning
+    otherwise. Raises ``ValueError`` for a malformed dict, before changing any generator."""
+    import torch
+
+    python_state, numpy_state, cpu, cuda = _parse_rng_state(state)
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(cpu)
+    if cuda is None:
+        return
+    if not torch.cuda.is_available():
+        warnings.warn("the saved CUDA RNG state is ignored: CUDA is not available", stacklevel=2)
+        return
+    count = torch.cuda.device_count()
+    if len(cuda) != count:
+        warnings.warn(
+            f"the saved CUDA RNG state has {len(cuda)} devices, this process sees {count}; "
+            f"restoring the first {min(count, len(cuda))}",
+            stacklevel=2,
+        )
+    for device, device_state in enumerate(cuda[:count]):
+        torch.cuda.set_rng_state(device_state, device)
+
+
+def rank_state_path(directory: str | os.PathLike[str], rank: int) -> Path:
+    """``directory/rank_00003.pt`` for rank 3."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"rank={rank!r} is invalid; valid: an integer >= 0")
+    return Path(directory) / (RANK_STATE_PATTERN % rank)
+
+
+def save_rank_state(directory: str | os.PathLike[str], rank: int, state: dict[str, Any]) -> Path:
+    """``torch.save`` one rank's own state (RNG, loader position, ...) into a checkpoint
+    directory, atomically (tmp file + fsync + ``os.replace``). Keep it to tensors and plain
+    Python containers so it loads with ``weights_only=True``. Returns the file's path."""
+    import torch
+
+    if not isinstance(state, dict):
+        raise ValueError(f"rank state must be a dict, got {type(state).__name__}")
+    path = rank_state_path(directory, rank)
+    _write_atomically(path, lambda f: torch.save(state, f))
+    return path
+
+
+def load_rank_state(directory: str | os.PathLike[str], rank: int) -> dict[str, Any]:
+    """The state ``save_rank_state`` wrote for ``rank``, loaded with ``weights_only=True`` onto
+    the CPU. Raises ``CheckpointError`` naming the file when it is missing or unreadable."""
+    import torch
+
+    path = rank_state_path(directory, rank)
+    if not path.is_file():
+        raise CheckpointError(path, "is missing (was the checkpoint saved with this rank?)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(path, f"cannot be read ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(state, dict):
+        raise CheckpointError(path, f"holds a {type(state).__name__}, not a dict")
+    return state

@@ -1,0 +1,634 @@
+"""The training engine shared by pretraining and fine-tuning: one object that owns the model's
+distribution, mixed precision, gradient accumulation, clipping, the optimizer step and the
+learning-rate schedule. Model code stays single-device; this is the one place that applies
+DeepSpeed (or plain PyTorch) from outside.
+
+Backends (``EngineConfig.backend``):
+
+- ``"deepspeed"``: ``deepspeed.initialize`` with ZeRO stage 0-3, the config below turned into a
+  DeepSpeed config dict (``EngineConfig.deepspeed`` is merged over it for anything else, e.g.
+  offload). Runs on CUDA (NCCL) and on CPU (gloo; DeepSpeed's CPU accelerator).
+- ``"torch"``: plain PyTorch, ``DistributedDataParallel`` when there is more than one process.
+  No ZeRO; useful without DeepSpeed and as the reference the engine is benchmarked against.
+
+Precision (``EngineConfig.precision``):
+
+- ``"fp32"``.
+- ``"bf16-mixed"``: fp32 weights and optimizer, ``torch.autocast`` to bf16 in forward. The
+  optimizer sees each parameter tensor as it is, so LAMB's per-tensor trust ratio is exact.
+- ``"bf16"``: DeepSpeed's bf16 mode: bf16 weights, activations and gradients, fp32 master
+  weights inside the optimizer wrapper (``backend="deepspeed"`` only).
+- ``"fp16"``: fp16 with dynamic loss scaling (DeepSpeed's fp16 mode, or autocast +
+  ``torch.amp.GradScaler`` with ``backend="torch"``). CUDA only.
+
+LAMB and ZeRO: ZeRO stage >= 1, and DeepSpeed's ``bf16``/``fp16`` modes, hand the optimizer
+flattened fp32 buffers instead of parameter tensors, so LAMB's trust ratio is computed per
+flat partition rather than per tensor (DeepSpeed issue #490). ALBERT models are small (12M
+parameters for albert-base: ZeRO saves little), so the LAMB recipes use ZeRO-0 with
+``bf16-mixed``; other combinations run, with a warning at start-up.
+
+Non-finite losses: ``backward`` agrees across ranks whether every rank's loss is finite. If
+not, the micro-batch is backpropagated as ``0 * loss`` (DeepSpeed needs the backward call to
+keep its state consistent), and at the accumulation boundary the optimizer update is skipped:
+the weights, the optimizer state and the schedule stay as they were and ``StepResult.skipped``
+says so. The caller counts skips and decides when to give up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import math
+import os
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+from engine.distributed import DistEnv, detect, export_torch_env
+from engine.optim import OptimizerConfig, ScheduleConfig, build_optimizer, build_scheduler
+
+BACKENDS = ("deepspeed", "torch")
+PRECISIONS = ("fp32", "bf16-mixed", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class EngineConfig:
+    """How the model is trained across processes: backend, ZeRO, precision, batch layout."""
+
+    backend: str = "deepspeed"
+    """``"deepspeed"`` (ZeRO 0-3) or ``"torch"`` (plain PyTorch; DDP across processes)."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage: 0 (data parallel), 1 (optimizer state partitioned), 2 (+ gradients),
+    3 (+ parameters). ``backend="torch"`` accepts only 0."""
+    precision: str = "bf16-mixed"
+    """``"fp32"``, ``"bf16-mixed"`` (autocast, fp32 weights), ``"bf16"`` (DeepSpeed bf16 weights
+    with fp32 master copies) or ``"fp16"`` (dynamic loss scaling; CUDA only)."""
+    micro_batch_size: int = 32
+    """Sequences per process per forward pass."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step. Global batch = micro_batch_size x this x processes."""
+    gradient_clipping: float = 1.0
+    """Clip the global gradient norm to this value (0 disables clipping)."""
+    activation_checkpointing: bool = False
+    """Recompute each layer application in backward (torch non-reentrant checkpoint); memory
+    then grows with depth by one hidden state per layer application instead of all
+    activations. Works with shared layers and ZeRO-3."""
+    device: str = "auto"
+    """``"auto"`` (CUDA when available, else CPU), ``"cpu"`` or ``"cuda"``."""
+    fp16_initial_scale_power: int = 16
+    """fp16: the initial loss scale is 2 ** this."""
+    fp16_loss_scale_window: int = 1000
+    """fp16: steps without overflow before the loss scale doubles."""
+    fp16_hysteresis: int = 2
+    """fp16: overflows tolerated before the loss scale is lowered (DeepSpeed)."""
+    fp16_min_loss_scale: float = 1.0
+    """fp16: the loss scale never goes below this."""
+    dist_timeout_minutes: float = 30.0
+    """Timeout of collective operations (process-group init and every collective)."""
+    deepspeed: dict[str, Any] = field(default_factory=dict)
+    """Extra DeepSpeed config merged over the generated one (e.g. ``{"zero_optimization":
+    {"offload_optimizer": {"device": "cpu"}}}``). Keys this config already sets
+    (batch sizes, clipping, precision, ZeRO stage) must be set here instead, not there."""
+
+    def __post_init__(self) -> None:
+        _choice("engine.backend", self.backend, BACKENDS)
+        _choice("engine.precision", self.precision, PRECISIONS)
+        _choice("engine.device", self.device, DEVICES)
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"engine.zero_stage={self.zero_stage!r} is invalid; valid: 0, 1, 2, 3")
+        if self.backend == "torch" and self.zero_stage != 0:
+            raise ValueError(
+                f"engine.zero_stage={self.zero_stage} needs engine.backend='deepspeed' "
+                "(the torch backend is plain data parallel)"
+            )
+        if self.backend == "torch" and self.precision == "bf16":
+            raise ValueError(
+                "engine.precision='bf16' (bf16 weights + fp32 master copies) is DeepSpeed's "
+                "mode; with engine.backend='torch' use 'bf16-mixed'"
+            )
+        for name in ("micro_batch_size", "gradient_accumulation_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"engine.{name}={value!r} is invalid; valid: an integer >= 1")
+        if not (isinstance(self.gradient_clipping, (int, float)) and self.gradient_clipping >= 0):
+            raise ValueError(
+                f"engine.gradient_clipping={self.gradient_clipping!r} is invalid; valid: >= 0"
+            )
+        if self.dist_timeout_minutes <= 0:
+            raise ValueError("engine.dist_timeout_minutes must be > 0")
+        reserved = {
+            "train_batch_size",
+            "train_micro_batch_size_per_gpu",
+            "gradient_accumulation_steps",
+            "gradient_clipping",
+            "bf16",
+            "fp16",
+            "optimizer",
+            "scheduler",
+        }
+        clash = sorted(reserved & set(self.deepspeed))
+        stage = self.deepspeed.get("zero_optimization", {})
+        if isinstance(stage, dict) and "stage" in stage:
+            clash.append("zero_optimization.stage")
+        if clash:
+            raise ValueError(
+                f"engine.deepspeed sets {clash}, which the engine config owns; set "
+                "engine.micro_batch_size / gradient_accumulation_steps / gradient_clipping / "
+                "precision / zero_stage instead (optimizer and schedule: their own sections)"
+            )
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype forward runs under ``torch.autocast`` in, or None."""
+        if self.precision == "bf16-mixed":
+            return torch.bfloat16
+        if self.precision == "fp16" and self.backend == "torch":
+            return torch.float16
+        return None
+
+
+def _choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"{name}={value!r} is invalid; valid: {list(valid)}")
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did (the same on every rank)."""
+
+    skipped: bool
+    """True when the update was not applied (non-finite loss, or an fp16 overflow)."""
+    nonfinite_loss: bool
+    """True when some rank's loss was not finite in one of the step's micro-batches."""
+    grad_norm: float | None
+    """Global gradient norm before clipping (None when it was not computed)."""
+    lr: float
+    """Learning rate the update used (of the first parameter group)."""
+    loss_scale: float
+    """Current fp16 loss scale (1.0 without loss scaling)."""
+
+
+class _StepGuard:
+    """Lets the engine veto the wrapped optimizer's update while DeepSpeed still runs its step
+    bookkeeping (zeroing and re-partitioning gradients) around it."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.skip = False
+        original = optimizer.step
+
+        @functools.wraps(original)
+        def guarded_step(*args: Any, **kwargs: Any) -> Any:
+            if self.skip:
+                return None
+            return original(*args, **kwargs)
+
+        optimizer.step = guarded_step  # instance attribute: the class is untouched
+
+
+def resolve_device(cfg: EngineConfig, dist: DistEnv) -> torch.device:
+    """The device this process trains on (``cuda:<local_rank>`` or ``cpu``)."""
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("engine.device='cuda' but torch.cuda.is_available() is False")
+    return torch.device("cuda", dist.local_rank % torch.cuda.device_count())
+
+
+def check_compatible(cfg: EngineConfig, opt_cfg: OptimizerConfig, device: torch.device) -> None:
+    """Start-up checks that need the device: fail before any work, warn on silent changes."""
+    if cfg.precision == "fp16" and device.type != "cuda":
+        raise ValueError(
+            "engine.precision='fp16' needs a CUDA device (DeepSpeed's CPU accelerator has no "
+            "fp16); on CPU use 'bf16-mixed', 'bf16' or 'fp32'"
+        )
+    if cfg.backend == "deepspeed":
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError(
+                "engine.backend='deepspeed' but DeepSpeed is not importable "
+                f"({e}); pip install deepspeed, or use engine.backend='torch'"
+            ) from e
+    if opt_cfg.name == "lamb" and cfg.backend == "deepspeed":
+        if cfg.zero_stage >= 1 or cfg.precision in ("bf16", "fp16"):
+            warnings.warn(
+                f"LAMB with engine.zero_stage={cfg.zero_stage} and engine.precision="
+                f"{cfg.precision!r}: DeepSpeed hands the optimizer flattened buffers, so the "
+                "trust ratio is computed per flat partition, not per tensor (DeepSpeed issue "
+                "#490). For exact LAMB use zero_stage=0 with precision 'bf16-mixed' or 'fp32'.",
+                stacklevel=2,
+            )
+
+
+def init_distributed(dist: DistEnv, cfg: EngineConfig, device: torch.device) -> None:
+    """Joins the process group once (gloo on CPU, NCCL on CUDA); a no-op for one process
+    with the torch backend. DeepSpeed always wants a group, even of one."""
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        return
+    if not dist.is_distributed and cfg.backend == "torch":
+        return
+    export_torch_env(dist)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(minutes=cfg.dist_timeout_minutes)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if cfg.backend == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(
+            dist_backend=backend, auto_mpi_discovery=False, timeout=timeout, verbose=False
+        )
+    else:
+        torch_dist.init_process_group(backend=backend, timeout=timeout)
+
+
+class Engine:
+    """Wraps ``model`` for training: ``forward`` -> ``backward`` for each micro-batch, then
+    ``step`` at every ``gradient_accumulation_steps``-th micro-batch.
+
+    >>> out = engine.forward(input_ids, attention_mask)       # doctest: +SKIP
+    >>> engine.backward(loss_of(out))                         # doctest: +SKIP
+    >>> if engine.at_boundary: result = engine.step()         # doctest: +SKIP
+
+    The model is built on CPU in fp32 by the caller with the same seed on every rank; the
+    engine moves it to the device and shards it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: EngineConfig,
+        optimizer: OptimizerConfig,
+        schedule: ScheduleConfig,
+        dist: DistEnv | None = None,
+    ):
+        self.cfg = cfg
+        self.dist = detect() if dist is None else dist
+        self.device = resolve_device(cfg, self.dist)
+        check_compatible(cfg, optimizer, self.device)
+        init_distributed(self.dist, cfg, self.device)
+        self.module = model
+        if cfg.activation_checkpointing:
+            encoder = getattr(model, "encoder", model)
+            if not hasattr(encoder, "enable_activation_checkpointing"):
+                raise ValueError(
+                    f"engine.activation_checkpointing: {type(model).__name__} has no encoder "
+                    "with enable_activation_checkpointing()"
+                )
+            encoder.enable_activation_checkpointing()
+        model.to(self.device)
+        self.optimizer = build_optimizer(model, optimizer, device_type=self.device.type)
+        self.scheduler = build_scheduler(self.optimizer, schedule)  # wraps optimizer.step too
+        self._guard = _StepGuard(self.optimizer)
+        self.micro_step = 0
+        self._poisoned = False
+        self._scaler: torch.amp.GradScaler | None = None
+        self._ds: Any = None
+        self._ddp: nn.Module | None = None
+        if cfg.backend == "deepspeed":
+            import deepspeed
+
+            self._ds, _, _, _ = deepspeed.initialize(
+                model=model,
+                optimizer=self.optimizer,
+                config=self.deepspeed_config(),
+                dist_init_required=False,
+            )
+        else:
+            if self.dist.is_distributed:
+                ids = [self.device.index] if self.device.type == "cuda" else None
+                self._ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+            if cfg.precision == "fp16":
+                self._scaler = torch.amp.GradScaler(
+                    "cuda",
+                    init_scale=2.0**cfg.fp16_initial_scale_power,
+                    growth_interval=cfg.fp16_loss_scale_window,
+                )
+
+    # -- configuration -------------------------------------------------------------------------
+
+    def deepspeed_config(self) -> dict[str, Any]:
+        """The DeepSpeed config dict this engine passes to ``deepspeed.initialize``."""
+        cfg = self.cfg
+        config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+            "gradient_clipping": float(cfg.gradient_clipping),
+            "zero_optimization": {"stage": cfg.zero_stage},
+            # Our LAMB / AdamW are ordinary torch optimizers: ZeRO partitions their state fine.
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 2**62,  # the trainer logs; DeepSpeed stays quiet
+            "wall_clock_breakdown": False,
+        }
+        if cfg.precision == "bf16":
+            config["bf16"] = {"enabled": True}
+        elif cfg.precision == "fp16":
+            config["fp16"] = {
+                "enabled": True,
+                "loss_scale": 0,  # dynamic
+                "initial_scale_power": cfg.fp16_initial_scale_power,
+                "loss_scale_window": cfg.fp16_loss_scale_window,
+                "hysteresis": cfg.fp16_hysteresis,
+                "min_loss_scale": cfg.fp16_min_loss_scale,
+            }
+        return _deep_merge(config, copy.deepcopy(cfg.deepspeed))
+
+    # -- properties ----------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.dist.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dist.world_size
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.cfg.micro_batch_size * self.cfg.gradient_accumulation_steps * self.world_size
+
+    @property
+    def at_boundary(self) -> bool:
+        """True when the micro-batches since the last ``step`` make a full accumulation."""
+        return self.micro_step > 0 and self.micro_step % self.cfg.gradient_accumulation_steps == 0
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    @property
+    def loss_scale(self) -> float:
+        if self._ds is not None and self.cfg.precision == "fp16":
+            opt = self._ds.optimizer
+            return float(getattr(opt, "cur_scale", None) or getattr(opt, "loss_scale", 1.0))
+        if self._scaler is not None:
+            return float(self._scaler.get_scale())
+        return 1.0
+
+    def train(self, mode: bool = True) -> None:
+        self.module.train(mode)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        dtype = self.cfg.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return {
+            k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()
+        }
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward on this rank's micro-batch (tensors must be on ``self.device``)."""
+        with self.autocast():
+            if self._ds is not None:
+                return self._ds(*args, **kwargs)
+            if self._ddp is not None:
+                return self._ddp(*args, **kwargs)
+            return self.module(*args, **kwargs)
+
+    def all_finite(self, loss: torch.Tensor) -> bool:
+        """True when ``loss`` is finite on every rank (one small all-reduce when distributed)."""
+        bad = torch.tensor([0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0])
+        if torch_dist.is_available() and torch_dist.is_initialized() and self.world_size > 1:
+            bad = bad.to(self.device)
+            torch_dist.all_reduce(bad, op=torch_dist.ReduceOp.MAX)
+        return bad.item() == 0.0
+
+    def backward(self, loss: torch.Tensor) -> bool:
+        """Backpropagates one micro-batch's loss (averaged over accumulation steps by the engine).
+        Returns False when some rank's loss is not finite; that step's update will be skipped."""
+        finite = self.all_finite(loss)
+        if not finite:
+            self._poisoned = True
+            loss = loss * 0.0  # keeps DeepSpeed's per-micro-step bookkeeping intact
+        if self._ds is not None:
+            self._ds.backward(loss)
+            # DeepSpeed counts micro-steps in its step(), which updates only at the boundary;
+            # the boundary's step() is ours (below), so the update can be vetoed.
+            if not self._next_is_boundary():
+                self._ds.step()
+        else:
+            loss = loss / self.cfg.gradient_accumulation_steps
+            if self._scaler is not None:
+                loss = self._scaler.scale(loss)
+            no_sync = (
+                self._ddp.no_sync()
+                if self._ddp is not None and not self._next_is_boundary()
+                else contextlib.nullcontext()
+            )
+            with no_sync:
+                loss.backward()
+        self.micro_step += 1
+        return finite
+
+    def _next_is_boundary(self) -> bool:
+        return (self.micro_step + 1) % self.cfg.gradient_accumulation_steps == 0
+
+    def step(self) -> StepResult:
+        """The optimizer step at an accumulation boundary: clip, update (unless skipped),
+        advance the schedule, zero the gradients."""
+        if not self.at_boundary:
+            raise RuntimeError(
+                f"Engine.step() after {self.micro_step} micro-batches: call it every "
+                f"{self.cfg.gradient_accumulation_steps} backward() calls"
+            )
+        poisoned, self._poisoned = self._poisoned, False
+        self._guard.skip = poisoned
+        lr = self.lr
+        grad_norm: float | None
+        try:
+            if self._ds is not None:
+                grad_norm = self._grad_norm_before_deepspeed_step()
+                self._ds.step()
+                applied = (not poisoned) and bool(self._ds.was_step_applied())
+                if grad_norm is None:
+                    norm = self._ds.get_global_grad_norm()
+                    grad_norm = None if norm is None else float(norm)
+            else:
+                grad_norm, applied = self._torch_step(poisoned)
+        finally:
+            self._guard.skip = False
+        if applied:
+            self.scheduler.step()
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            grad_norm = float("nan") if math.isnan(grad_norm) else float("inf")
+        return StepResult(
+            skipped=not applied,
+            nonfinite_loss=poisoned,
+            grad_norm=grad_norm,
+            lr=lr,
+            loss_scale=self.loss_scale,
+        )
+
+    def _grad_norm_before_deepspeed_step(self) -> float | None:
+        """DeepSpeed reports no norm for fp32 ZeRO-0; there the (already all-reduced) gradients
+        sit on the parameters, so it is measured here."""
+        if self.cfg.zero_stage != 0 or self.cfg.precision in ("bf16", "fp16"):
+            return None
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.nn.utils.get_total_norm(grads))
+
+    def _torch_step(self, poisoned: bool) -> tuple[float, bool]:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if self._scaler is not None:
+            self._scaler.unscale_(self.optimizer)
+        max_norm = self.cfg.gradient_clipping if self.cfg.gradient_clipping > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        applied = not poisoned
+        if self._scaler is not None:
+            if poisoned:
+                self._scaler.update()
+            else:
+                scale = self._scaler.get_scale()
+                self._scaler.step(self.optimizer)
+                self._scaler.update()
+                applied = self._scaler.get_scale() >= scale  # lowered scale = overflow skip
+        elif applied:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, applied
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[nn.Module]:
+        """Collective. Inside, ``self.module`` holds full parameters on every rank (ZeRO-3
+        gathers them; otherwise nothing to do). Read-only: changes are not written back."""
+        if self._ds is not None and self.cfg.zero_stage == 3:
+            import deepspeed
+
+            params = list(self.module.parameters())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                yield self.module
+        else:
+            yield self.module
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective. The model's full state dict in fp32 on CPU, on every rank: fp32 master
+        weights where DeepSpeed keeps them (ZeRO 1-3, bf16, fp16), buffers as they are."""
+        master: dict[str, torch.Tensor] = {}
+        if self._ds is not None and (
+            self.cfg.zero_stage > 0 or self.cfg.precision in ("bf16", "fp16")
+        ):
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            by_id: dict[int, torch.Tensor] = {}
+            for name, p in self.module.named_parameters(remove_duplicate=False):
+                if id(p) not in by_id:  # every rank calls this in the same order (collective)
+                    full = safe_get_full_fp32_param(p)
+                    if full is None:
+                        raise RuntimeError(f"DeepSpeed returned no fp32 master weights for {name}")
+                    by_id[id(p)] = full.detach().float().cpu().clone()
+                master[name] = by_id[id(p)]
+        with self.gathered_parameters() as module:
+            state = {}
+            for name, value in module.state_dict().items():
+                state[name] = master.get(name, value).detach().float().cpu().clone()
+        return state
+
+    def save(self, directory: Path) -> None:
+        """Collective. Writes the engine state (model, optimizer, loss scaler; schedule) into
+        ``directory`` (an existing, empty staging directory shared by all ranks)."""
+        directory = Path(directory)
+        extra = {"scheduler": self.scheduler.state_dict(), "micro_step": self.micro_step}
+        if self._ds is not None:
+            self._ds.save_checkpoint(
+                str(directory.parent),
+                tag=directory.name,
+                client_state={"albatross": extra},
+                save_latest=False,
+            )
+            return
+        if self.rank == 0:
+            state = {
+                "model": self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scaler": None if self._scaler is None else self._scaler.state_dict(),
+                "albatross": extra,
+            }
+            tmp = directory / "engine.pt.tmp"
+            torch.save(state, tmp)
+            os.replace(tmp, directory / "engine.pt")
+
+    def load(self, directory: Path) -> None:
+        """Collective. Restores what ``save`` wrote; raises when it cannot."""
+        directory = Path(directory)
+        if self._ds is not None:
+            path, client = self._ds.load_checkpoint(
+                str(directory.parent),
+                tag=directory.name,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=False,
+            )
+            if path is None or client is None or "albatross" not in client:
+                raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory}")
+            extra = client["albatross"]
+        else:
+            file = directory / "engine.pt"
+            state = torch.load(file, map_location=self.device, weights_only=False)
+            self.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self._scaler is not None and state.get("scaler") is not None:
+                self._scaler.load_state_dict(state["scaler"])
+            extra = state["albatross"]
+        self.scheduler.load_state_dict(extra["scheduler"])
+        # load_state_dict restores the schedule's counters but not the lr it last set; DeepSpeed
+        # does not restore param-group lrs under ZeRO either. Put the schedule's lr back.
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
+        self.micro_step = int(extra["micro_step"])
+
+    # -- collectives for the trainer -----------------------------------------------------------
+
+    def barrier(self) -> None:
+        if torch_dist.is_available() and torch_dist.is_initialized() and self.world_size > 1:
+            torch_dist.barrier()
+
+    def all_reduce_max(self, values: list[float]) -> list[float]:
+        """Element-wise max of ``values`` over ranks (for flags: stop requested, budget hit)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        if torch_dist.is_available() and torch_dist.is_initialized() and self.world_size > 1:
+            t = t.to(self.device)
+            torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
+        return t.cpu().tolist()
+
+    def all_reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Mean of a float64 CPU vector over ranks (for logged metrics)."""
+        t = values.detach().to(torch.float64)
+        if torch_dist.is_available() and torch_dist.is_initialized() and self.world_size > 1:
+            t = t.to(self.device)
+            torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
+            t = t / self.world_size
+        return t.cpu()
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def shutdown() -> None:
+    """Leaves the process group (if any), so the process exits cleanly."""
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()

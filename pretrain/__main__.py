@@ -1,0 +1,64 @@
+"""``python -m pretrain --config configs/pretrain/<recipe>.yaml [section.key=value ...]``
+
+Launch as one process, under ``torchrun`` / the ``deepspeed`` launcher, or with ``srun`` (one
+task per GPU); see README "Pretraining". Exit codes: 0 finished or stopped with a checkpoint
+(``run_dir/status.json`` says which), 1 failed, 2 bad config or input (nothing was started).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from data_prep.format import ShardError
+from engine.recipe import load_recipe
+from pretrain.config import pretrain_config
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m pretrain",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", help="YAML recipe (configs/pretrain/*.yaml)")
+    parser.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=1e-3 engine.zero_stage=2"
+    )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config and exit"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = pretrain_config(load_recipe(args.config, args.overrides))
+    except ValueError as e:
+        print(f"python -m pretrain: config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        from engine.recipe import to_yaml
+
+        print(to_yaml(cfg.to_dict()))
+        return 0
+    from engine.engine import shutdown
+    from pretrain.train import Trainer
+
+    try:
+        try:
+            trainer = Trainer(cfg)  # checks data, run dir and config before any training
+        except (ValueError, ShardError) as e:
+            print(f"python -m pretrain: {e}", file=sys.stderr)
+            return 2
+        result = trainer.run()
+    finally:
+        shutdown()
+    return 0 if result.state in ("completed", "stopped") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

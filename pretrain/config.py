@@ -1,0 +1,165 @@
+"""The pretraining config: one typed dataclass per recipe section.
+
+    model:      the encoder (``model.config.EncoderConfig`` fields, ``preset:`` allowed)
+    data:       shards, tokenizer, sequence length, masking, loader workers
+    optimizer:  ``engine.optim.OptimizerConfig``
+    schedule:   ``engine.optim.ScheduleConfig``
+    engine:     ``engine.engine.EngineConfig`` (backend, ZeRO stage, precision, batch layout)
+    train:      run directory, steps, logging, checkpoints, faults
+
+Recipes live in ``configs/pretrain/``; see ``engine/recipe.py`` for the YAML and override rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from data_prep.masking import MaskingConfig
+from engine.engine import EngineConfig
+from engine.optim import OptimizerConfig, ScheduleConfig
+from engine.recipe import build_config, config_dict
+from model.config import EncoderConfig
+
+
+@dataclass
+class DataConfig:
+    """Where the examples come from and how they are masked."""
+
+    shards: str = ""
+    """Shard directory written by ``python -m data_prep shards`` (required)."""
+    tokenizer: str | None = None
+    """tokenizer.json used for training and copied into the release. None: the one in the
+    shard directory. Its sha256 must match the shards' manifest."""
+    max_seq_length: int = 128
+    """Tokens per example ([CLS] A [SEP] B [SEP]); at most model.max_position_embeddings."""
+    masking: MaskingConfig = field(default_factory=MaskingConfig)
+    """Dynamic MLM + SOP masking (``data_prep.masking.MaskingConfig``)."""
+    num_workers: int = 2
+    """DataLoader worker processes per rank (0: load in the training process)."""
+    verify_checksums: bool = True
+    """Check every shard's sha256 against the manifest before training (rank 0; reads the
+    whole corpus once: turn off for very large corpora that were verified already)."""
+
+    def __post_init__(self) -> None:
+        if not self.shards:
+            raise ValueError("data.shards is required: the directory written by data_prep shards")
+        if self.max_seq_length < 5:
+            raise ValueError(f"data.max_seq_length={self.max_seq_length} is invalid; valid: >= 5")
+        if self.num_workers < 0:
+            raise ValueError(f"data.num_workers={self.num_workers} is invalid; valid: >= 0")
+
+
+RESUMABLE_CHANGES = (
+    "train.steps",
+    "train.log_every",
+    "train.diagnostics_every",
+    "train.checkpoint_every",
+    "train.keep_last",
+    "train.time_budget_minutes",
+    "train.max_nonfinite_in_a_row",
+    "train.progress",
+    "train.export_at_end",
+    "train.fail_at_step",
+    "data.num_workers",
+    "data.verify_checksums",
+    "engine.dist_timeout_minutes",
+)
+"""Config keys a resumed run may change (they do not affect the training trajectory)."""
+
+
+@dataclass
+class TrainConfig:
+    """The run: where it writes, how long it goes, what it logs and saves."""
+
+    run_dir: str = "runs/pretrain"
+    """Directory for config.yaml, checkpoints/, tensorboard/, release/, status.json. Re-running
+    with the same config resumes from its latest checkpoint; a different config is refused."""
+    steps: int | None = None
+    """Optimizer steps to train for. None: schedule.total_steps."""
+    seed: int = 0
+    """Seeds model initialisation (identical on every rank), dropout (per rank) and the data
+    order and masking."""
+    log_every: int = 10
+    """Steps between TensorBoard scalars / progress lines."""
+    diagnostics_every: int = 0
+    """Steps between model diagnostics (activation factors, entropy, expert and residual
+    weights, orthogonality error, TISA curves); 0 turns them off."""
+    checkpoint_every: int = 1000
+    """Steps between checkpoints (0: only at the end and when stopped)."""
+    keep_last: int = 3
+    """Complete checkpoints kept on disk (older ones are deleted after a new one is complete)."""
+    time_budget_minutes: float | None = None
+    """Stop (with a checkpoint) after this much wall-clock time; None: no budget."""
+    max_nonfinite_in_a_row: int = 20
+    """Steps skipped in a row for a non-finite loss before the run saves and stops."""
+    export_at_end: bool = True
+    """Write the release (run_dir/release) when the run reaches its last step."""
+    progress: bool = True
+    """A progress bar on rank 0 in a terminal (plain log lines when not a terminal)."""
+    fail_at_step: int | None = None
+    """Testing aid: raise an error after this step (to exercise crash recovery)."""
+
+    def __post_init__(self) -> None:
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"train.steps={self.steps} is invalid; valid: >= 1 or null")
+        for name in ("log_every", "keep_last", "max_nonfinite_in_a_row"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name}={getattr(self, name)} is invalid; valid: >= 1")
+        for name in ("diagnostics_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name}={getattr(self, name)} is invalid; valid: >= 0")
+        if self.time_budget_minutes is not None and self.time_budget_minutes <= 0:
+            raise ValueError("train.time_budget_minutes must be > 0 or null")
+
+
+@dataclass
+class PretrainConfig:
+    model: dict[str, Any] = field(default_factory=lambda: {"preset": "debug"})
+    """Encoder config (``EncoderConfig`` fields; ``preset:`` starts from a named preset).
+    vocab_size and pad_token_id default to the tokenizer's."""
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        try:
+            EncoderConfig.from_dict(self.model)  # validate the section now
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"model: {e}") from e
+        if self.train.steps is None:
+            self.train.steps = self.schedule.total_steps
+
+    @property
+    def total_steps(self) -> int:
+        assert self.train.steps is not None
+        return self.train.steps
+
+    def encoder_config(self, vocab_size: int, pad_token_id: int) -> EncoderConfig:
+        """The model config with the tokenizer's vocabulary size and pad id filled in; a
+        conflicting explicit value is an error."""
+        model = dict(self.model)
+        for key, value in (("vocab_size", vocab_size), ("pad_token_id", pad_token_id)):
+            if key in model and model[key] != value:
+                raise ValueError(
+                    f"model.{key}={model[key]} but the tokenizer of data.shards has {value}; "
+                    f"drop model.{key} to use the tokenizer's"
+                )
+            model[key] = value
+        cfg = EncoderConfig.from_dict(model)
+        if cfg.max_position_embeddings < self.data.max_seq_length:
+            raise ValueError(
+                f"data.max_seq_length={self.data.max_seq_length} exceeds "
+                f"model.max_position_embeddings={cfg.max_position_embeddings}"
+            )
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return config_dict(self)
+
+
+def pretrain_config(data: dict[str, Any]) -> PretrainConfig:
+    """PretrainConfig from a (recipe) dict; ``ValueError`` names the bad key."""
+    return build_config(PretrainConfig, data)

@@ -1,0 +1,576 @@
+"""The pretraining loop: loader -> engine (DeepSpeed / PyTorch) -> checkpoints, TensorBoard,
+release.
+
+Order of work, so that bad input fails before anything expensive or irreversible happens:
+config (typed, validated) -> data (manifest, tokenizer, checksums) -> run directory (a different
+config there is refused) -> process group and engine -> resume from the newest usable
+checkpoint -> steps -> release.
+
+Every rank runs this same code; rank 0 alone writes TensorBoard, the config and the release.
+A checkpoint (``engine/checkpoint.py`` for the directory protocol) holds:
+
+    step_00000100/
+      <DeepSpeed's files>           model, optimizer (partitioned under ZeRO), loss scaler
+      rank_00000.pt, rank_00001.pt  per rank: RNG states, loader position, counters, schedule
+      release/                      consolidated fp32 weights + config + tokenizer (a release)
+      COMPLETE.json                 written last; lists every file with its size
+
+Exit: the run returns a ``RunResult``; ``state`` is ``"completed"``, ``"stopped"`` (signal or
+time budget; a checkpoint was saved, re-run the same command to resume) or raises.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from data_prep.format import TOKENIZER
+from data_prep.loader import PretrainingData, PretrainingLoader
+from engine import checkpoint as ckpt
+from engine.distributed import detect
+from engine.engine import Engine, StepResult, shutdown
+from engine.metrics import MetricsWriter, Progress, mfu, peak_flops
+from engine.recipe import diff_keys, to_yaml
+from engine.signals import StopWatch
+from model import diagnostics
+from model.config import EncoderConfig
+from model.flops import training_flops
+from model.heads import EncoderForPretraining
+from model.release import save_release
+from pretrain.config import RESUMABLE_CHANGES, PretrainConfig
+from pretrain.objective import model_inputs, pretraining_loss
+
+log = logging.getLogger("pretrain")
+
+CONFIG_FILE = "config.yaml"
+STATUS_FILE = "status.json"
+RELEASE_DIR = "release"
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many steps in a row had a non-finite loss; the run saved a checkpoint and stopped."""
+
+
+@dataclass
+class RunResult:
+    state: str
+    """``"completed"`` or ``"stopped"`` (signal / time budget; resumable)."""
+    step: int
+    """Optimizer steps done (including skipped ones)."""
+    run_dir: Path
+    release: Path | None
+    """The exported release (completed runs with ``train.export_at_end``)."""
+    last_losses: dict[str, float]
+    """The last logged averages (``loss/mlm``, ...)."""
+    reason: str = ""
+
+
+# ---------------------------------------------------------------------------- preparation
+
+
+def open_data(cfg: PretrainConfig, rank: int) -> tuple[PretrainingData, Path]:
+    """The shard dataset and the tokenizer path, both checked (rank 0 also checks sha256s)."""
+    shard_dir = Path(cfg.data.shards)
+    if not shard_dir.is_dir():
+        raise ValueError(f"data.shards={str(shard_dir)!r}: no such directory")
+    tokenizer = Path(cfg.data.tokenizer) if cfg.data.tokenizer else shard_dir / TOKENIZER
+    if not tokenizer.is_file():
+        raise ValueError(
+            f"tokenizer {tokenizer} not found: set data.tokenizer to the tokenizer.json the "
+            "shards were made with"
+        )
+    data = PretrainingData(
+        shard_dir,
+        max_seq_length=cfg.data.max_seq_length,
+        masking=cfg.data.masking,
+        seed=cfg.train.seed,
+        verify_checksums=cfg.data.verify_checksums and rank == 0,
+        tokenizer_path=tokenizer,
+    )
+    return data, tokenizer
+
+
+def check_run_dir(run_dir: Path, resolved: dict[str, Any]) -> bool:
+    """True when ``run_dir`` already holds this run (resume); ValueError when it holds another
+    config (differences other than ``RESUMABLE_CHANGES``)."""
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        if run_dir.is_dir() and (run_dir / "checkpoints").exists():
+            raise ValueError(f"{run_dir} has checkpoints but no {CONFIG_FILE}: not reusing it")
+        return False
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    changed = [k for k in diff_keys(saved, resolved) if k not in RESUMABLE_CHANGES]
+    if changed:
+        raise ValueError(
+            f"{run_dir} holds a run with a different config ({path}); differing keys: "
+            f"{changed}. Use another train.run_dir, or restore those values to resume it."
+        )
+    return True
+
+
+def _rank_seed(seed: int, rank: int) -> int:
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+class Trainer:
+    """One pretraining run on this rank. ``Trainer(cfg).run()``."""
+
+    def __init__(self, cfg: PretrainConfig):
+        self.cfg = cfg
+        self.dist = detect()
+        self.rank = self.dist.rank
+        self.run_dir = Path(cfg.train.run_dir)
+        # Everything that can be wrong with the input is checked before the process group.
+        self.data, self.tokenizer = open_data(cfg, self.rank)
+        self.model_cfg: EncoderConfig = cfg.encoder_config(
+            self.data.vocab_size, self.data.special.pad
+        )
+        resolved = cfg.to_dict()
+        resolved["model"] = {k: v for k, v in self.model_cfg.to_dict().items()}
+        resolved["data"]["tokenizer"] = str(self.tokenizer)
+        self.resolved = resolved
+        self.resuming = check_run_dir(self.run_dir, resolved)
+
+        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+        model = EncoderForPretraining(self.model_cfg)
+        self.engine = Engine(model, cfg.engine, cfg.optimizer, cfg.schedule, self.dist)
+        torch.manual_seed(_rank_seed(cfg.train.seed, self.rank))  # dropout differs per rank
+        self.loader = PretrainingLoader(
+            self.data,
+            cfg.engine.micro_batch_size,
+            rank=self.rank,
+            world_size=self.dist.world_size,
+            num_workers=cfg.data.num_workers,
+            pin_memory=self.engine.device.type == "cuda",
+        )
+        self.store = ckpt.CheckpointStore(
+            self.run_dir / "checkpoints",
+            rank=self.rank,
+            world_size=self.dist.world_size,
+            keep_last=cfg.train.keep_last,
+            barrier=self.engine.barrier,
+        )
+        self.step = 0
+        self.tokens = 0
+        self.samples = 0
+        self.skipped = 0
+        self.nonfinite_in_a_row = 0
+        self.diag_model: EncoderForPretraining | None = None
+        self.is_main = self.rank == 0
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def _rank_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "samples": self.samples,
+            "skipped": self.skipped,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "loader": self.loader.state_dict(),
+            "rng": ckpt.rng_state(),
+        }
+
+    def save_checkpoint(self, reason: str) -> Path:
+        """Collective: engine state, per-rank state and a consolidated release, then commit."""
+        staging = self.store.begin(self.step)
+        self.engine.save(staging)
+        ckpt.save_rank_state(staging, self.rank, self._rank_state())
+        weights = self.engine.consolidated_state_dict()
+        if self.is_main:
+            save_release(
+                staging / RELEASE_DIR,
+                self.engine.module,
+                tokenizer_file=self.tokenizer,
+                state_dict=weights,
+                extra={"step": self.step, "tokens": self.tokens},
+            )
+        meta = {
+            "reason": reason,
+            "world_size": self.dist.world_size,
+            "tokens": self.tokens,
+            "zero_stage": self.cfg.engine.zero_stage,
+            "backend": self.cfg.engine.backend,
+        }
+        return self.store.commit(self.step, meta)
+
+    def _restore(self, path: Path) -> None:
+        self.engine.load(path)
+        state = ckpt.load_rank_state(path, self.rank)
+        self.loader.load_state_dict(state["loader"])
+        ckpt.set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        self.tokens = int(state["tokens"])
+        self.samples = int(state["samples"])
+        self.skipped = int(state["skipped"])
+        self.nonfinite_in_a_row = int(state["nonfinite_in_a_row"])
+
+    def resume(self) -> Path | None:
+        """Collective. Loads the newest usable checkpoint (``latest`` first); one that fails on
+        any rank is reported and the next older one is tried, on all ranks together."""
+        tags = self.store.candidates()
+        if not tags:
+            if any(self.store.root.glob("step_*[0-9]")):
+                raise ckpt.CheckpointError(self.store.root, "no complete checkpoint to resume")
+            return None
+        reasons = []
+        for tag in tags:
+            path = self.store.root / tag
+            saved_world = self.store.read_complete(tag).get("world_size")
+            if saved_world != self.dist.world_size:
+                raise ValueError(
+                    f"checkpoint {path} was written by {saved_world} processes; this run has "
+                    f"{self.dist.world_size} (exact resume needs the same number)"
+                )
+            error: Exception | None = None
+            try:
+                self.store.verify(tag)
+                self._restore(path)
+            except Exception as e:
+                error = e
+            (failed,) = self.engine.all_reduce_max([float(error is not None)])
+            if not failed:
+                return path
+            reason = f"{path}: {error or 'failed on another rank'}"
+            reasons.append(reason)
+            warnings.warn(f"checkpoint unusable ({reason}); falling back", stacklevel=2)
+        raise ckpt.CheckpointError(self.store.root, "no usable checkpoint: " + "; ".join(reasons))
+
+    # -- logging -----------------------------------------------------------------------------
+
+    def diagnostics(self, writer: MetricsWriter, batch: dict[str, torch.Tensor]) -> None:
+        """Collective (weights are consolidated); rank 0 computes on a fp32 copy of the model,
+        so the training model, its hooks and its partitions are not touched."""
+        weights = self.engine.consolidated_state_dict()
+        if not self.is_main:
+            return
+        if self.diag_model is None:
+            self.diag_model = EncoderForPretraining(self.model_cfg).eval()
+        model = self.diag_model
+        model.load_state_dict(weights)
+        ids = batch["input_ids"][:8].cpu()
+        mask = batch["attention_mask"][:8].cpu()
+        values: dict[str, float] = {}
+        factors = diagnostics.activation_factors(model, ids, mask)  # (L, B)
+        for layer, f in enumerate(factors.mean(1).tolist()):
+            values[f"diagnostics/activation_factor/layer_{layer:02d}"] = f
+        entropy = diagnostics.differential_entropy(model, ids, mask)  # (L + 1,): h_0 .. h_L
+        for layer, h in enumerate(entropy[1:].tolist()):
+            values[f"diagnostics/entropy/layer_{layer:02d}"] = h
+        if self.model_cfg.attention == "transject":
+            weights_LBE = diagnostics.expert_weights(model, ids, mask)
+            for layer, row in enumerate(weights_LBE.mean(1).tolist()):
+                for e, w in enumerate(row):
+                    values[f"diagnostics/expert_weight/layer_{layer:02d}/expert_{e}"] = w
+        residual = diagnostics.residual_weights(model)
+        if residual is not None:
+            for layer, r in enumerate(residual.tolist()):
+                values[f"diagnostics/residual/layer_{layer:02d}"] = r
+        errors = diagnostics.orthogonality_errors(model)
+        if errors:
+            values["diagnostics/orthogonality_error_max"] = max(errors.values())
+        writer.scalars(self.step, values)
+        if self.model_cfg.attention == "tisa":
+            writer.figure("diagnostics/tisa_curves", _tisa_figure(model), self.step)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        cfg = self.cfg
+        if self.is_main and not self.resuming:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.run_dir / (CONFIG_FILE + ".tmp")
+            tmp.write_text(to_yaml(self.resolved))
+            os.replace(tmp, self.run_dir / CONFIG_FILE)
+        self.engine.barrier()
+        resumed_from = self.resume()
+        total = cfg.total_steps
+        writer = MetricsWriter(self.run_dir / "tensorboard", enabled=self.is_main)
+        progress = Progress(
+            total,
+            initial=self.step,
+            enabled=self.is_main and cfg.train.progress,
+            log_every=cfg.train.log_every,
+            desc="pretrain",
+        )
+        if self.is_main:
+            progress.write(
+                f"pretrain: {self.model_cfg.attention} encoder, "
+                f"{sum(p.numel() for p in self.engine.module.parameters()):,} parameters, "
+                f"{self.dist.world_size} process(es) on {self.engine.device.type}, "
+                f"global batch {self.engine.global_batch_size}, ZeRO-{cfg.engine.zero_stage}, "
+                f"{cfg.engine.precision}, backend {cfg.engine.backend}; "
+                + (f"resumed from {resumed_from}" if resumed_from else "fresh start")
+            )
+            if not self.resuming:
+                writer.text("config", "```\n" + to_yaml(self.resolved) + "\n```", self.step)
+        stopwatch = StopWatch(
+            None if cfg.train.time_budget_minutes is None else cfg.train.time_budget_minutes * 60
+        )
+        peak = peak_flops(self.engine.device, _compute_dtype(cfg))
+        batches = iter(self.loader)
+        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        timers: dict[str, float] = defaultdict(float)
+        flops = 0.0
+        window_start, window_steps, window_tokens, window_samples = time.perf_counter(), 0, 0, 0
+        last: dict[str, float] = {}
+        state, reason = "completed", ""
+        self.engine.train()
+        try:
+            while self.step < total:
+                result, batch, step_tokens, step_samples, step_flops = self._train_step(
+                    batches, sums, timers
+                )
+                self.step += 1
+                self.tokens += step_tokens
+                self.samples += step_samples
+                flops += step_flops
+                window_steps += 1
+                window_tokens += step_tokens
+                window_samples += step_samples
+                if result.skipped:
+                    self.skipped += 1
+                if result.nonfinite_loss:
+                    self.nonfinite_in_a_row += 1
+                else:
+                    self.nonfinite_in_a_row = 0
+                sums["grad_norm"] += 0.0 if result.grad_norm is None else result.grad_norm
+                if self.step % cfg.train.log_every == 0 or self.step == total:
+                    elapsed = time.perf_counter() - window_start
+                    last = self._log(
+                        writer, result, sums, timers, window_steps, elapsed, window_tokens,
+                        window_samples, flops, peak,
+                    )  # fmt: skip
+                    progress.update(
+                        self.step,
+                        {
+                            "mlm": last.get("loss/mlm", math.nan),
+                            "lr": result.lr,
+                            "tok/s": last.get("throughput/tokens_per_s", 0.0),
+                        },
+                    )
+                    sums.clear()
+                    timers.clear()
+                    flops = 0.0
+                    window_start, window_steps, window_tokens, window_samples = (
+                        time.perf_counter(), 0, 0, 0,
+                    )  # fmt: skip
+                if cfg.train.diagnostics_every and self.step % cfg.train.diagnostics_every == 0:
+                    self.diagnostics(writer, batch)
+                if self.nonfinite_in_a_row >= cfg.train.max_nonfinite_in_a_row:
+                    path = self.save_checkpoint("non-finite loss")
+                    raise NonFiniteLossError(
+                        f"the loss was not finite in {self.nonfinite_in_a_row} steps in a row "
+                        f"(up to step {self.step}; {self.skipped} skipped in all). The weights "
+                        f"are those of the last good step, saved in {path}. Lower "
+                        "optimizer.lr, check the data, or raise "
+                        "train.max_nonfinite_in_a_row."
+                    )
+                if cfg.train.fail_at_step is not None and self.step == cfg.train.fail_at_step:
+                    raise RuntimeError(f"train.fail_at_step={self.step}: failing on purpose")
+                signal_flag, budget_flag = self.engine.all_reduce_max(stopwatch.local_flags())
+                if self.step < total and (signal_flag or budget_flag):
+                    state = "stopped"
+                    reason = (
+                        f"signal {stopwatch.received or 'received by another rank'}"
+                        if signal_flag
+                        else f"time budget of {cfg.train.time_budget_minutes} min"
+                    )
+                    self.save_checkpoint(reason)
+                    break
+                if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
+                    self.save_checkpoint("interval")
+            release = None
+            if state == "completed":
+                final = self.run_dir / "checkpoints" / ckpt.tag_for(self.step)
+                if not (final / "COMPLETE.json").is_file():
+                    final = self.save_checkpoint("end")
+                if cfg.train.export_at_end and self.is_main:
+                    release = export_release(final / RELEASE_DIR, self.run_dir / RELEASE_DIR)
+            self.engine.barrier()
+        finally:
+            progress.close()
+            writer.close()
+            stopwatch.restore()
+        if self.is_main:
+            message = (
+                f"pretrain: {state} at step {self.step}"
+                + (f" ({reason}); re-run the same command to resume" if reason else "")
+                + (f"; release in {release}" if release else "")
+            )
+            log.info(message)
+            print(message, flush=True)
+            status = {
+                "state": state,
+                "reason": reason,
+                "step": self.step,
+                "total_steps": total,
+                "tokens": self.tokens,
+                "skipped_steps": self.skipped,
+                "last": last,
+                "release": None if release is None else str(release),
+            }
+            (self.run_dir / STATUS_FILE).write_text(json.dumps(status, indent=2) + "\n")
+        return RunResult(state, self.step, self.run_dir, release, last, reason)
+
+    def _train_step(
+        self,
+        batches,
+        sums: dict[str, torch.Tensor],
+        timers: dict[str, float],
+    ) -> tuple[StepResult, dict[str, torch.Tensor], int, int, float]:
+        engine = self.engine
+        sync = _synchronizer(engine.device)
+        tokens = samples = 0
+        flops = 0.0
+        batch: dict[str, torch.Tensor] = {}
+        for _ in range(self.cfg.engine.gradient_accumulation_steps):
+            t0 = time.perf_counter()
+            batch = engine.to_device(next(batches))
+            sync()
+            t1 = time.perf_counter()
+            out = engine.forward(**model_inputs(batch))
+            loss = pretraining_loss(out, batch)
+            sync()
+            t2 = time.perf_counter()
+            engine.backward(loss.total)
+            sync()
+            t3 = time.perf_counter()
+            timers["data"] += t1 - t0
+            timers["forward"] += t2 - t1
+            timers["backward"] += t3 - t2
+            for name, value in {**loss.parts, **loss.counts}.items():
+                sums[name] += value.detach().to("cpu", torch.float64)
+            sums["micro_batches"] += 1.0
+            b, n = batch["input_ids"].shape
+            masked = int(loss.counts["mlm_total"].item())
+            tokens += int(batch["attention_mask"].sum().item())
+            samples += b
+            flops += training_flops(self.model_cfg, n, masked_tokens=max(1, masked // b)) * b
+        t0 = time.perf_counter()
+        result = engine.step()
+        sync()
+        timers["step"] += time.perf_counter() - t0
+        world = engine.world_size
+        return result, batch, tokens * world, samples * world, flops * world
+
+    def _log(
+        self,
+        writer: MetricsWriter,
+        result: StepResult,
+        sums: dict[str, torch.Tensor],
+        timers: dict[str, float],
+        steps: int,
+        elapsed: float,
+        tokens: int,
+        samples: int,
+        flops: float,
+        peak: float | None,
+    ) -> dict[str, float]:
+        """Averages over the logging window and over ranks -> TensorBoard (rank 0)."""
+        names = sorted(sums)
+        averaged = self.engine.all_reduce_mean(torch.stack([sums[n] for n in names]))
+        avg = dict(zip(names, averaged.tolist()))
+        micro = max(avg.pop("micro_batches"), 1.0)
+        values: dict[str, float | None] = {}
+        for name, total in avg.items():
+            if name in ("mlm_correct", "mlm_total", "sop_correct", "sop_total", "grad_norm"):
+                continue
+            values[f"loss/{name}"] = total / micro
+        values["loss/total"] = sum(v for k, v in values.items() if v is not None)
+        values["accuracy/mlm"] = avg["mlm_correct"] / max(avg["mlm_total"], 1.0)
+        values["accuracy/sop"] = avg["sop_correct"] / max(avg["sop_total"], 1.0)
+        values["optim/lr"] = result.lr
+        values["optim/grad_norm"] = avg["grad_norm"] / max(steps, 1)
+        values["optim/loss_scale"] = result.loss_scale
+        values["optim/skipped_steps"] = float(self.skipped)
+        values["throughput/tokens_per_s"] = tokens / elapsed
+        values["throughput/samples_per_s"] = samples / elapsed
+        values["throughput/tokens_seen"] = float(self.tokens)
+        for name in ("data", "forward", "backward", "step"):
+            values[f"time/{name}"] = timers.get(name, 0.0) / max(steps, 1)
+        values["time/step_total"] = elapsed / max(steps, 1)
+        values["memory/cpu_max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        if self.engine.device.type == "cuda":
+            values["memory/cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            values["memory/cuda_max_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
+        achieved = mfu(flops / elapsed / self.engine.world_size, peak)
+        if achieved is not None:
+            values["throughput/mfu"] = achieved
+        writer.scalars(self.step, values)
+        return {k: float(v) for k, v in values.items() if v is not None}
+
+
+def _synchronizer(device: torch.device):
+    if device.type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def _compute_dtype(cfg: PretrainConfig) -> torch.dtype:
+    return {"fp32": torch.float32, "fp16": torch.float16}.get(cfg.engine.precision, torch.bfloat16)
+
+
+def _tisa_figure(model: EncoderForPretraining):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    offsets, curves = diagnostics.tisa_curves(model)
+    scorers, heads = curves.shape[0], curves.shape[1]
+    fig, axes = plt.subplots(1, scorers, figsize=(4 * scorers, 3), squeeze=False)
+    for s in range(scorers):
+        ax = axes[0][s]
+        for h in range(heads):
+            ax.plot(offsets.numpy(), curves[s, h].numpy(), label=f"head {h}")
+        ax.set_title(f"TISA f(k), scorer {s}")
+        ax.set_xlabel("k = j - i")
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    return fig
+
+
+# ---------------------------------------------------------------------------- export
+
+
+def export_release(source: Path, out: Path, overwrite: bool = True) -> Path:
+    """Copies a checkpoint's consolidated release to ``out`` after loading it once (so a broken
+    one is never published); atomic like ``save_release``."""
+    from model.release import load_release, read_release_config
+
+    read_release_config(source)
+    model = load_release(source)
+    tok = source / TOKENIZER
+    return save_release(
+        out,
+        model,
+        tokenizer_file=tok if tok.is_file() else None,
+        overwrite=overwrite,
+        extra=read_release_config(source).get("extra"),
+    )
+
+
+def run(cfg: PretrainConfig) -> RunResult:
+    """Runs pretraining on this process (one rank of the job) and leaves the process group."""
+    try:
+        return Trainer(cfg).run()
+    finally:
+        shutdown()
