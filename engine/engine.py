@@ -218,15 +218,15 @@ def check_compatible(cfg: EngineConfig, opt_cfg: OptimizerConfig, device: torch.
                 "engine.backend='deepspeed' but DeepSpeed is not importable "
                 f"({e}); pip install deepspeed, or use engine.backend='torch'"
             ) from e
-    if opt_cfg.name == "lamb" and cfg.backend == "deepspeed":
-        if cfg.zero_stage >= 1 or cfg.precision in ("bf16", "fp16"):
-            warnings.warn(
-                f"LAMB with engine.zero_stage={cfg.zero_stage} and engine.precision="
-                f"{cfg.precision!r}: DeepSpeed hands the optimizer flattened buffers, so the "
-                "trust ratio is computed per flat partition, not per tensor (DeepSpeed issue "
-                "#490). For exact LAMB use zero_stage=0 with precision 'bf16-mixed' or 'fp32'.",
-                stacklevel=2,
-            )
+    flattened = cfg.zero_stage >= 1 or cfg.precision in ("bf16", "fp16")
+    if opt_cfg.name == "lamb" and cfg.backend == "deepspeed" and flattened:
+        warnings.warn(
+            f"LAMB with engine.zero_stage={cfg.zero_stage} and engine.precision="
+            f"{cfg.precision!r}: DeepSpeed hands the optimizer flattened buffers, so the "
+            "trust ratio is computed per flat partition, not per tensor (DeepSpeed issue "
+            "#490). For exact LAMB use zero_stage=0 with precision 'bf16-mixed' or 'fp32'.",
+            stacklevel=2,
+        )
 
 
 def init_distributed(dist: DistEnv, cfg: EngineConfig, device: torch.device) -> None:

@@ -9,6 +9,7 @@ handler itself, so a signal never interrupts a half-written checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from collections.abc import Iterable
@@ -32,10 +33,9 @@ class StopWatch:
             signum = getattr(signal, name, None)
             if signum is None:  # e.g. SIGUSR1 on Windows
                 continue
-            try:
+            # ValueError outside the main thread: signals cannot be caught there.
+            with contextlib.suppress(ValueError):
                 self._previous[signum] = signal.signal(signum, self._handle)
-            except ValueError:  # not the main thread: signals cannot be caught here
-                pass
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signal.Signals(signum).name
