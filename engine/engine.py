@@ -289,7 +289,8 @@ class Engine:
         self.optimizer = build_optimizer(model, optimizer, device_type=self.device.type)
         self.scheduler = build_scheduler(self.optimizer, schedule)  # wraps optimizer.step too
         self._guard = _StepGuard(self.optimizer)
-        self.micro_step = 0
+        self.micro_step = 0  # backward() calls so far
+        self._accumulated = 0  # backward() calls since the last step()
         self._poisoned = False
         self._scaler: torch.amp.GradScaler | None = None
         self._ds: Any = None
@@ -297,6 +298,13 @@ class Engine:
         if cfg.backend == "deepspeed":
             import deepspeed
 
+            # DeepSpeed's ZeRO calls an API torch deprecated, once per step: not the user's
+            # business, and it would flood every log.
+            warnings.filterwarnings(
+                "ignore",
+                message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                category=FutureWarning,
+            )
             self._ds, _, _, _ = deepspeed.initialize(
                 model=model,
                 optimizer=self.optimizer,
@@ -359,7 +367,7 @@ class Engine:
     @property
     def at_boundary(self) -> bool:
         """True when the micro-batches since the last ``step`` make a full accumulation."""
-        return self.micro_step > 0 and self.micro_step % self.cfg.gradient_accumulation_steps == 0
+        return self._accumulated == self.cfg.gradient_accumulation_steps
 
     @property
     def lr(self) -> float:
@@ -433,19 +441,21 @@ class Engine:
             with no_sync:
                 loss.backward()
         self.micro_step += 1
+        self._accumulated += 1
         return finite
 
     def _next_is_boundary(self) -> bool:
-        return (self.micro_step + 1) % self.cfg.gradient_accumulation_steps == 0
+        return self._accumulated + 1 == self.cfg.gradient_accumulation_steps
 
     def step(self) -> StepResult:
         """The optimizer step at an accumulation boundary: clip, update (unless skipped),
         advance the schedule, zero the gradients."""
         if not self.at_boundary:
             raise RuntimeError(
-                f"Engine.step() after {self.micro_step} micro-batches: call it every "
-                f"{self.cfg.gradient_accumulation_steps} backward() calls"
+                f"Engine.step() after {self._accumulated} backward() calls since the last step: "
+                f"call it after every {self.cfg.gradient_accumulation_steps}"
             )
+        self._accumulated = 0
         poisoned, self._poisoned = self._poisoned, False
         self._guard.skip = poisoned
         lr = self.lr

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -34,9 +35,7 @@ def _read_yaml(path: Path, depth: int = 0) -> dict[str, Any]:
         raise ValueError(f"config file {path} not found")
     try:
         node = OmegaConf.load(path)
-    except (OmegaConfBaseException, OSError, ValueError) as e:  # yaml.YAMLError is a ValueError
-        raise ValueError(f"config file {path} is not valid YAML: {e}") from e
-    except Exception as e:  # yaml's scanner/parser errors
+    except (OmegaConfBaseException, OSError, ValueError, yaml.YAMLError) as e:
         raise ValueError(f"config file {path} is not valid YAML: {e}") from e
     data = OmegaConf.to_container(node, resolve=False)
     if data is None:
@@ -73,7 +72,7 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> di
     try:
         node = OmegaConf.merge(OmegaConf.create(data), OmegaConf.from_dotlist(list(overrides)))
         resolved = OmegaConf.to_container(node, resolve=True)
-    except OmegaConfBaseException as e:
+    except (OmegaConfBaseException, yaml.YAMLError) as e:
         raise ValueError(f"bad config or override: {e}") from e
     return resolved  # type: ignore[return-value]
 

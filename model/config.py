@@ -418,7 +418,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ValueError(f"{where} must be a list, got {type(value).__name__}")
         (item_tp, *_) = get_args(tp) or (Any,)
         return type(value)(_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
-    if origin is dict or tp is Any:
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where} must be a mapping, got {type(value).__name__}")
+        return value
+    if tp is Any:
         return value
     if tp is bool:
         if not isinstance(value, bool):

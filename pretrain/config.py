@@ -96,7 +96,8 @@ class TrainConfig:
     export_at_end: bool = True
     """Write the release (run_dir/release) when the run reaches its last step."""
     progress: bool = True
-    """A progress bar on rank 0 in a terminal (plain log lines when not a terminal)."""
+    """A progress bar on rank 0 when stderr is a terminal; false (and in batch jobs): one plain
+    log line every log_every steps."""
     fail_at_step: int | None = None
     """Testing aid: raise an error after this step (to exercise crash recovery)."""
 

@@ -306,7 +306,8 @@ class Trainer:
         progress = Progress(
             total,
             initial=self.step,
-            enabled=self.is_main and cfg.train.progress,
+            enabled=self.is_main,
+            force_tty=None if cfg.train.progress else False,
             log_every=cfg.train.log_every,
             desc="pretrain",
         )

@@ -63,3 +63,102 @@ def test_preset_key_with_a_typo_fails():
 )
 def test_imports(module):
     importlib.import_module(module)
+
+
+# ----------------------------------------------------------------------------- pretraining recipes
+
+RECIPES = sorted((Path(__file__).parents[1] / "configs" / "pretrain").glob("*.yaml"))
+FAMILIES = ("softmax", "tisa", "kernel", "transject")
+SIZES = ("debug", "albert-base", "albert-large")
+
+
+def _recipe(path: Path):
+    from engine.recipe import load_recipe
+    from pretrain.config import pretrain_config
+
+    cfg = pretrain_config(load_recipe(path))
+    return cfg, cfg.encoder_config(vocab_size=30000, pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def recipes() -> dict[str, tuple]:
+    return {path.stem: _recipe(path) for path in RECIPES}
+
+
+def _size_and_family(stem: str) -> tuple[str, str]:
+    """albert-base-tisa -> (albert-base, tisa); albert-base / albert-base-96 -> softmax."""
+    size = next(s for s in sorted(SIZES, key=len, reverse=True) if stem.startswith(s))
+    suffix = stem[len(size) :].lstrip("-")
+    return size, suffix if suffix in FAMILIES else "softmax"
+
+
+def test_there_are_shipped_recipes():
+    assert len(RECIPES) >= 12
+    assert all(p.stem.startswith(SIZES) for p in RECIPES), [p.stem for p in RECIPES]
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_shipped_recipe_loads(path):
+    cfg, enc = _recipe(path)
+    assert cfg.data.shards  # a path string; nothing is read
+    assert (enc.vocab_size, enc.pad_token_id) == (30000, 0)
+    assert enc.max_position_embeddings >= cfg.data.max_seq_length
+    assert cfg.total_steps == cfg.schedule.total_steps
+    assert cfg.engine.micro_batch_size >= 1
+
+
+@pytest.mark.parametrize("stem", ["albert-base", "albert-large"])
+def test_albert_recipe(recipes, stem):
+    """Lan et al. (2020): LAMB, lr 0.00176, batch 4096, 3125 warmup steps, 125k steps, linear
+    decay, sequences of 512. ZeRO-0 with bf16-mixed keeps LAMB's per-tensor trust ratio exact."""
+    cfg, enc = recipes[stem]
+    assert cfg.optimizer.name == "lamb"
+    assert cfg.optimizer.lr == pytest.approx(0.00176)
+    assert cfg.schedule.warmup_steps == 3125
+    assert cfg.schedule.total_steps == 125_000 and cfg.total_steps == 125_000
+    assert cfg.schedule.decay == "linear" and cfg.schedule.min_lr_ratio == 0.0
+    assert cfg.engine.zero_stage == 0
+    assert cfg.engine.precision == "bf16-mixed"
+    assert cfg.data.max_seq_length == 512
+    # 64 sequences per process: 4096 on the 64 processes the recipe comments assume.
+    assert cfg.engine.micro_batch_size * cfg.engine.gradient_accumulation_steps * 64 == 4096
+    width, depth = (768, 12) if stem == "albert-base" else (1024, 24)
+    assert (enc.hidden_size, enc.num_hidden_layers, enc.embedding_size) == (width, depth, 128)
+
+
+def test_every_albert_recipe_keeps_lamb_exact(recipes):
+    for stem, (cfg, enc) in recipes.items():
+        if not stem.startswith("albert-"):
+            continue
+        assert cfg.optimizer.name == "lamb", stem
+        assert cfg.optimizer.lr == pytest.approx(0.00176), stem
+        assert cfg.schedule.total_steps == 125_000, stem
+        assert (cfg.engine.zero_stage, cfg.engine.precision) == (0, "bf16-mixed"), stem
+        size = _size_and_family(stem)[0]
+        assert enc.hidden_size == (768 if size == "albert-base" else 1024), stem
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_attention_family_matches_the_file_name(recipes, path):
+    enc = recipes[path.stem][1]
+    assert enc.attention == _size_and_family(path.stem)[1]
+
+
+def test_every_family_has_every_size(recipes):
+    have = {_size_and_family(stem) for stem in recipes}
+    for size in SIZES:
+        for family in FAMILIES:
+            assert (size, family) in have, f"no {size} recipe with {family} attention"
+
+
+def test_deep_recipe_checkpoints_activations(recipes):
+    deep = {s: c for s, (c, e) in recipes.items() if e.num_layer_applications >= 48}
+    assert "albert-base-96" in deep, sorted(deep)
+    for stem, cfg in deep.items():
+        assert cfg.engine.activation_checkpointing, stem
+
+
+def test_run_dirs_are_distinct(recipes):
+    run_dirs = [cfg.train.run_dir for cfg, _ in recipes.values()]
+    assert len(set(run_dirs)) == len(run_dirs), sorted(run_dirs)
+    assert all(Path(d).name for d in run_dirs)

@@ -1,0 +1,335 @@
+"""engine.recipe (YAML recipes, defaults chains, dotted overrides) and pretrain.config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.recipe import config_dict, diff_keys, load_recipe, to_yaml
+from pretrain.config import PretrainConfig, pretrain_config
+
+DEBUG = Path(__file__).parents[1] / "configs" / "pretrain" / "debug.yaml"
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def minimal(**sections) -> dict:
+    """The smallest valid pretraining recipe (data.shards is only a path string here)."""
+    return {"data": {"shards": "shards", "max_seq_length": 64}, **sections}
+
+
+# ----------------------------------------------------------------------------- load_recipe
+
+
+def test_overrides_are_yaml_values(tmp_path):
+    recipe = write(
+        tmp_path / "r.yaml",
+        "optimizer:\n  lr: 0.5\n  name: lamb\ntrain:\n  steps: 3\n  seed: 1\n",
+    )
+    data = load_recipe(
+        recipe,
+        [
+            "optimizer.lr=1e-3",
+            "train.steps=7",
+            "train.progress=false",
+            "optimizer.betas=[0.8, 0.95]",
+            "train.time_budget_minutes=null",
+            "new.nested.key=3",
+            "engine.deepspeed.zero_optimization.offload_optimizer.device=cpu",
+        ],
+    )
+    assert data["optimizer"] == {"lr": 1e-3, "name": "lamb", "betas": [0.8, 0.95]}
+    assert isinstance(data["optimizer"]["lr"], float)
+    assert data["train"] == {"steps": 7, "seed": 1, "progress": False, "time_budget_minutes": None}
+    assert isinstance(data["train"]["steps"], int)
+    assert data["new"] == {"nested": {"key": 3}}
+    assert data["engine"]["deepspeed"] == {
+        "zero_optimization": {"offload_optimizer": {"device": "cpu"}}
+    }
+
+
+def test_no_recipe_is_only_overrides():
+    assert load_recipe(None) == {}
+    assert load_recipe(None, ["a.b=1", "a.c=x"]) == {"a": {"b": 1, "c": "x"}}
+    assert load_recipe(None, ["a=1", "a=2"]) == {"a": 2}  # the last override wins
+
+
+def test_later_override_of_a_section_replaces_a_value(tmp_path):
+    recipe = write(tmp_path / "r.yaml", "model:\n  preset: debug\n  hidden_size: 64\n")
+    data = load_recipe(recipe, ["model.hidden_size=32", "model.attention=tisa"])
+    assert data["model"] == {"preset": "debug", "hidden_size": 32, "attention": "tisa"}
+
+
+def test_defaults_chain(tmp_path):
+    write(
+        tmp_path / "base" / "grand.yaml",
+        "optimizer:\n  lr: 1.0\n  eps: 1.0e-8\ntrain:\n  seed: 5\n",
+    )
+    # The parent's defaults path is relative to the parent, not to the child or the cwd.
+    write(
+        tmp_path / "base" / "parent.yaml",
+        "defaults: grand.yaml\noptimizer:\n  lr: 2.0\n  name: adamw\ntrain:\n  log_every: 3\n",
+    )
+    child = write(
+        tmp_path / "recipes" / "child.yaml",
+        "defaults: ../base/parent.yaml\noptimizer:\n  lr: 3.0\ntrain:\n  seed: 6\n",
+    )
+    data = load_recipe(child)
+    assert "defaults" not in data
+    assert data["optimizer"] == {"lr": 3.0, "eps": 1e-8, "name": "adamw"}
+    assert data["train"] == {"seed": 6, "log_every": 3}
+    assert load_recipe(child, ["optimizer.lr=4.0"])["optimizer"]["lr"] == 4.0
+
+
+def test_defaults_cycle_is_an_error(tmp_path):
+    write(tmp_path / "a.yaml", "defaults: b.yaml\nx: 1\n")
+    write(tmp_path / "b.yaml", "defaults: a.yaml\ny: 1\n")
+    with pytest.raises(ValueError, match="defaults"):
+        load_recipe(tmp_path / "a.yaml")
+
+
+def test_defaults_must_be_a_path(tmp_path):
+    recipe = write(tmp_path / "r.yaml", "defaults: [a.yaml, b.yaml]\n")
+    with pytest.raises(ValueError, match="defaults"):
+        load_recipe(recipe)
+
+
+def test_section_given_as_a_file(tmp_path):
+    write(tmp_path / "model" / "x.yaml", "preset: debug\nattention: tisa\n")
+    recipe = write(
+        tmp_path / "pretrain" / "r.yaml",
+        "model: ../model/x.yaml\ntrain:\n  run_dir: runs/x\n",
+    )
+    data = load_recipe(recipe, ["model.hidden_size=64"])
+    assert data["model"] == {"preset": "debug", "attention": "tisa", "hidden_size": 64}
+    assert data["train"] == {"run_dir": "runs/x"}
+
+
+def test_section_file_of_a_parent_is_relative_to_the_parent(tmp_path):
+    write(tmp_path / "model" / "x.yaml", "preset: debug\n")
+    write(tmp_path / "pretrain" / "base.yaml", "model: ../model/x.yaml\n")
+    child = write(
+        tmp_path / "pretrain" / "variants" / "child.yaml",
+        "defaults: ../base.yaml\nmodel:\n  attention: kernel\n",
+    )
+    assert load_recipe(child)["model"] == {"preset": "debug", "attention": "kernel"}
+
+
+def test_missing_section_file_names_it(tmp_path):
+    recipe = write(tmp_path / "r.yaml", "model: ../model/nope.yaml\n")
+    with pytest.raises(ValueError, match=r"nope\.yaml"):
+        load_recipe(recipe)
+
+
+@pytest.mark.parametrize("override", ["foo", "=1", "=", "optimizer.lr"])
+def test_bad_override_syntax(override):
+    with pytest.raises(ValueError, match=r"dotted\.key=value"):
+        load_recipe(None, [override])
+
+
+@pytest.mark.parametrize("override", ["optimizer.betas=[0.9,", "model.kernel={a: 1"])
+def test_malformed_override_value_is_a_value_error(override):
+    with pytest.raises(ValueError):
+        load_recipe(None, [override])
+
+
+def test_missing_file_names_it(tmp_path):
+    with pytest.raises(ValueError, match=r"absent\.yaml.*not found"):
+        load_recipe(tmp_path / "absent.yaml")
+
+
+@pytest.mark.parametrize("text", ["a: [1, 2\n", "a: b: c\n", "a:\n  - 1\n b: 2\n"])
+def test_invalid_yaml_names_the_file(tmp_path, text):
+    recipe = write(tmp_path / "broken.yaml", text)
+    with pytest.raises(ValueError, match=r"broken\.yaml.*not valid YAML"):
+        load_recipe(recipe)
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    recipe = write(tmp_path / "list.yaml", "- 1\n- 2\n")
+    with pytest.raises(ValueError, match=r"list\.yaml.*mapping"):
+        load_recipe(recipe)
+    assert load_recipe(write(tmp_path / "empty.yaml", "")) == {}
+
+
+def test_interpolation_is_resolved(tmp_path):
+    recipe = write(
+        tmp_path / "r.yaml",
+        "model:\n  attention: softmax\n"
+        "schedule:\n  total_steps: 100\n"
+        "train:\n  run_dir: runs/${model.attention}\n  steps: ${schedule.total_steps}\n",
+    )
+    data = load_recipe(recipe)
+    assert data["train"] == {"run_dir": "runs/softmax", "steps": 100}
+    # Resolved after the overrides: an override changes what the interpolation gives.
+    data = load_recipe(recipe, ["model.attention=tisa", "schedule.total_steps=7"])
+    assert data["train"] == {"run_dir": "runs/tisa", "steps": 7}
+
+
+def test_interpolation_across_defaults(tmp_path):
+    write(tmp_path / "base.yaml", "train:\n  run_dir: runs/${name}\nname: base\n")
+    child = write(tmp_path / "child.yaml", "defaults: base.yaml\nname: child\n")
+    assert load_recipe(child)["train"]["run_dir"] == "runs/child"
+
+
+def test_unresolvable_interpolation_is_a_value_error(tmp_path):
+    recipe = write(tmp_path / "r.yaml", "a: ${nowhere.to.be.found}\n")
+    with pytest.raises(ValueError, match="nowhere"):
+        load_recipe(recipe)
+
+
+# ----------------------------------------------------------------------------- PretrainConfig
+
+
+def test_debug_recipe_with_overrides():
+    cfg = pretrain_config(
+        load_recipe(DEBUG, ["optimizer.lr=1e-3", "engine.zero_stage=2", "train.steps=5"])
+    )
+    assert isinstance(cfg, PretrainConfig)
+    assert cfg.optimizer.lr == 1e-3 and cfg.optimizer.name == "adamw"
+    assert cfg.engine.zero_stage == 2 and cfg.engine.backend == "deepspeed"
+    assert cfg.total_steps == 5
+    assert cfg.data.shards == "runs/embedded/shards"
+
+
+def test_steps_default_to_the_schedule():
+    cfg = pretrain_config(minimal(schedule={"warmup_steps": 1, "total_steps": 42}))
+    assert cfg.train.steps == cfg.total_steps == 42
+
+
+def test_int_is_accepted_for_a_float_and_tuples_from_lists():
+    cfg = pretrain_config(minimal(optimizer={"lr": 1, "betas": [0.8, 0.9]}))
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
+    assert cfg.optimizer.betas == (0.8, 0.9)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "suggestion"),
+    [
+        ("optimizer", "lrr", "lr"),
+        ("train", "stepz", "steps"),
+        ("engine", "zero_stge", "zero_stage"),
+        ("schedule", "warmup_step", "warmup_steps"),
+        ("data", "shardz", "shards"),
+        ("model", "hiden_size", "hidden_size"),
+    ],
+)
+def test_unknown_key_suggests_the_close_one(section, key, suggestion):
+    data = minimal()
+    data.setdefault(section, {})[key] = 1
+    with pytest.raises(ValueError, match=f"did you mean '{suggestion}'"):
+        pretrain_config(data)
+
+
+def test_unknown_section_and_nested_key():
+    with pytest.raises(ValueError, match="did you mean 'optimizer'"):
+        pretrain_config(minimal(optimiser={"lr": 1.0}))
+    with pytest.raises(
+        ValueError, match=r"data\.masking\.mlm_probabilty.*did you mean 'mlm_probability'"
+    ):
+        pretrain_config({"data": {"shards": "s", "masking": {"mlm_probabilty": 0.1}}})
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "where"),
+    [
+        ("engine", "zero_stage", "two", "engine.zero_stage"),
+        ("engine", "zero_stage", 2.0, "engine.zero_stage"),
+        ("engine", "activation_checkpointing", "yes", "engine.activation_checkpointing"),
+        ("optimizer", "lr", "fast", "optimizer.lr"),
+        ("train", "steps", [1], "train.steps"),
+        ("data", "max_seq_length", True, "data.max_seq_length"),
+    ],
+)
+def test_wrong_types(section, key, value, where):
+    data = minimal()
+    data.setdefault(section, {})[key] = value
+    with pytest.raises(ValueError, match=where.replace(".", r"\.")):
+        pretrain_config(data)
+
+
+@pytest.mark.parametrize("value", [3, "offload", ["zero_optimization"]])
+def test_engine_deepspeed_must_be_a_mapping(value):
+    with pytest.raises(ValueError, match=r"engine\.deepspeed"):
+        pretrain_config(minimal(engine={"deepspeed": value}))
+
+
+def test_bad_values_are_value_errors():
+    with pytest.raises(ValueError, match=r"engine\.zero_stage"):
+        pretrain_config(minimal(engine={"zero_stage": 5}))
+    with pytest.raises(ValueError, match=r"optimizer\.betas"):
+        pretrain_config(minimal(optimizer={"betas": [0.9]}))
+    with pytest.raises(ValueError, match="model:"):
+        pretrain_config(minimal(model={"preset": "debug", "attention": "nope"}))
+    with pytest.raises(ValueError, match=r"section|mapping"):
+        pretrain_config(minimal(engine=3))
+
+
+def test_missing_shards():
+    with pytest.raises(ValueError, match=r"data\.shards"):
+        pretrain_config({})
+    with pytest.raises(ValueError, match=r"data\.shards"):
+        pretrain_config({"data": {"max_seq_length": 64}, "optimizer": {"lr": 1.0}})
+
+
+def test_encoder_config_takes_vocab_and_pad_from_the_tokenizer():
+    cfg = pretrain_config(minimal(model={"preset": "debug"}))
+    enc = cfg.encoder_config(vocab_size=300, pad_token_id=3)
+    assert (enc.vocab_size, enc.pad_token_id) == (300, 3)
+    assert enc.hidden_size == 32  # the rest is the preset
+    assert cfg.model == {"preset": "debug"}  # the section itself is not modified
+
+
+@pytest.mark.parametrize(("key", "value"), [("vocab_size", 512), ("pad_token_id", 1)])
+def test_encoder_config_refuses_a_conflicting_explicit_value(key, value):
+    cfg = pretrain_config(minimal(model={"preset": "debug", key: value}))
+    with pytest.raises(ValueError, match=f"model\\.{key}"):
+        cfg.encoder_config(vocab_size=300, pad_token_id=0)
+
+
+def test_encoder_config_accepts_an_agreeing_explicit_value():
+    cfg = pretrain_config(minimal(model={"preset": "debug", "vocab_size": 300, "pad_token_id": 0}))
+    assert cfg.encoder_config(vocab_size=300, pad_token_id=0).vocab_size == 300
+
+
+def test_sequence_longer_than_the_position_table():
+    model = {"preset": "debug", "max_position_embeddings": 64}
+    cfg = pretrain_config({"data": {"shards": "s", "max_seq_length": 128}, "model": model})
+    with pytest.raises(ValueError, match=r"data\.max_seq_length=128.*max_position_embeddings=64"):
+        cfg.encoder_config(vocab_size=300, pad_token_id=0)
+    ok = pretrain_config({"data": {"shards": "s", "max_seq_length": 64}, "model": model})
+    assert ok.encoder_config(vocab_size=300, pad_token_id=0).max_position_embeddings == 64
+
+
+def test_config_round_trips_through_yaml(tmp_path):
+    cfg = pretrain_config(load_recipe(DEBUG, ["optimizer.betas=[0.8, 0.9]"]))
+    assert pretrain_config(config_dict(cfg)) == cfg
+    saved = write(tmp_path / "config.yaml", to_yaml(cfg.to_dict()))
+    assert pretrain_config(load_recipe(saved)) == cfg
+    assert diff_keys(load_recipe(saved), cfg.to_dict()) == []
+
+
+# ----------------------------------------------------------------------------- diff_keys
+
+
+def test_diff_keys_nested():
+    a = {"x": 1, "s": {"a": 1, "b": {"c": 2, "d": [1, 2]}}, "gone": None}
+    b = {"x": 1, "s": {"a": 1, "b": {"c": 3, "d": [1, 2], "e": 0}}, "new": {"k": 1}}
+    assert diff_keys(a, b) == ["gone", "new", "s.b.c", "s.b.e"]
+    assert diff_keys(b, a) == diff_keys(a, b)
+    assert diff_keys(a, a) == []
+    assert diff_keys({"s": {"a": 1}}, {"s": 1}) == ["s"]  # a section against a value
+    assert diff_keys({"l": [1, 2]}, {"l": [1, 3]}) == ["l"]  # lists compare whole
+    assert diff_keys({"a": None}, {}) == ["a"]  # missing differs from None
+    assert diff_keys({"a": 1}, {"a": 1.0}) == []
+
+
+def test_diff_keys_between_recipes():
+    base = load_recipe(DEBUG)
+    changed = load_recipe(DEBUG, ["optimizer.lr=1e-3", "train.run_dir=x", "engine.device=cpu"])
+    assert diff_keys(base, changed) == ["optimizer.lr", "train.run_dir"]
