@@ -453,7 +453,7 @@ class Engine:
         if not self.at_boundary:
             raise RuntimeError(
                 f"Engine.step() after {self._accumulated} backward() calls since the last step: "
-                f"call it after every {self.cfg.gradient_accumulation_steps}"
+                f"call it once every {self.cfg.gradient_accumulation_steps} backward() calls"
             )
         self._accumulated = 0
         poisoned, self._poisoned = self._poisoned, False

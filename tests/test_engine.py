@@ -300,7 +300,7 @@ def test_at_boundary_and_early_step():
     x, y = data(8)
     engine = make_engine(mlp(), micro_batch_size=4, gradient_accumulation_steps=2)
     assert not engine.at_boundary
-    with pytest.raises(RuntimeError, match="backward\(\) calls"):
+    with pytest.raises(RuntimeError, match=r"backward\(\) calls"):
         engine.step()  # nothing accumulated yet
     engine.backward(mse(engine, x[:4], y[:4]))
     assert not engine.at_boundary
