@@ -1,2 +1,3 @@
-"""Pretraining (`python -m pretrain`, issue #4). Today: `pretrain.smoke`, the model smoke run
-that the README's main command executes until the full pipeline lands."""
+"""Pretraining: ``python -m pretrain --config configs/pretrain/<recipe>.yaml [key=value ...]``
+(the loop: ``pretrain.train``), ``python -m pretrain.export`` (a release from a checkpoint) and
+``python -m pretrain.pipeline`` (the README's main job)."""

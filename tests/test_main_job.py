@@ -1,35 +1,33 @@
-"""The README's main job, shortened: data_prep on the embedded corpus, a few steps per family,
-releases written with the tokenizer and reloaded."""
+"""The README's main job, shortened: data_prep on the embedded corpus -> DeepSpeed pretraining
+on 2 processes -> export -> summary; a second run reuses everything."""
 
 from __future__ import annotations
 
 import json
 
 from model.release import load_release
-from pretrain import smoke
+from pretrain import pipeline
 
 
 def test_main_job_end_to_end(tmp_path):
-    out = tmp_path / "smoke"
-    rc = smoke.main(
-        ["--out", str(out), "--steps", "8", "--batch", "8", "--families", "softmax", "transject"]
-    )
-    assert rc == 0
-    manifest = json.loads((out / "shards" / "manifest.json").read_text())
+    out = tmp_path / "main"
+    args = ["--out", str(out), "--families", "softmax", "transject", "--", "train.steps=12"]
+    assert pipeline.main(args) == 0
+    manifest = json.loads((out / "data" / "shards" / "manifest.json").read_text())
     assert manifest["totals"]["examples"] > 1000
     summary = json.loads((out / "summary.json").read_text())
     assert [r["family"] for r in summary] == ["softmax", "transject"]
     for row in summary:
+        assert row["state"] == "completed" and row["steps"] == 12
         assert row["mlm_loss_last"] < row["mlm_loss_first"]
+        assert row["export_matches_run"]
         release = out / "releases" / row["family"]
         assert (release / "tokenizer.json").read_bytes() == (
-            out / "tokenizer" / "tokenizer.json"
+            out / "data" / "tokenizer" / "tokenizer.json"
         ).read_bytes()
         assert load_release(release).config.attention == row["family"]
-    # A second run reuses the tokenizer and the finished shards.
-    before = (out / "shards" / "shard_00000.tokens.npy").stat().st_mtime_ns
-    assert (
-        smoke.main(["--out", str(out), "--steps", "2", "--batch", "8", "--families", "softmax"])
-        == 0
-    )
-    assert (out / "shards" / "shard_00000.tokens.npy").stat().st_mtime_ns == before
+        assert (out / "pretrain" / row["family"] / "tensorboard").is_dir()
+    # A second run reuses the shards and the finished runs (they resume at their last step).
+    before = (out / "data" / "shards" / "shard_00000.tokens.npy").stat().st_mtime_ns
+    assert pipeline.main(["--out", str(out), "--families", "softmax", "--", "train.steps=12"]) == 0
+    assert (out / "data" / "shards" / "shard_00000.tokens.npy").stat().st_mtime_ns == before

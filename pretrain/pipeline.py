@@ -1,0 +1,166 @@
+"""The main job, on the embedded corpus, CPU only, nothing downloaded:
+
+    1. data_prep: a SentencePiece-unigram tokenizer and ALBERT sentence-pair shards made from
+       the embedded corpus (CPython's own documentation text);
+    2. pretraining of every attention family with the real DeepSpeed engine (ZeRO-2) on 2
+       processes (``torchrun --standalone --nproc_per_node 2 -m pretrain --config
+       configs/pretrain/debug[-<family>].yaml ...``): checkpoints, TensorBoard, a release;
+    3. export: ``python -m pretrain.export`` of each run's final checkpoint, reloaded and
+       checked against the run's own release;
+    4. a summary: MLM loss first -> last, SOP accuracy, where the logs and releases are.
+
+    python -m pretrain.pipeline --out runs/main [--families softmax tisa] [--nproc 2] [-- key=value ...]
+
+Re-running reuses the tokenizer, the shards and finished runs (a finished run resumes at its
+last step and stops at once). Exits 1 if a run failed or its MLM loss did not decrease.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from data_prep.format import TOKENIZER
+from data_prep.shards import ShardConfig, build_shards
+from data_prep.tokenizer import write_tokenizer
+from model import ATTENTION_REGISTRY
+from model.release import load_release
+from pretrain import export as export_cli
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "pretrain"
+SEQ = 64
+
+
+def recipe(family: str) -> Path:
+    return CONFIGS / ("debug.yaml" if family == "softmax" else f"debug-{family}.yaml")
+
+
+def prepare_data(out: Path, vocab_size: int) -> Path:
+    tok = out / "data" / "tokenizer" / TOKENIZER
+    if not tok.is_file():
+        write_tokenizer(tok.parent, inputs=["embedded"], vocab_size=vocab_size)
+    shards = out / "data" / "shards"
+    build_shards(
+        ShardConfig(inputs=("embedded",), num_shards=2, max_seq_length=SEQ, seed=0),
+        tok,
+        shards,
+        workers=1,
+    )
+    return shards
+
+
+def pretrain(family: str, shards: Path, run_dir: Path, nproc: int, overrides: list[str]) -> int:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "pretrain",
+        "--config",
+        str(recipe(family)),
+        f"data.shards={shards}",
+        f"train.run_dir={run_dir}",
+        "train.progress=false",
+        *overrides,
+    ]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    print(f"\n$ {' '.join(cmd[1:])}", flush=True)
+    return subprocess.run(cmd, env=env).returncode
+
+
+def summarize(family: str, run_dir: Path, out: Path) -> dict:
+    rows = {}
+    for line in (run_dir / "tensorboard" / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows.setdefault(row["step"], {}).update(row)
+    logged = [rows[s] for s in sorted(rows) if "loss/mlm" in rows[s]]
+    status = json.loads((run_dir / "status.json").read_text())
+    release = out / "releases" / family
+    export_cli.export(run_dir, release, overwrite=True)
+    exported, own = load_release(release), load_release(run_dir / "release")
+    same = all(torch.equal(v, own.state_dict()[k]) for k, v in exported.state_dict().items())
+    return {
+        "family": family,
+        "state": status["state"],
+        "steps": status["step"],
+        "mlm_loss_first": logged[0]["loss/mlm"],
+        "mlm_loss_last": logged[-1]["loss/mlm"],
+        "sop_accuracy_last": logged[-1]["accuracy/sop"],
+        "tokens_per_s": logged[-1]["throughput/tokens_per_s"],
+        "skipped_steps": status["skipped_steps"],
+        "tensorboard": str(run_dir / "tensorboard"),
+        "release": str(release),
+        "export_matches_run": same,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pretrain.pipeline",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--out", default="runs/main", help="directory for everything it writes")
+    parser.add_argument("--families", nargs="+", default=ATTENTION_REGISTRY.names())
+    parser.add_argument("--nproc", type=int, default=2, help="processes (ranks) per run")
+    parser.add_argument("--vocab-size", type=int, default=2000)
+    parser.add_argument(
+        "overrides", nargs="*", help="extra dotted overrides for every run, e.g. train.steps=20"
+    )
+    args = parser.parse_args(argv)
+    unknown = [f for f in args.families if f not in ATTENTION_REGISTRY]
+    if unknown:
+        parser.error(f"unknown families {unknown}; valid: {ATTENTION_REGISTRY.names()}")
+    out = Path(args.out)
+    start = time.perf_counter()
+    shards = prepare_data(out, args.vocab_size)
+    manifest = json.loads((shards / "manifest.json").read_text())
+    print(
+        f"data_prep: {manifest['totals']['examples']} examples, {manifest['totals']['tokens']} "
+        f"tokens, vocab {manifest['vocab_size']}, in {shards} ({time.perf_counter() - start:.1f} s)"
+    )
+    rows, failed = [], []
+    for family in args.families:
+        run_dir = out / "pretrain" / family
+        rc = pretrain(family, shards, run_dir, args.nproc, args.overrides)
+        if rc != 0:
+            failed.append(f"{family} (exit code {rc})")
+            continue
+        row = summarize(family, run_dir, out)
+        rows.append(row)
+        if not row["mlm_loss_last"] < row["mlm_loss_first"]:
+            failed.append(f"{family} (MLM loss did not decrease)")
+        if not row["export_matches_run"]:
+            failed.append(f"{family} (exported release differs from the run's)")
+    print(
+        f"\n{'family':<10} {'steps':>5} {'mlm first':>9} {'mlm last':>9} {'sop acc':>7} {'tok/s':>8}"
+    )
+    for r in rows:
+        print(
+            f"{r['family']:<10} {r['steps']:>5} {r['mlm_loss_first']:>9.3f} "
+            f"{r['mlm_loss_last']:>9.3f} {r['sop_accuracy_last']:>7.2f} {r['tokens_per_s']:>8.0f}"
+        )
+    (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(
+        f"\nTensorBoard: tensorboard --logdir {out / 'pretrain'}\n"
+        f"releases:    {out / 'releases'}/<family> (config.json, model.safetensors, tokenizer.json)\n"
+        f"summary:     {out / 'summary.json'}  ({time.perf_counter() - start:.0f} s in all)"
+    )
+    if failed:
+        print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
