@@ -234,14 +234,16 @@ def test_explicit_fused_lamb_on_cpu_is_a_clear_error(impl):
 
 
 def test_explicit_deepspeed_without_deepspeed_is_a_clear_error(monkeypatch):
-    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import fails
+    for name in ("deepspeed", "deepspeed.ops", "deepspeed.ops.lamb"):  # even if imported before
+        monkeypatch.setitem(sys.modules, name, None)  # import fails
     with pytest.raises(RuntimeError, match=r"FusedLamb is not importable.*pip install deepspeed"):
         optim.resolve_lamb_implementation("deepspeed", "cuda")
 
 
 def test_pypi_apex_web_toolkit_is_not_nvidia_apex(monkeypatch):
     monkeypatch.setitem(sys.modules, "apex", types.ModuleType("apex"))  # no .optimizers
-    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    for name in ("deepspeed", "deepspeed.ops", "deepspeed.ops.lamb"):
+        monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(RuntimeError, match=r"NVIDIA apex .* not importable.*unrelated"):
         optim.resolve_lamb_implementation("apex", "cuda")
     assert optim.resolve_lamb_implementation("auto", "cuda") == "torch"
