@@ -29,6 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
+    # The `deepspeed` launcher passes --local_rank; LOCAL_RANK in the environment says the same.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
