@@ -61,9 +61,9 @@ def _jsonl(run_dir: Path) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def matrix(shards, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("matrix")
-    cmd = torchrun_cmd(2, str(REPO / "tests/dist/zero_matrix.py"), str(shards), str(out), *MATRIX)
+    cmd = torchrun_cmd(2, str(REPO / "tests/multiproc/zero_matrix.py"), str(shards), str(out), *MATRIX)
     proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
-    _check(proc, "tests/dist/zero_matrix.py")
+    _check(proc, "tests/multiproc/zero_matrix.py")
     return {"report": json.loads((out / "report.json").read_text()), "out": out}
 
 
@@ -237,9 +237,9 @@ def test_sigterm_mid_run_leaves_a_loadable_checkpoint(shards, tmp_path):
 
 
 def test_nonfinite_losses_are_skipped_then_the_run_stops(shards, tmp_path):
-    cmd = torchrun_cmd(2, str(REPO / "tests/dist/nonfinite.py"), str(shards), str(tmp_path))
+    cmd = torchrun_cmd(2, str(REPO / "tests/multiproc/nonfinite.py"), str(shards), str(tmp_path))
     proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
-    _check(proc, "tests/dist/nonfinite.py")
+    _check(proc, "tests/multiproc/nonfinite.py")
     r = json.loads((tmp_path / "report.json").read_text())
     # NaN on rank 1 only at steps 3 and 4: both ranks skipped; weights unchanged; lr held.
     assert r["unchanged"]["3"] and r["unchanged"]["4"]
