@@ -328,6 +328,7 @@ class Trainer:
         peak = peak_flops(self.engine.device, _compute_dtype(cfg))
         batches = iter(self.loader)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        # ^ loss parts accumulate on the training device and are read once per log window
         timers: dict[str, float] = defaultdict(float)
         flops = 0.0
         window_start, window_steps, window_tokens, window_samples = time.perf_counter(), 0, 0, 0
@@ -444,7 +445,14 @@ class Trainer:
         batch: dict[str, torch.Tensor] = {}
         for _ in range(self.cfg.engine.gradient_accumulation_steps):
             t0 = time.perf_counter()
-            batch = engine.to_device(next(batches))
+            cpu_batch = next(batches)
+            # Counts from the CPU batch: no device synchronisation for bookkeeping.
+            b, n = cpu_batch["input_ids"].shape
+            masked = int((cpu_batch["mlm_labels"] != -100).sum())
+            tokens += int(cpu_batch["attention_mask"].sum())
+            samples += b
+            flops += training_flops(self.model_cfg, n, masked_tokens=max(1, masked // b)) * b
+            batch = engine.to_device(cpu_batch)
             sync()
             t1 = time.perf_counter()
             out = engine.forward(**model_inputs(batch))
@@ -458,13 +466,8 @@ class Trainer:
             timers["forward"] += t2 - t1
             timers["backward"] += t3 - t2
             for name, value in {**loss.parts, **loss.counts}.items():
-                sums[name] += value.detach().to("cpu", torch.float64)
+                sums[name] = sums[name] + value.detach().double()  # stays on the device
             sums["micro_batches"] += 1.0
-            b, n = batch["input_ids"].shape
-            masked = int(loss.counts["mlm_total"].item())
-            tokens += int(batch["attention_mask"].sum().item())
-            samples += b
-            flops += training_flops(self.model_cfg, n, masked_tokens=max(1, masked // b)) * b
         t0 = time.perf_counter()
         result = engine.step()
         sync()
@@ -487,7 +490,8 @@ class Trainer:
     ) -> dict[str, float]:
         """Averages over the logging window and over ranks -> TensorBoard (rank 0)."""
         names = sorted(sums)
-        averaged = self.engine.all_reduce_mean(torch.stack([sums[n] for n in names]))
+        stacked = torch.stack([sums[n].detach().double().cpu() for n in names])
+        averaged = self.engine.all_reduce_mean(stacked)
         avg = dict(zip(names, averaged.tolist()))
         micro = max(avg.pop("micro_batches"), 1.0)
         values: dict[str, float | None] = {}

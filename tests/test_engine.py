@@ -2,7 +2,7 @@
 
 No process group is created here: the torch backend with a world size of 1 skips
 ``init_distributed``. The DeepSpeed backend is exercised by the multi-process tests in
-tests/dist; here only its config dict and start-up checks are tested.
+tests/multiproc; here only its config dict and start-up checks are tested.
 """
 
 from __future__ import annotations

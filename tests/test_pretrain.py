@@ -61,7 +61,9 @@ def _jsonl(run_dir: Path) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def matrix(shards, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("matrix")
-    cmd = torchrun_cmd(2, str(REPO / "tests/multiproc/zero_matrix.py"), str(shards), str(out), *MATRIX)
+    cmd = torchrun_cmd(
+        2, str(REPO / "tests/multiproc/zero_matrix.py"), str(shards), str(out), *MATRIX
+    )
     proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
     _check(proc, "tests/multiproc/zero_matrix.py")
     return {"report": json.loads((out / "report.json").read_text()), "out": out}
@@ -158,6 +160,23 @@ def test_resume_is_exact(resumed):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     status = json.loads((resumed["b"] / "status.json").read_text())
     assert status["state"] == "completed" and status["step"] == 10
+
+
+GOLDEN = Path(__file__).parent / "golden" / "pretrain_debug_zero2.json"
+
+
+def test_golden_losses(resumed):
+    """The debug recipe's losses (2 ranks, ZeRO-2, fp32, dropout) are pinned, so a refactor
+    must reproduce them. Regenerate deliberately with ALBATROSS_UPDATE_GOLDEN=1."""
+    rows = _jsonl(resumed["a"])
+    losses = {str(s): [rows[s]["loss/mlm"], rows[s]["loss/sop"]] for s in sorted(rows)}
+    if os.environ.get("ALBATROSS_UPDATE_GOLDEN"):
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(losses, indent=1) + "\n")
+    golden = json.loads(GOLDEN.read_text())
+    assert sorted(golden, key=int) == sorted(losses, key=int)
+    for step, (mlm, sop) in golden.items():
+        assert losses[step] == pytest.approx([mlm, sop], abs=1e-4), step
 
 
 def test_export_cli_from_a_checkpoint(resumed, tmp_path):

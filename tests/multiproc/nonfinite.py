@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pretrain_support import base_overrides  # noqa: E402
+from pretrain_support import base_overrides
 
-import pretrain.train as train_module  # noqa: E402
-from engine.engine import shutdown  # noqa: E402
-from engine.recipe import load_recipe  # noqa: E402
-from pretrain.config import pretrain_config  # noqa: E402
+import pretrain.train as train_module
+from engine.engine import shutdown
+from engine.recipe import load_recipe
+from pretrain.config import pretrain_config
 
 calls = {"n": 0}
 original_loss = train_module.pretraining_loss

@@ -17,15 +17,15 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pretrain_support import FAMILY, base_overrides  # noqa: E402
+from pretrain_support import FAMILY, base_overrides
 
-from engine.engine import shutdown  # noqa: E402
-from engine.metrics import read_scalars  # noqa: E402
-from engine.recipe import load_recipe  # noqa: E402
-from model import diagnostics  # noqa: E402
-from model.release import load_release  # noqa: E402
-from pretrain.config import pretrain_config  # noqa: E402
-from pretrain.train import Trainer  # noqa: E402
+from engine.engine import shutdown
+from engine.metrics import read_scalars
+from engine.recipe import load_recipe
+from model import diagnostics
+from model.release import load_release
+from pretrain.config import pretrain_config
+from pretrain.train import Trainer
 
 STEPS = 3
 
