@@ -316,19 +316,37 @@ def test_deepspeed_launcher(shards, tmp_path):
     assert "2 process(es)" in proc.stdout + proc.stderr
 
 
-def test_single_process_run_without_a_launcher(shards, tmp_path):
-    """``python -m pretrain`` as one plain process (DeepSpeed with a group of one)."""
+def test_single_process_crash_and_time_budget(shards, tmp_path):
+    """``python -m pretrain`` as one plain process: a crash after step 3 leaves the step-2
+    checkpoint, the re-run resumes from it; a tiny time budget stops the run with a checkpoint
+    (state "stopped"), and the next run finishes."""
     run_dir = tmp_path / "single"
     cmd = [sys.executable, "-m", "pretrain", "--config", str(REPO / "configs/pretrain/debug.yaml")]
     e = {k: v for k, v in env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(
-        [*cmd, *base_overrides(shards, run_dir, 4), "engine.backend=torch", "engine.zero_stage=0"],
-        cwd=REPO,
-        env=e,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    _check(proc, "single process, torch backend")
-    assert json.loads((run_dir / "status.json").read_text())["state"] == "completed"
+    base = [
+        *base_overrides(shards, run_dir, 6),
+        "engine.backend=torch",
+        "engine.zero_stage=0",
+        "train.checkpoint_every=2",
+    ]
+
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [*cmd, *base, *extra], cwd=REPO, env=e, capture_output=True, text=True, timeout=300
+        )
+
+    crashed = run("train.fail_at_step=3")
+    assert crashed.returncode == 1 and "failing on purpose" in crashed.stderr
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    assert not (run_dir / "status.json").exists()
+    stopped = run("train.time_budget_minutes=0.0001")
+    _check(stopped, "time budget")
+    assert "resumed from" in stopped.stderr and "step_00000002" in stopped.stderr
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "stopped" and status["reason"].startswith("time budget")
+    assert status["step"] == 3
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+    _check(run(), "finish")
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "completed" and status["step"] == 6
     assert os.path.isfile(run_dir / "release" / "model.safetensors")
