@@ -54,6 +54,7 @@ from torch import nn
 
 from engine.distributed import DistEnv, detect, export_torch_env
 from engine.optim import OptimizerConfig, ScheduleConfig, build_optimizer, build_scheduler
+from model.config import deep_merge
 
 BACKENDS = ("deepspeed", "torch")
 PRECISIONS = ("fp32", "bf16-mixed", "bf16", "fp16")
@@ -348,7 +349,7 @@ class Engine:
                 "hysteresis": cfg.fp16_hysteresis,
                 "min_loss_scale": cfg.fp16_min_loss_scale,
             }
-        return _deep_merge(config, copy.deepcopy(cfg.deepspeed))
+        return deep_merge(config, copy.deepcopy(cfg.deepspeed))
 
     # -- properties ----------------------------------------------------------------------------
 
@@ -626,16 +627,6 @@ class Engine:
             torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
             t = t / self.world_size
         return t.cpu()
-
-
-def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
 
 
 def shutdown() -> None:

@@ -332,7 +332,7 @@ class EncoderConfig:
         """A named preset (see `PRESETS`) with optional field overrides, nested ones as dicts."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        return config_from_dict(cls, _deep_merge(PRESETS[name], overrides))
+        return config_from_dict(cls, deep_merge(PRESETS[name], overrides))
 
 
 # Named presets. ALBERT v2 sizes from the ALBERT paper / google-research/albert configs.
@@ -367,11 +367,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A new dict: ``base`` with ``overrides`` applied, nested dicts merged key by key."""
     out = dict(base)
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = value
     return out
