@@ -1,7 +1,8 @@
 """Stop requests: the signals a cluster sends before it ends a job, and a wall-clock budget.
 
 Slurm sends ``SIGTERM`` at a time limit or preemption (``KillWait`` seconds before ``SIGKILL``)
-and, with ``#SBATCH --signal=USR1@<seconds>``, ``SIGUSR1`` that many seconds earlier. The
+and, with ``#SBATCH --signal=USR1@<seconds>``, ``SIGUSR1`` that many seconds earlier; submitit
+asks for ``SIGUSR2`` (its checkpoint-and-requeue signal). All three are stop requests. The
 handlers only set a flag; the training loop looks at it between steps (``StopWatch.check``),
 all ranks agree with one all-reduce, save a checkpoint and leave. Nothing happens inside the
 handler itself, so a signal never interrupts a half-written checkpoint.
@@ -15,7 +16,7 @@ import time
 from collections.abc import Iterable
 from types import FrameType
 
-STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
 
 
 class StopWatch:
