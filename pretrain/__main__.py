@@ -29,6 +29,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
+    parser.add_argument(
+        "--status",
+        action="store_true",
+        help="print the run's state (completed, stopped or none) from run_dir/status.json and "
+        "exit; batch scripts use it to decide whether to requeue",
+    )
     # The `deepspeed` launcher passes --local_rank; LOCAL_RANK in the environment says the same.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -42,6 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"python -m pretrain: config error: {e}", file=sys.stderr)
         return 2
+    if args.status:
+        import json
+        from pathlib import Path
+
+        status = Path(cfg.train.run_dir) / "status.json"
+        print(json.loads(status.read_text())["state"] if status.is_file() else "none")
+        return 0
     if args.print_config:
         from engine.recipe import to_yaml
 

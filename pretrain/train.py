@@ -299,6 +299,9 @@ class Trainer:
             tmp = self.run_dir / (CONFIG_FILE + ".tmp")
             tmp.write_text(to_yaml(self.resolved))
             os.replace(tmp, self.run_dir / CONFIG_FILE)
+        if self.is_main:  # a stale "stopped" from an earlier attempt must not survive a crash
+            status = {"state": "running", "step": None}
+            (self.run_dir / STATUS_FILE).write_text(json.dumps(status) + "\n")
         self.engine.barrier()
         resumed_from = self.resume()
         total = cfg.total_steps

@@ -338,7 +338,7 @@ def test_single_process_crash_and_time_budget(shards, tmp_path):
     crashed = run("train.fail_at_step=3")
     assert crashed.returncode == 1 and "failing on purpose" in crashed.stderr
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
-    assert not (run_dir / "status.json").exists()
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "running"  # crashed
     stopped = run("train.time_budget_minutes=0.0001")
     _check(stopped, "time budget")
     assert "resumed from" in stopped.stderr and "step_00000002" in stopped.stderr

@@ -1,0 +1,157 @@
+"""The sbatch templates on a real one-node Slurm (started by slurm/cluster.sh): pretraining with
+2 tasks, preemption -> checkpoint -> requeue -> exact resume, and sharded data_prep as an array
+with a dependent finalize."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from pretrain_support import REPO, base_overrides, make_shards
+from slurm_support import job_state, submit, wait_for_job
+
+from data_prep.shards import ShardConfig, build_shards
+from engine.metrics import read_scalars
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
+
+CPU_TASKS = ["--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=00:15:00"]
+
+
+def sbatch_env() -> dict[str, str]:
+    import os
+
+    env = dict(os.environ)
+    env["ALBATROSS_DIR"] = str(REPO)
+    env["ALBATROSS_SETUP"] = f"source {sys.prefix}/bin/activate"
+    env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    return make_shards(tmp_path_factory.mktemp("data"))
+
+
+def pretrain_job(shards: Path, run_dir: Path, steps: int, log: Path) -> str:
+    args = [
+        *CPU_TASKS,
+        f"--output={log}",
+        str(REPO / "slurm" / "pretrain.sbatch"),
+        "--config",
+        str(REPO / "configs" / "pretrain" / "debug.yaml"),
+        *base_overrides(shards, run_dir, steps),
+    ]
+    return submit(args, env=sbatch_env())
+
+
+def final_row(run_dir: Path) -> dict:
+    rows: dict[int, dict] = {}
+    for line in (run_dir / "tensorboard" / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows.setdefault(row["step"], {}).update(row)
+    return rows[max(rows)]
+
+
+@pytest.fixture(scope="module")
+def reference(shards, tmp_path_factory) -> Path:
+    """An uninterrupted 2-task run of the debug recipe through pretrain.sbatch."""
+    root = tmp_path_factory.mktemp("reference")
+    job = pretrain_job(shards, root / "run", 24, root / "job.out")
+    wait_for_job(job)
+    return root
+
+
+def test_pretrain_sbatch_two_tasks(reference):
+    run_dir = reference / "run"
+    log = (reference / "job.out").read_text()
+    assert "2 tasks on" in log and "run state: completed" in log and "requeue" not in log
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "completed" and status["step"] == 24
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000024"
+    assert (run_dir / "checkpoints" / "step_00000024" / "COMPLETE.json").is_file()
+    complete = json.loads((run_dir / "checkpoints" / "step_00000024" / "COMPLETE.json").read_text())
+    assert complete["world_size"] == 2
+    assert [s for s, _ in read_scalars(run_dir / "tensorboard")["loss/mlm"]] == list(range(1, 25))
+
+
+def test_preemption_requeues_and_resumes_exactly(reference, shards, tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "job.out"
+    job = pretrain_job(shards, run_dir, 24, log)
+    metrics = run_dir / "tensorboard" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        assert job_state(job) is not None, log.read_text() if log.exists() else "job vanished"
+        time.sleep(0.2)
+    else:
+        pytest.fail("the job did not start training in time")
+    # What Slurm sends <margin> seconds before the time limit (--signal=USR1@margin).
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    wait_for_job(job)
+    text = log.read_text()
+    assert "run state: stopped" in text and f"requeueing job {job}" in text
+    assert "restart 1" in text  # the requeued job ran (SLURM_RESTART_COUNT)
+    assert "resumed from" in text
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "completed" and status["step"] == 24
+    ours, ref = final_row(run_dir), final_row(reference / "run")
+    assert ours["step"] == ref["step"] == 24
+    assert abs(ours["loss/mlm"] - ref["loss/mlm"]) <= 1e-6
+    assert abs(ours["loss/sop"] - ref["loss/sop"]) <= 1e-6
+
+
+def test_data_prep_array_then_finalize_matches_one_process(tmp_path):
+    from data_prep.tokenizer import write_tokenizer
+
+    write_tokenizer(tmp_path / "tok", inputs=["embedded:80"], vocab_size=300)
+    tok = tmp_path / "tok" / "tokenizer.json"
+    single = tmp_path / "single"
+    cfg = ShardConfig(inputs=("embedded:80",), num_shards=4, max_seq_length=32, seed=3)
+    build_shards(cfg, tok, single, workers=1)
+
+    out = tmp_path / "array"
+    template = str(REPO / "slurm" / "data_prep.sbatch")
+    shards_args = [
+        "shards",
+        "--input",
+        "embedded:80",
+        "--tokenizer",
+        str(tok),
+        "--out",
+        str(out),
+        "--num-shards",
+        "4",
+        "--max-seq-length",
+        "32",
+        "--seed",
+        "3",
+        "--workers",
+        "1",
+    ]
+    logs = f"--output={tmp_path}/dp-%A_%a.out"
+    array = submit(
+        ["--array=0-1", "--cpus-per-task=1", logs, template, *shards_args], env=sbatch_env()
+    )
+    final = submit(
+        [
+            f"--dependency=afterok:{array}",
+            "--cpus-per-task=1",
+            logs,
+            template,
+            "finalize",
+            "--out",
+            str(out),
+        ],
+        env=sbatch_env(),
+    )
+    wait_for_job(final)
+    wait_for_job(array)
+    texts = "".join(p.read_text() for p in sorted(tmp_path.glob("dp-*.out")))
+    assert "--job-index 0 --num-jobs 2" in texts and "--job-index 1 --num-jobs 2" in texts
+    assert (out / "manifest.json").read_bytes() == (single / "manifest.json").read_bytes(), texts
