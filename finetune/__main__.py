@@ -1,0 +1,52 @@
+"""``python -m finetune glue ...`` (issue #6); LRA arrives with issue #7.
+
+Exit codes: 0 done, 2 bad arguments, config or data (nothing was trained).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from engine.engine import shutdown
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m finetune", description=__doc__)
+    sub = parser.add_subparsers(dest="suite", required=True)
+    glue = sub.add_parser(
+        "glue",
+        help="GLUE tasks from a release or a local HF ALBERT",
+        description=__import__("finetune.glue.run", fromlist=["x"]).__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    glue.add_argument(
+        "--task", required=True, help="cola|sst2|mrpc|stsb|qqp|mnli|qnli|rte|wnli|all"
+    )
+    glue.add_argument("--data", required=True, help="GLUE root (original TSVs) or HF datasets dir")
+    glue.add_argument("--init", required=True, help="release dir, or a local HF ALBERT dir")
+    glue.add_argument("--config", help="recipe (default: configs/finetune/glue/<task>.yaml)")
+    glue.add_argument("--attention", choices=("softmax", "tisa"), help="HF import: attention")
+    glue.add_argument("--seeds", type=int, nargs="+", help="one run per seed")
+    glue.add_argument("--lrs", type=float, nargs="+", help="learning-rate sweep")
+    glue.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.eval_every=100")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from finetune.glue import run as glue_run
+
+    try:
+        return glue_run.main(args, args.overrides)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"python -m finetune {args.suite}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""``python -m finetune glue``: fine-tune a release (or a local HF ALBERT) on GLUE tasks.
+
+    python -m finetune glue --task rte --data glue_data --init releases/albert-base \\
+        [--config configs/finetune/glue/rte.yaml] [--seeds 0 1 2] [--lrs 1e-5 2e-5] [key=value ...]
+    python -m finetune glue --task all --data glue_data --init albert-base-v2/ --attention tisa
+
+For each task x learning rate x seed: load the training and dev splits, tokenise with the
+release's tokenizer, fine-tune through the engine with evaluation every ``train.eval_every``
+steps, keep the best dev weights, predict the test split(s) with them and write the GLUE server
+files. Outputs under ``run_dir``:
+
+    <task>/lr_<lr>/seed_<seed>/results.json, best/ (release), tensorboard/, predictions/<Server>.tsv
+    results.json, results.md       every run's best dev metrics; median and spread over seeds
+    submission/                    server files of the best run per task (by median over seeds)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.engine import EngineConfig
+from engine.optim import OptimizerConfig, ScheduleConfig
+from engine.recipe import build_config, config_dict, load_recipe
+from finetune.glue.data import encode, load_glue_tokenizer, load_split, pad_token_id
+from finetune.glue.metrics import compute_metrics, glue_average
+from finetune.glue.submission import write_predictions
+from finetune.glue.tasks import SCORED_TASKS, TASKS, GlueTask, get_task
+from finetune.trainer import FinetuneConfig, Finetuner
+from model.release import CONFIG_FILE, TOKENIZER_FILE, load_release, save_release
+
+log = logging.getLogger("finetune.glue")
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "finetune" / "glue"
+
+
+@dataclass
+class GlueModelConfig:
+    """How the model is built from ``--init``."""
+
+    classifier_dropout: float = 0.1
+    """Dropout before the classifier (ALBERT: 0.1)."""
+    hidden_dropout_prob: float | None = None
+    """Encoder dropout during fine-tuning (ALBERT's "ALBERT DR": 0 or 0.1); None keeps the
+    release's."""
+    pooling: str = "cls"
+    """``cls`` (ALBERT's pooler), ``mean`` or ``max``."""
+    attention: str | None = None
+    """Only for an HF ALBERT ``--init``: ``"tisa"`` adds TISA at zero amplitude (the TISA
+    paper's protocol); None keeps softmax."""
+    tisa: dict[str, Any] = field(default_factory=dict)
+    """TISA settings for ``attention: tisa`` (e.g. ``{scope: per_layer, num_kernels: 5}``)."""
+
+
+@dataclass
+class GlueDataConfig:
+    max_length: int = 512
+    """Tokens per example ([CLS] A [SEP] B [SEP]); pairs are truncated longest-first."""
+
+
+@dataclass
+class GlueConfig:
+    task: str = "rte"
+    """A GLUE task (cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli) or ``all``."""
+    data: GlueDataConfig = field(default_factory=GlueDataConfig)
+    model: GlueModelConfig = field(default_factory=GlueModelConfig)
+    optimizer: OptimizerConfig = field(
+        default_factory=lambda: OptimizerConfig(name="adamw", lr=2e-5, weight_decay=0.01)
+    )
+    schedule: ScheduleConfig = field(
+        default_factory=lambda: ScheduleConfig(warmup_steps=200, total_steps=800)
+    )
+    engine: EngineConfig = field(
+        default_factory=lambda: EngineConfig(backend="torch", precision="bf16-mixed")
+    )
+    train: FinetuneConfig = field(default_factory=FinetuneConfig)
+    seeds: list[int] = field(default_factory=lambda: [0])
+    """One run per seed; tables report the median and the spread (max - min)."""
+    lrs: list[float] | None = None
+    """A learning-rate sweep (each with every seed); None: optimizer.lr alone."""
+    run_dir: str = "runs/glue"
+
+
+def _is_release(path: Path) -> bool:
+    if not (path / CONFIG_FILE).is_file():
+        return False
+    return "format_version" in json.loads((path / CONFIG_FILE).read_text())
+
+
+def prepare_init(init: Path, cfg: GlueConfig, work: Path) -> Path:
+    """A release dir to fine-tune from: ``init`` itself, or an HF ALBERT checkpoint imported
+    (with the attention switch of ``model.attention``) into ``work``."""
+    if not init.exists():
+        raise ValueError(f"--init {init}: no such directory")
+    if _is_release(init):
+        if cfg.model.attention is not None:
+            raise ValueError(
+                "model.attention switches the attention of an HF ALBERT import; --init is a "
+                "release (its attention is fixed): drop model.attention"
+            )
+        return init
+    from model.hf_import import import_hf_albert
+
+    model = import_hf_albert(
+        init, attention=cfg.model.attention or "softmax", tisa_overrides=cfg.model.tisa or None
+    )
+    tok = init / TOKENIZER_FILE
+    if not tok.is_file():
+        raise ValueError(f"--init {init} has no {TOKENIZER_FILE}; fine-tuning needs one")
+    return save_release(work / "imported", model, tokenizer_file=tok, overwrite=True)
+
+
+def build_classifier(release: Path, task: GlueTask, cfg: GlueConfig) -> torch.nn.Module:
+    head = {
+        "type": "sequence_classification",
+        "num_labels": task.num_labels,
+        "pooling": cfg.model.pooling,
+        "classifier_dropout": cfg.model.classifier_dropout,
+    }
+    saved = json.loads((release / CONFIG_FILE).read_text())["head"]
+    if saved.get("type") == head["type"] and saved.get("num_labels") == task.num_labels:
+        head = {**head, **{k: v for k, v in saved.items() if k in ("pooling",)}}
+        head["classifier_dropout"] = cfg.model.classifier_dropout
+    model = load_release(release, head=head)
+    if cfg.model.hidden_dropout_prob is not None:
+        for module in model.encoder.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = cfg.model.hidden_dropout_prob
+    return model
+
+
+def run_one(
+    task: GlueTask, release: Path, data_dir: Path, cfg: GlueConfig, lr: float, seed: int
+) -> dict[str, Any]:
+    run_dir = Path(cfg.run_dir) / task.name / f"lr_{lr:g}" / f"seed_{seed}"
+    tokenizer = load_glue_tokenizer(release / TOKENIZER_FILE)
+    train, train_stats = load_split(task, data_dir, "train")
+    splits = {s: load_split(task, data_dir, s) for s in (*task.dev_splits, *task.test_splits)}
+    encoded = {s: encode(ex, tokenizer, cfg.data.max_length) for s, (ex, _) in splits.items()}
+    dev_name = task.dev_splits[0]
+    train_cfg = FinetuneConfig(**{**config_dict(cfg.train), "seed": seed})
+    train_cfg.select_split = dev_name if cfg.train.select_split == "dev" else train_cfg.select_split
+    torch.manual_seed(seed)
+    model = build_classifier(release, task, cfg)
+    opt = OptimizerConfig(**{**config_dict(cfg.optimizer), "lr": lr, "betas": cfg.optimizer.betas})
+    result = Finetuner(
+        model,
+        encode(train, tokenizer, cfg.data.max_length),
+        encoded,
+        lambda p, y: compute_metrics(task, p, y),
+        train_cfg,
+        run_dir,
+        engine=cfg.engine,
+        optimizer=opt,
+        schedule=cfg.schedule,
+        pad_id=pad_token_id(tokenizer),
+        tokenizer_file=release / TOKENIZER_FILE,
+    ).run()
+    row = {
+        "task": task.name,
+        "lr": lr,
+        "seed": seed,
+        "best_step": result.best_step,
+        "dev": {s: result.best.get(s, {}) for s in task.dev_splits},
+        "train_examples": train_stats.examples,
+        "skipped_rows": {
+            "train": train_stats.skipped,
+            **{s: st.skipped for s, (_, st) in splits.items()},
+        },
+        "run_dir": str(run_dir),
+    }
+    for split in task.test_splits:
+        indices = [encoded[split][i]["index"] for i in range(len(encoded[split]))]
+        write_predictions(
+            task, indices, result.predictions[split], run_dir / "predictions", split, overwrite=True
+        )
+    (run_dir / "results.json").write_text(json.dumps({**row, "history": result.history}, indent=2))
+    return row
+
+
+def _score(row: dict[str, Any]) -> float:
+    return float(np.mean([m["score"] for m in row["dev"].values() if "score" in m]))
+
+
+def summarise(rows: list[dict[str, Any]], out: Path) -> str:
+    """results.md: per task and lr, the median and spread over seeds of each dev metric."""
+    lines = [
+        "| task | lr | seeds | metric | median | spread (max - min) |",
+        "|---|---|---|---|---|---|",
+    ]
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["task"], row["lr"]), []).append(row)
+    best_per_task: dict[str, dict[str, float]] = {}
+    for (task, lr), group in sorted(groups.items()):
+        for split in group[0]["dev"]:
+            for metric in group[0]["dev"][split]:
+                values = [r["dev"][split][metric] for r in group]
+                name = metric if len(group[0]["dev"]) == 1 else f"{split} {metric}"
+                lines.append(
+                    f"| {task} | {lr:g} | {len(group)} | {name} | "
+                    f"{100 * statistics.median(values):.2f} | {100 * (max(values) - min(values)):.2f} |"
+                )
+        median = statistics.median(_score(r) for r in group)
+        key = task
+        if key not in best_per_task or median > best_per_task[key]["median"]:
+            best_per_task[key] = {"median": median, "lr": lr}
+    table = "\n".join(lines) + "\n"
+    scored = {
+        TASKS[t].result_key(s): {
+            "score": statistics.median(r["dev"][s]["score"] for r in groups[(t, v["lr"])])
+        }
+        for t, v in best_per_task.items()
+        for s in TASKS[t].dev_splits
+    }
+    if set(best_per_task) >= set(SCORED_TASKS):
+        table += f"\nGLUE average (dev, best lr per task, median over seeds): {100 * glue_average(scored):.2f}\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(table)
+    (out / "results.json").write_text(json.dumps({"runs": rows, "best": best_per_task}, indent=2))
+    return table
+
+
+def main(args, overrides: list[str]) -> int:
+    recipe = args.config
+    tasks = SCORED_TASKS if args.task == "all" else (get_task(args.task).name,)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="albatross-glue-") as work:
+        for name in tasks:
+            path = recipe or CONFIGS / f"{name}.yaml"
+            data = load_recipe(path, [f"task={name}", *overrides])
+            cfg = build_config(GlueConfig, data)
+            if args.seeds:
+                cfg.seeds = list(args.seeds)
+            if args.lrs:
+                cfg.lrs = list(args.lrs)
+            if args.attention:
+                cfg.model.attention = args.attention
+            release = prepare_init(Path(args.init), cfg, Path(work))
+            task = get_task(name)
+            for lr in cfg.lrs or [cfg.optimizer.lr]:
+                for seed in cfg.seeds:
+                    rows.append(run_one(task, release, Path(args.data), cfg, lr, seed))
+        root = Path(cfg.run_dir)
+        print(summarise(rows, root))
+        best = json.loads((root / "results.json").read_text())["best"]
+        submission = root / "submission"
+        for name, choice in best.items():
+            candidates = [r for r in rows if r["task"] == name and r["lr"] == choice["lr"]]
+            chosen = max(candidates, key=_score)  # the best seed of the best lr
+            for f in sorted((Path(chosen["run_dir"]) / "predictions").glob("*.tsv")):
+                submission.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(f, submission / f.name)
+        print(f"results: {root / 'results.md'}; GLUE server files: {submission}")
+    return 0

@@ -1,0 +1,196 @@
+"""GLUE fine-tuning end to end on fixtures in the GLUE formats: a learnable SST-2-style task beats
+chance clearly and writes results, tables and server files; an imported HF ALBERT with TISA at
+zero amplitude starts from exactly the HF model's predictions."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from data_prep.tokenizer import write_tokenizer
+from finetune.__main__ import main as finetune_main
+from finetune.glue import run as glue_run
+from finetune.glue.data import encode, load_glue_tokenizer, load_split
+from finetune.glue.metrics import compute_metrics
+from finetune.glue.tasks import get_task
+from finetune.trainer import FinetuneConfig, Finetuner, collate
+from model.config import EncoderConfig
+from model.heads import EncoderForPretraining
+from model.release import save_release
+
+WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "house",
+    "tree",
+    "river",
+    "car",
+    "book",
+    "music",
+    "film",
+    "story",
+    "day",
+    "night",
+    "city",
+    "road",
+]
+
+
+def sentence(rng: random.Random, positive: bool) -> str:
+    words = rng.sample(WORDS, 6)
+    words.insert(rng.randrange(7), "wonderful" if positive else "terrible")
+    return " ".join(words)
+
+
+def write_sst2(root: Path, n_train: int = 256, n_dev: int = 64, n_test: int = 16) -> Path:
+    """SST-2 in the GLUE layout: train/dev "sentence<TAB>label", test "index<TAB>sentence"."""
+    rng = random.Random(0)
+    d = root / "SST-2"
+    d.mkdir(parents=True)
+    for split, n in (("train", n_train), ("dev", n_dev)):
+        with open(d / f"{split}.tsv", "w", newline="") as f:
+            w = csv.writer(f, delimiter="\t", quoting=csv.QUOTE_NONE, lineterminator="\n")
+            w.writerow(["sentence", "label"])
+            for i in range(n):
+                w.writerow([sentence(rng, i % 2 == 0), (i % 2 == 0 and "1") or "0"])
+    with open(d / "test.tsv", "w", newline="") as f:
+        w = csv.writer(f, delimiter="\t", quoting=csv.QUOTE_NONE, lineterminator="\n")
+        w.writerow(["index", "sentence"])
+        for i in range(n_test):
+            w.writerow([i, sentence(rng, i % 3 == 0)])
+    return root
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("tok")
+    corpus = root / "corpus.txt"
+    rng = random.Random(1)
+    corpus.write_text(
+        "\n\n".join(
+            sentence(rng, i % 2 == 0) + ".\n" + sentence(rng, i % 3 == 0) for i in range(300)
+        )
+    )
+    write_tokenizer(root / "tok", inputs=[str(corpus)], vocab_size=120)
+    return root / "tok" / "tokenizer.json"
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory, tokenizer_file) -> Path:
+    """A randomly initialised tiny encoder as a release (what pretraining would hand over)."""
+    vocab = load_glue_tokenizer(tokenizer_file).get_vocab_size()
+    torch.manual_seed(0)
+    cfg = EncoderConfig.preset(
+        "debug", vocab_size=vocab, hidden_size=32, num_hidden_layers=2, max_position_embeddings=64
+    )
+    out = tmp_path_factory.mktemp("release") / "tiny"
+    return save_release(out, EncoderForPretraining(cfg), tokenizer_file=tokenizer_file)
+
+
+def test_finetune_glue_beats_chance_and_writes_outputs(tmp_path, release):
+    data = write_sst2(tmp_path / "glue")
+    run_dir = tmp_path / "runs"
+    overrides = [
+        "train.eval_every=40",
+        "train.log_every=20",
+        "schedule.warmup_steps=10",
+        "schedule.total_steps=120",
+        "engine.micro_batch_size=16",
+        "engine.precision=fp32",
+        "data.max_length=32",
+        f"run_dir={run_dir}",
+    ]
+    args = ["glue", "--task", "sst2", "--data", str(data), "--init", str(release)]
+    assert finetune_main([*args, *overrides, "--seeds", "0", "1", "--lrs", "0.002"]) == 0
+    results = json.loads((run_dir / "results.json").read_text())
+    assert len(results["runs"]) == 2
+    for row in results["runs"]:
+        assert row["dev"]["dev"]["accuracy"] >= 0.85, row  # chance is 0.5
+        per_run = json.loads((Path(row["run_dir"]) / "results.json").read_text())
+        assert [h["step"] for h in per_run["history"]] == [40, 80, 120]
+        assert (Path(row["run_dir"]) / "best" / "model.safetensors").is_file()
+    table = (run_dir / "results.md").read_text()
+    assert "| sst2 | 0.002 | 2 | accuracy |" in table
+    server = (run_dir / "submission" / "SST-2.tsv").read_text().splitlines()
+    assert server[0] == "index\tprediction" and len(server) == 17
+    assert {line.split("\t")[1] for line in server[1:]} <= {"0", "1"}
+    assert [int(line.split("\t")[0]) for line in server[1:]] == list(range(16))
+
+
+def test_bad_arguments_exit_2(tmp_path, release, capsys):
+    data = write_sst2(tmp_path / "glue")
+    base = ["glue", "--data", str(data), "--init", str(release)]
+    assert finetune_main([*base, "--task", "nope"]) == 2
+    assert "unknown GLUE task" in capsys.readouterr().err
+    assert finetune_main([*base, "--task", "rte"]) == 2  # no RTE folder in the fixture
+    assert "RTE" in capsys.readouterr().err
+    assert finetune_main([*base, "--task", "sst2", "optimizer.lrr=1"]) == 2
+    assert "did you mean 'lr'" in capsys.readouterr().err
+
+
+def test_hf_albert_with_tisa_starts_from_the_hf_predictions(tmp_path, tokenizer_file):
+    transformers = pytest.importorskip("transformers")
+    vocab = load_glue_tokenizer(tokenizer_file).get_vocab_size()
+    hf_cfg = transformers.AlbertConfig(
+        vocab_size=vocab,
+        embedding_size=16,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        classifier_dropout_prob=0.0,
+        num_labels=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    hf = transformers.AlbertForSequenceClassification(hf_cfg).eval()
+    hf_dir = tmp_path / "hf"
+    hf.save_pretrained(hf_dir)
+    (hf_dir / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+
+    data = write_sst2(tmp_path / "glue", n_train=32, n_dev=24, n_test=4)
+    task = get_task("sst2")
+    cfg = glue_run.GlueConfig(task="sst2")
+    cfg.model.attention = "tisa"
+    cfg.model.classifier_dropout = 0.0
+    release = glue_run.prepare_init(hf_dir, cfg, tmp_path / "work")
+    model = glue_run.build_classifier(release, task, cfg).eval()
+    assert model.config.attention == "tisa"
+
+    dev, _ = load_split(task, data, "dev")
+    enc = encode(dev, load_glue_tokenizer(tokenizer_file), 32)
+    batch = collate([enc[i] for i in range(len(enc))], pad_id=0)
+    inputs = (batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+    with torch.no_grad():
+        ours = model(*inputs).logits
+        theirs = hf(*inputs).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+    # The fine-tuning run's evaluation before its first step sees exactly those predictions.
+    train, _ = load_split(task, data, "train")
+    run = Finetuner(
+        model,
+        encode(train, load_glue_tokenizer(tokenizer_file), 32),
+        {"dev": enc},
+        lambda p, y: compute_metrics(task, p, y),
+        FinetuneConfig(steps=1, eval_at_start=True, save_best=False),
+        tmp_path / "run",
+        engine=cfg.engine.__class__(backend="torch", precision="fp32", micro_batch_size=8),
+        optimizer=cfg.optimizer,
+        schedule=cfg.schedule.__class__(warmup_steps=0, total_steps=1),
+        pad_id=0,
+    )
+    start, _ = run.evaluate()
+    expected = compute_metrics(task, theirs.argmax(-1).numpy(), np.array(enc.labels))
+    assert start["dev"] == expected
