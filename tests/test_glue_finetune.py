@@ -194,3 +194,41 @@ def test_hf_albert_with_tisa_starts_from_the_hf_predictions(tmp_path, tokenizer_
     start, _ = run.evaluate()
     expected = compute_metrics(task, theirs.argmax(-1).numpy(), np.array(enc.labels))
     assert start["dev"] == expected
+
+
+def write_stsb(root: Path, n: int = 48) -> Path:
+    """STS-B in the GLUE layout (10 columns with a header; test without the score)."""
+    rng = random.Random(2)
+    d = root / "STS-B"
+    d.mkdir(parents=True)
+    head = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2"
+    for split in ("train", "dev", "test"):
+        lines = [head + ("\tscore" if split != "test" else "")]
+        for i in range(n if split != "test" else 8):
+            a, b = sentence(rng, i % 2 == 0), sentence(rng, i % 3 == 0)
+            row = f"{i}\tmain-captions\tMSRvid\t2012test\t{i:04d}\tnone\tnone\t{a}\t{b}"
+            lines.append(
+                row
+                + (f"\t{(i % 2 == 0) * 2.5 + (i % 3 == 0) * 2.5:.3f}" if split != "test" else "")
+            )
+        (d / f"{split}.tsv").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def test_stsb_regression_end_to_end(tmp_path, release):
+    data = write_stsb(tmp_path / "glue")
+    run_dir = tmp_path / "runs"
+    overrides = [
+        "schedule.warmup_steps=2",
+        "schedule.total_steps=20",
+        "engine.micro_batch_size=8",
+        "data.max_length=40",
+        f"run_dir={run_dir}",
+    ]
+    args = ["glue", "--task", "stsb", "--data", str(data), "--init", str(release), *overrides]
+    assert finetune_main(args) == 0
+    row = json.loads((run_dir / "results.json").read_text())["runs"][0]
+    assert set(row["dev"]["dev"]) == {"pearson", "spearman", "score"}
+    lines = (run_dir / "submission" / "STS-B.tsv").read_text().splitlines()
+    assert lines[0] == "index\tprediction" and len(lines) == 9
+    assert all(0.0 <= float(line.split("\t")[1]) <= 5.0 for line in lines[1:])
