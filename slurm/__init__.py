@@ -1,1 +1,3 @@
-"""sbatch templates and the submitit launcher (`python -m slurm`). Built by issue #5."""
+"""Slurm for every stage: sbatch templates (``*.sbatch``), a one-node test cluster
+(``cluster.sh``) and the submitit launcher ``python -m slurm`` (``launcher.py``: one task per GPU,
+preemption -> checkpoint -> requeue, job arrays for sharded data prep and sweeps). Issue #5."""
