@@ -42,6 +42,9 @@ $MARK
 ClusterName=albatross
 SlurmctldHost=$HOST
 AuthType=auth/munge
+# Requeued jobs may start again after this many seconds (Slurm default 120; a test cluster
+# should not idle that long). Slurm holds a requeued job until its old credential expired.
+AuthInfo=cred_expire=10
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
@@ -55,6 +58,7 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
 SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=2,sched_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2

@@ -22,8 +22,8 @@ and exits; the requeued job resumes from the run directory's ``latest`` checkpoi
 Slurm is already ending (``scancel``, a reached time limit) is not requeued: its checkpoint is
 there to resume with the same command.
 
-Slurm holds a requeued job for about two minutes (``Reason=BeginTime``) before it may start
-again; the tests release it with ``scontrol update JobId=ID StartTime=now``.
+Slurm holds a requeued job (``Reason=BeginTime``) until the old job credential has expired:
+``AuthInfo=cred_expire`` seconds, 120 by default (the local test cluster uses 10).
 
 Job arrays: ``data-prep -- shards ... --num-jobs K`` (no ``--job-index``) becomes an array of K
 jobs and a ``finalize`` job that runs after all succeeded; ``--sweep key=v1,v2`` (pretrain)

@@ -57,20 +57,3 @@ def submit(args: list[str], cwd: Path = REPO, env: dict | None = None) -> str:
     if proc.returncode != 0:
         raise RuntimeError(f"sbatch failed: {proc.stderr}")
     return proc.stdout.strip().split(";")[0]
-
-
-def start_requeued_now(job_id: str, timeout: float = 300) -> None:
-    """Waits for ``job_id`` to be requeued, then makes it eligible at once: Slurm holds a
-    requeued job for a fixed 120 s (EligibleTime) before it may start again."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        out = subprocess.run(
-            ["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True
-        ).stdout.split()
-        if out[:2] == ["PENDING", "BeginTime"]:
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
-            return
-        if not out:
-            raise RuntimeError(f"job {job_id} left the queue instead of being requeued")
-        time.sleep(0.5)
-    raise TimeoutError(f"job {job_id} was not requeued within {timeout} s")

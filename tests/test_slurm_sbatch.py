@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from pretrain_support import REPO, base_overrides, make_shards
-from slurm_support import job_state, start_requeued_now, submit, wait_for_job
+from slurm_support import job_state, submit, wait_for_job
 
 from data_prep.shards import ShardConfig, build_shards
 from engine.metrics import read_scalars
@@ -93,7 +93,6 @@ def test_preemption_requeues_and_resumes_exactly(reference, shards, tmp_path):
         pytest.fail("the job did not start training in time")
     # What Slurm sends <margin> seconds before the time limit (--signal=USR1@margin).
     subprocess.run(["scancel", "--signal=USR1", job], check=True)
-    start_requeued_now(job)  # skip Slurm's fixed 120 s hold of a requeued job
     wait_for_job(job)
     text = log.read_text()
     assert "run state: stopped" in text and f"requeueing job {job}" in text
