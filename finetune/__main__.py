@@ -30,16 +30,30 @@ def build_parser() -> argparse.ArgumentParser:
     glue.add_argument("--attention", choices=("softmax", "tisa"), help="HF import: attention")
     glue.add_argument("--seeds", type=int, nargs="+", help="one run per seed")
     glue.add_argument("--lrs", type=float, nargs="+", help="learning-rate sweep")
+    glue.add_argument(
+        "--no-summary",
+        action="store_true",
+        help="skip results.md and submission/ (array jobs; then run glue-summary)",
+    )
     glue.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.eval_every=100")
+    summary = sub.add_parser(
+        "glue-summary", help="results.md, results.json and submission/ of a GLUE run dir"
+    )
+    summary.add_argument("run_dir", help="the run_dir of the GLUE runs")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from pathlib import Path
+
     from finetune.glue import run as glue_run
 
     try:
+        if args.suite == "glue-summary":
+            print(glue_run.summarise_dir(Path(args.run_dir)))
+            return 0
         return glue_run.main(args, args.overrides)
     except (ValueError, FileNotFoundError) as e:
         print(f"python -m finetune {args.suite}: {e}", file=sys.stderr)

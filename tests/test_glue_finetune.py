@@ -232,3 +232,44 @@ def test_stsb_regression_end_to_end(tmp_path, release):
     lines = (run_dir / "submission" / "STS-B.tsv").read_text().splitlines()
     assert lines[0] == "index\tprediction" and len(lines) == 9
     assert all(0.0 <= float(line.split("\t")[1]) <= 5.0 for line in lines[1:])
+
+
+@pytest.mark.slow
+def test_glue_sweep_as_a_slurm_array_then_summary(slurm_cluster, tmp_path, release):
+    """slurm/finetune.sbatch: an array over seeds x lrs, then glue-summary after it."""
+    import os
+    import sys
+
+    from slurm_support import REPO, submit, wait_for_job
+
+    data = write_sst2(tmp_path / "glue", n_train=64, n_dev=32, n_test=4)
+    run_dir = tmp_path / "sweep"
+    env = dict(os.environ)
+    env.update(
+        ALBATROSS_DIR=str(REPO),
+        ALBATROSS_SETUP=f"source {sys.prefix}/bin/activate",
+        SWEEP_TASKS="sst2",
+        SWEEP_SEEDS="0 1",
+        SWEEP_LRS="0.002 0.001",
+    )
+    template = str(REPO / "slurm" / "finetune.sbatch")
+    common = ["--gpus-per-node=0", "--cpus-per-task=1", f"--output={tmp_path}/ft-%A_%a.out"]
+    glue = ["glue", "--data", str(data), "--init", str(release), f"run_dir={run_dir}"]
+    glue += ["schedule.warmup_steps=2", "schedule.total_steps=10", "engine.micro_batch_size=8"]
+    array = submit(["--array=0-3", *common, template, *glue], env=env)
+    summary = submit(
+        [f"--dependency=afterok:{array}", *common, template, "glue-summary", str(run_dir)], env=env
+    )
+    wait_for_job(summary)
+    wait_for_job(array)
+    logs = "".join(p.read_text() for p in sorted(tmp_path.glob("ft-*.out")))
+    runs = json.loads((run_dir / "results.json").read_text())["runs"]
+    assert sorted((r["lr"], r["seed"]) for r in runs) == [
+        (0.001, 0),
+        (0.001, 1),
+        (0.002, 0),
+        (0.002, 1),
+    ], logs
+    table = (run_dir / "results.md").read_text()
+    assert "| sst2 | 0.001 | 2 | accuracy |" in table and "| sst2 | 0.002 | 2 | accuracy |" in table
+    assert (run_dir / "submission" / "SST-2.tsv").is_file()

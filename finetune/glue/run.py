@@ -12,6 +12,9 @@ files. Outputs under ``run_dir``:
     <task>/lr_<lr>/seed_<seed>/results.json, best/ (release), tensorboard/, predictions/<Server>.tsv
     results.json, results.md       every run's best dev metrics; median and spread over seeds
     submission/                    server files of the best run per task (by median over seeds)
+
+``--no-summary`` skips the last two (an array job running one combination each);
+``python -m finetune glue-summary RUN_DIR`` writes them from the runs on disk afterwards.
 """
 
 from __future__ import annotations
@@ -229,10 +232,38 @@ def summarise(rows: list[dict[str, Any]], out: Path) -> str:
     return table
 
 
+def collect_rows(root: Path) -> list[dict[str, Any]]:
+    """Every finished run under ``root`` (``<task>/lr_<lr>/seed_<seed>/results.json``)."""
+    rows = []
+    for path in sorted(root.glob("*/lr_*/seed_*/results.json")):
+        row = json.loads(path.read_text())
+        row.pop("history", None)
+        rows.append(row)
+    return rows
+
+
+def summarise_dir(root: Path) -> str:
+    """results.md / results.json and the server files of ``root``, from the runs on disk (so an
+    array of jobs, each running one task x lr x seed, is summarised by one later job)."""
+    rows = collect_rows(root)
+    if not rows:
+        raise ValueError(f"no finished GLUE runs under {root} (<task>/lr_<lr>/seed_<seed>/)")
+    table = summarise(rows, root)
+    best = json.loads((root / "results.json").read_text())["best"]
+    submission = root / "submission"
+    for name, choice in best.items():
+        candidates = [r for r in rows if r["task"] == name and r["lr"] == choice["lr"]]
+        chosen = max(candidates, key=_score)  # the best seed of the best lr
+        for f in sorted((Path(chosen["run_dir"]) / "predictions").glob("*.tsv")):
+            submission.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, submission / f.name)
+    return table + f"\nresults: {root / 'results.md'}; GLUE server files: {submission}\n"
+
+
 def main(args, overrides: list[str]) -> int:
     recipe = args.config
     tasks = SCORED_TASKS if args.task == "all" else (get_task(args.task).name,)
-    rows = []
+    roots = set()
     with tempfile.TemporaryDirectory(prefix="albatross-glue-") as work:
         for name in tasks:
             path = recipe or CONFIGS / f"{name}.yaml"
@@ -248,16 +279,9 @@ def main(args, overrides: list[str]) -> int:
             task = get_task(name)
             for lr in cfg.lrs or [cfg.optimizer.lr]:
                 for seed in cfg.seeds:
-                    rows.append(run_one(task, release, Path(args.data), cfg, lr, seed))
-        root = Path(cfg.run_dir)
-        print(summarise(rows, root))
-        best = json.loads((root / "results.json").read_text())["best"]
-        submission = root / "submission"
-        for name, choice in best.items():
-            candidates = [r for r in rows if r["task"] == name and r["lr"] == choice["lr"]]
-            chosen = max(candidates, key=_score)  # the best seed of the best lr
-            for f in sorted((Path(chosen["run_dir"]) / "predictions").glob("*.tsv")):
-                submission.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(f, submission / f.name)
-        print(f"results: {root / 'results.md'}; GLUE server files: {submission}")
+                    run_one(task, release, Path(args.data), cfg, lr, seed)
+            roots.add(Path(cfg.run_dir))
+    if not args.no_summary:
+        for root in sorted(roots):
+            print(summarise_dir(root))
     return 0
