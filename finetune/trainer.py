@@ -119,6 +119,15 @@ def collate(
     return out
 
 
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keyword arguments of a sequence classifier from a :func:`collate` batch."""
+    return {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "token_type_ids": batch["token_type_ids"],
+    }
+
+
 def task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy for classification (B, C); mean squared error for regression (B,)."""
     if logits.dim() == 1:
@@ -141,6 +150,8 @@ class Finetuner:
         schedule: ScheduleConfig,
         pad_id: int,
         tokenizer_file: str | Path | None = None,
+        collate_fn: Callable[..., dict[str, torch.Tensor]] | None = None,
+        inputs_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     ):
         if cfg.select_split not in eval_sets:
             raise ValueError(
@@ -157,6 +168,8 @@ class Finetuner:
         self.score_fn = score_fn
         self.pad_id = pad_id
         self.tokenizer_file = tokenizer_file
+        self.collate = functools.partial(collate_fn or collate, pad_id=pad_id)
+        self.inputs_fn = inputs_fn or model_inputs
         self.engine = Engine(model, engine, optimizer, schedule, self.dist)
         self.total_steps = cfg.steps if cfg.steps is not None else schedule.total_steps
         self.micro_batch = engine.micro_batch_size
@@ -178,7 +191,7 @@ class Finetuner:
                 self.train_set,  # type: ignore[arg-type]
                 batch_size=self.micro_batch,
                 sampler=sampler,
-                collate_fn=functools.partial(collate, pad_id=self.pad_id),
+                collate_fn=self.collate,
                 num_workers=self.cfg.num_workers,
                 drop_last=True,
             )
@@ -192,11 +205,8 @@ class Finetuner:
         out = []
         for start in range(0, len(examples), self.micro_batch):
             end = min(start + self.micro_batch, len(examples))
-            batch = collate([examples[i] for i in range(start, end)], self.pad_id)
-            batch = self.engine.to_device(batch)
-            logits = self.engine.forward(
-                batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]
-            ).logits.float()
+            batch = self.engine.to_device(self.collate([examples[i] for i in range(start, end)]))
+            logits = self.engine.forward(**self.inputs_fn(batch)).logits.float()
             out.append((logits if logits.dim() == 1 else logits.argmax(-1)).cpu().numpy())
         self.engine.train(True)
         return np.concatenate(out) if out else np.zeros((0,))
@@ -262,9 +272,7 @@ class Finetuner:
             while self.step < self.total_steps:
                 for _ in range(self.engine.cfg.gradient_accumulation_steps):
                     batch = self.engine.to_device(next(batches))
-                    out = self.engine.forward(
-                        batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]
-                    )
+                    out = self.engine.forward(**self.inputs_fn(batch))
                     loss = task_loss(out.logits, batch["labels"])
                     loss = loss + sum(out.aux_losses.values(), torch.zeros((), device=loss.device))
                     self.engine.backward(loss)
