@@ -1,4 +1,4 @@
-"""``python -m finetune glue ...`` (issue #6); LRA arrives with issue #7.
+"""``python -m finetune glue ...`` (GLUE), ``glue-summary``, ``lra ...`` (Long Range Arena).
 
 Exit codes: 0 done, 2 bad arguments, config or data (nothing was trained).
 """
@@ -40,6 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
         "glue-summary", help="results.md, results.json and submission/ of a GLUE run dir"
     )
     summary.add_argument("run_dir", help="the run_dir of the GLUE runs")
+    lra = sub.add_parser(
+        "lra",
+        help="a Long Range Arena task, from scratch or from a release",
+        description=__import__("finetune.lra.run", fromlist=["x"]).__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    lra.add_argument("--task", required=True, help="listops|text|retrieval|image|pathfinder|pathx")
+    lra.add_argument("--data", required=True, help="the task's data directory (official layout)")
+    lra.add_argument("--config", help="recipe (configs/finetune/lra/*.yaml)")
+    lra.add_argument("--init", help="release dir to start from (default: from scratch)")
+    lra.add_argument("--seeds", type=int, nargs="+", help="one run per seed")
+    lra.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.eval_every=100")
     return parser
 
 
@@ -54,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.suite == "glue-summary":
             print(glue_run.summarise_dir(Path(args.run_dir)))
             return 0
+        if args.suite == "lra":
+            from finetune.lra import run as lra_run
+
+            return lra_run.main(args, args.overrides)
         return glue_run.main(args, args.overrides)
     except (ValueError, FileNotFoundError) as e:
         print(f"python -m finetune {args.suite}: {e}", file=sys.stderr)

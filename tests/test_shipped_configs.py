@@ -168,3 +168,36 @@ def test_run_dirs_are_distinct(recipes):
     run_dirs = [cfg.train.run_dir for cfg, _ in recipes.values()]
     assert len(set(run_dirs)) == len(run_dirs), sorted(run_dirs)
     assert all(Path(d).name for d in run_dirs)
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((Path(__file__).parents[1] / "configs" / "finetune" / "glue").glob("*.yaml")),
+    ids=str,
+)
+def test_glue_recipes_build(path):
+    from engine.recipe import build_config, load_recipe
+    from finetune.glue.run import GlueConfig
+    from finetune.glue.tasks import get_task
+
+    cfg = build_config(GlueConfig, load_recipe(path))
+    if path.stem != "base":
+        assert get_task(cfg.task).name == path.stem
+        assert cfg.schedule.warmup_steps < cfg.schedule.total_steps
+        assert cfg.optimizer.name == "adamw" and cfg.data.max_length == 512
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((Path(__file__).parents[1] / "configs" / "finetune" / "lra").glob("*.yaml")),
+    ids=str,
+)
+def test_lra_recipes_build(path):
+    from engine.recipe import build_config, load_recipe
+    from finetune.lra.run import LraConfig
+    from finetune.lra.tasks import get_task
+    from model.config import EncoderConfig
+
+    cfg = build_config(LraConfig, load_recipe(path))
+    task = get_task(cfg.task)
+    EncoderConfig.from_dict({**cfg.model, "vocab_size": task.vocab_size})

@@ -1,0 +1,186 @@
+"""``python -m finetune lra``: train or fine-tune an encoder on a Long Range Arena task.
+
+    python -m finetune lra --task listops --data lra_release/listops-1000 \\
+        --config configs/finetune/lra/debug-listops.yaml [--init RELEASE] [--seeds 0 1 2] [key=value]
+
+From scratch (the model section of the recipe, vocabulary and positions sized by the task) or
+from a release (``--init``, e.g. a self-pretrained one: its vocabulary must be the task's).
+Retrieval trains a dual encoder on the two documents. Every seed's run is evaluated on the val
+split every ``train.eval_every`` steps; the best val step's test accuracy is reported:
+
+    <run_dir>/seed_<s>/results.json, best/ (release), tensorboard/
+    <run_dir>/results.json, results.md     val/test accuracy per seed, median and spread
+
+Not yet here (issue #7 continues): the official-LRA and Skyformer recipes per task and family,
+self-pretraining through ``python -m pretrain`` and the CPU mini-LRA table.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from sklearn.metrics import accuracy_score
+
+from engine.engine import EngineConfig
+from engine.optim import OptimizerConfig, ScheduleConfig
+from engine.recipe import build_config, config_dict, load_recipe
+from finetune.lra.data import collate_pair, load_split
+from finetune.lra.tasks import PAD_ID, get_task
+from finetune.trainer import FinetuneConfig, Finetuner
+from model.config import EncoderConfig, deep_merge
+from model.heads import build_model
+from model.release import load_release, read_release_config
+
+
+@dataclass
+class LraDataConfig:
+    max_length: int | None = None
+    """Data tokens per sequence (None: the task's official length); a [CLS] is prepended."""
+    difficulty: str | None = None
+    """Pathfinder / Path-X difficulty (easy, intermediate, hard; None: hard)."""
+    split_seed: int = 0
+    """Seed of Pathfinder's 80/10/10 split."""
+
+
+@dataclass
+class LraConfig:
+    task: str = "listops"
+    data: LraDataConfig = field(default_factory=LraDataConfig)
+    model: dict[str, Any] = field(default_factory=lambda: {"preset": "debug"})
+    """Encoder config for training from scratch (EncoderConfig fields, ``preset:`` allowed);
+    vocab_size, pad_token_id and max_position_embeddings come from the task."""
+    pooling: str = "mean"
+    """Pooling of the classifier (LRA models pool by mean)."""
+    optimizer: OptimizerConfig = field(
+        default_factory=lambda: OptimizerConfig(name="adamw", lr=1e-4, weight_decay=0.0)
+    )
+    schedule: ScheduleConfig = field(
+        default_factory=lambda: ScheduleConfig(warmup_steps=100, total_steps=1000)
+    )
+    engine: EngineConfig = field(
+        default_factory=lambda: EngineConfig(backend="torch", precision="bf16-mixed")
+    )
+    train: FinetuneConfig = field(
+        default_factory=lambda: FinetuneConfig(select="accuracy", select_split="val")
+    )
+    seeds: list[int] = field(default_factory=lambda: [0])
+    run_dir: str = "runs/lra"
+
+
+def build_lra_model(cfg: LraConfig, init: Path | None, seq_len: int) -> torch.nn.Module:
+    task = get_task(cfg.task)
+    head: dict[str, Any] = {"num_labels": task.num_labels, "pooling": cfg.pooling}
+    head["type"] = "dual_classification" if task.pair else "sequence_classification"
+    if init is not None:
+        encoder = read_release_config(init)["encoder"]
+        if encoder["vocab_size"] != task.vocab_size:
+            raise ValueError(
+                f"--init {init} has vocab_size {encoder['vocab_size']}, the {task.name} task "
+                f"{task.vocab_size}: use a release pretrained on this task's inputs"
+            )
+        if encoder["max_position_embeddings"] < seq_len:
+            raise ValueError(
+                f"--init {init} has {encoder['max_position_embeddings']} positions; the task "
+                f"needs {seq_len}"
+            )
+        return load_release(init, head=head)
+    model_cfg = EncoderConfig.from_dict(
+        {
+            **cfg.model,
+            "vocab_size": task.vocab_size,
+            "pad_token_id": PAD_ID,
+            "max_position_embeddings": max(seq_len, cfg.model.get("max_position_embeddings", 0)),
+        }
+    )
+    return build_model(model_cfg, head)
+
+
+def _dual_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "input_ids_2": batch["input_ids_b"],
+        "attention_mask_2": batch["attention_mask_b"],
+    }
+
+
+def _accuracy(predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    return {"accuracy": float(accuracy_score(labels.astype(np.int64), predictions))}
+
+
+def run_seed(cfg: LraConfig, data_dir: Path, init: Path | None, seed: int) -> dict[str, Any]:
+    task = get_task(cfg.task)
+    options: dict[str, Any] = {}
+    if task.name in ("pathfinder", "pathx"):
+        options = {"difficulty": cfg.data.difficulty, "split_seed": cfg.data.split_seed}
+    splits = {
+        s: load_split(task, data_dir, s, cfg.data.max_length, **options)[0]
+        for s in ("train", "val", "test")
+    }
+    seq_len = task.sequence_length(cfg.data.max_length)
+    torch.manual_seed(seed)
+    model = build_lra_model(cfg, init, seq_len)
+    run_dir = Path(cfg.run_dir) / f"seed_{seed}"
+    train_cfg = FinetuneConfig(**{**config_dict(cfg.train), "seed": seed})
+    result = Finetuner(
+        model,
+        splits["train"],
+        {"val": splits["val"], "test": splits["test"]},
+        _accuracy,
+        train_cfg,
+        run_dir,
+        engine=cfg.engine,
+        optimizer=cfg.optimizer,
+        schedule=cfg.schedule,
+        pad_id=PAD_ID,
+        collate_fn=collate_pair if task.pair else None,
+        inputs_fn=_dual_inputs if task.pair else None,
+    ).run()
+    return {
+        "task": task.name,
+        "seed": seed,
+        "init": None if init is None else str(init),
+        "best_step": result.best_step,
+        "val_accuracy": result.best.get("val", {}).get("accuracy"),
+        "test_accuracy": result.best.get("test", {}).get("accuracy"),
+        "run_dir": str(run_dir),
+    }
+
+
+def summarise(rows: list[dict[str, Any]], root: Path) -> str:
+    lines = ["| task | init | seeds | val acc (median) | test acc (median) | test spread |"]
+    lines.append("|---|---|---|---|---|---|")
+    tests = [r["test_accuracy"] for r in rows]
+    vals = [r["val_accuracy"] for r in rows]
+    init = rows[0]["init"] or "scratch"
+    lines.append(
+        f"| {rows[0]['task']} | {init} | {len(rows)} | {100 * statistics.median(vals):.2f} | "
+        f"{100 * statistics.median(tests):.2f} | {100 * (max(tests) - min(tests)):.2f} |"
+    )
+    table = "\n".join(lines) + "\n"
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "results.md").write_text(table)
+    (root / "results.json").write_text(json.dumps({"runs": rows}, indent=2) + "\n")
+    return table
+
+
+def main(args, overrides: list[str]) -> int:
+    data = load_recipe(args.config, [f"task={args.task}", *overrides])
+    # LRA selects on val accuracy, whatever part of the train section the recipe sets.
+    data = deep_merge({"train": {"select": "accuracy", "select_split": "val"}}, data)
+    cfg = build_config(LraConfig, data)
+    get_task(cfg.task)  # a clear error for an unknown task, before any work
+    if args.seeds:
+        cfg.seeds = list(args.seeds)
+    init = Path(args.init) if args.init else None
+    if init is not None and not init.is_dir():
+        raise ValueError(f"--init {init}: no such directory")
+    rows = [run_seed(cfg, Path(args.data), init, seed) for seed in cfg.seeds]
+    print(summarise(rows, Path(cfg.run_dir)))
+    return 0

@@ -1,0 +1,74 @@
+"""``python -m finetune lra`` end to end on CPU: ListOps generated in the official format, and
+Retrieval pairs through the dual encoder on a learnable fixture."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from data_prep.listops import write_splits
+from finetune.__main__ import main as finetune_main
+
+TINY = [
+    "model.hidden_size=32",
+    "model.embedding_size=32",
+    "model.num_attention_heads=2",
+    "model.intermediate_size=64",
+    "engine.micro_batch_size=16",
+    "engine.precision=fp32",
+    "engine.backend=torch",
+    "train.log_every=10",
+]
+
+
+def test_listops_from_scratch(tmp_path):
+    data = tmp_path / "listops"
+    write_splits(data, {"train": 200, "val": 48, "test": 48}, min_length=20, max_length=60, seed=0)
+    run_dir = tmp_path / "run"
+    args = ["lra", "--task", "listops", "--data", str(data), "data.max_length=80"]
+    args += [*TINY, "schedule.warmup_steps=2", "schedule.total_steps=20", "train.eval_every=10"]
+    args += [f"run_dir={run_dir}", "--seeds", "0", "1"]
+    assert finetune_main(args) == 0
+    runs = json.loads((run_dir / "results.json").read_text())["runs"]
+    assert [r["seed"] for r in runs] == [0, 1]
+    for row in runs:
+        assert 0.0 <= row["test_accuracy"] <= 1.0 and row["best_step"] in (10, 20)
+        history = json.loads((Path(row["run_dir"]) / "results.json").read_text())["history"]
+        assert [h["step"] for h in history] == [10, 20]
+    assert "| listops | scratch | 2 |" in (run_dir / "results.md").read_text()
+
+
+def write_aan(root: Path, n: dict[str, int]) -> Path:
+    """new_aan_pairs.{train,eval,test}.tsv: label, id1, id2, text1, text2; no header, quoting
+    off. Learnable: the pair is related (1) when both texts carry the same marker word."""
+    rng = random.Random(0)
+    root.mkdir(parents=True)
+    for split, count in n.items():
+        lines = []
+        for i in range(count):
+            label = i % 2
+            a = rng.choice(["alpha", "omega"])
+            b = a if label else ("omega" if a == "alpha" else "alpha")
+            filler = " ".join(rng.choice(["x", "y", "z"]) for _ in range(3))
+            lines.append(f'{label}\tdoc{i}a\tdoc{i}b\t"{a}" {filler}\t{filler} {b}')
+        (root / f"new_aan_pairs.{split}.tsv").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def test_retrieval_dual_encoder_learns_a_fixture(tmp_path):
+    data = write_aan(tmp_path / "aan", {"train": 256, "eval": 64, "test": 64})
+    run_dir = tmp_path / "run"
+    args = ["lra", "--task", "retrieval", "--data", str(data), "data.max_length=64", *TINY]
+    args += ["optimizer.lr=0.003", "schedule.warmup_steps=5", "schedule.total_steps=300"]
+    args += ["train.eval_every=100", "model.num_hidden_layers=1", f"run_dir={run_dir}"]
+    assert finetune_main(args) == 0
+    (row,) = json.loads((run_dir / "results.json").read_text())["runs"]
+    assert row["val_accuracy"] >= 0.8 and row["test_accuracy"] >= 0.8, row  # chance: 0.5
+
+
+def test_lra_bad_input_exit_2(tmp_path, capsys):
+    assert finetune_main(["lra", "--task", "nope", "--data", str(tmp_path)]) == 2
+    assert "unknown LRA task" in capsys.readouterr().err
+    assert finetune_main(["lra", "--task", "listops", "--data", str(tmp_path / "x")]) == 2
+    assert "does not exist" in capsys.readouterr().err
