@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.distributed import detect
 from engine.engine import EngineConfig
 from engine.optim import OptimizerConfig, ScheduleConfig
 from engine.recipe import build_config, config_dict, load_recipe
@@ -180,6 +181,8 @@ def run_one(
         },
         "run_dir": str(run_dir),
     }
+    if detect().rank != 0:  # every rank trained and evaluated; rank 0 writes
+        return row
     for split in task.test_splits:
         indices = [encoded[split][i]["index"] for i in range(len(encoded[split]))]
         write_predictions(
@@ -281,7 +284,7 @@ def main(args, overrides: list[str]) -> int:
                 for seed in cfg.seeds:
                     run_one(task, release, Path(args.data), cfg, lr, seed)
             roots.add(Path(cfg.run_dir))
-    if not args.no_summary:
+    if not args.no_summary and detect().rank == 0:
         for root in sorted(roots):
             print(summarise_dir(root))
     return 0

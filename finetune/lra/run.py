@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from sklearn.metrics import accuracy_score
 
+from engine.distributed import detect
 from engine.engine import EngineConfig
 from engine.optim import OptimizerConfig, ScheduleConfig
 from engine.recipe import build_config, config_dict, load_recipe
@@ -182,5 +183,6 @@ def main(args, overrides: list[str]) -> int:
     if init is not None and not init.is_dir():
         raise ValueError(f"--init {init}: no such directory")
     rows = [run_seed(cfg, Path(args.data), init, seed) for seed in cfg.seeds]
-    print(summarise(rows, Path(cfg.run_dir)))
+    if detect().rank == 0:  # every rank trained; rank 0 writes
+        print(summarise(rows, Path(cfg.run_dir)))
     return 0
