@@ -362,6 +362,11 @@ class Engine:
         return self.dist.world_size
 
     @property
+    def _collective(self) -> bool:
+        """True when there are other ranks to talk to."""
+        return torch_dist.is_available() and torch_dist.is_initialized() and self.world_size > 1
+
+    @property
     def global_batch_size(self) -> int:
         return self.cfg.micro_batch_size * self.cfg.gradient_accumulation_steps * self.world_size
 
@@ -412,7 +417,7 @@ class Engine:
     def all_finite(self, loss: torch.Tensor) -> bool:
         """True when ``loss`` is finite on every rank (one small all-reduce when distributed)."""
         bad = torch.tensor([0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0])
-        if torch_dist.is_available() and torch_dist.is_initialized() and self.world_size > 1:
+        if self._collective:
             bad = bad.to(self.device)
             torch_dist.all_reduce(bad, op=torch_dist.ReduceOp.MAX)
         return bad.item() == 0.0
@@ -608,13 +613,13 @@ class Engine:
     # -- collectives for the trainer -----------------------------------------------------------
 
     def barrier(self) -> None:
-        if torch_dist.is_available() and torch_dist.is_initialized() and self.world_size > 1:
+        if self._collective:
             torch_dist.barrier()
 
     def all_reduce_max(self, values: list[float]) -> list[float]:
         """Element-wise max of ``values`` over ranks (for flags: stop requested, budget hit)."""
         t = torch.tensor(values, dtype=torch.float64)
-        if torch_dist.is_available() and torch_dist.is_initialized() and self.world_size > 1:
+        if self._collective:
             t = t.to(self.device)
             torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
         return t.cpu().tolist()
@@ -622,7 +627,7 @@ class Engine:
     def all_reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Mean of a float64 CPU vector over ranks (for logged metrics)."""
         t = values.detach().to(torch.float64)
-        if torch_dist.is_available() and torch_dist.is_initialized() and self.world_size > 1:
+        if self._collective:
             t = t.to(self.device)
             torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
             t = t / self.world_size

@@ -202,6 +202,20 @@ def read_scalars(log_dir: str | os.PathLike) -> dict[str, list[tuple[int, float]
     }
 
 
+def read_jsonl(log_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
+    """``log_dir/metrics.jsonl`` by step: the rows of one step (e.g. losses and diagnostics)
+    merged, a later row's values winning (a resumed run rewrites steps). A line that does not
+    parse (one being written right now) is skipped."""
+    rows: dict[int, dict[str, Any]] = {}
+    for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        rows.setdefault(row["step"], {}).update(row)
+    return rows
+
+
 def read_image_tags(log_dir: str | os.PathLike) -> list[str]:
     """The tags of the images (e.g. `MetricsWriter.figure`) in the event files of ``log_dir``."""
     return sorted(_load_events(log_dir).Tags()["images"])

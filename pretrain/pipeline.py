@@ -30,6 +30,7 @@ import torch
 from data_prep.format import TOKENIZER
 from data_prep.shards import ShardConfig, build_shards
 from data_prep.tokenizer import write_tokenizer
+from engine.metrics import read_jsonl
 from model import ATTENTION_REGISTRY
 from model.release import load_release
 from pretrain import export as export_cli
@@ -79,10 +80,7 @@ def pretrain(family: str, shards: Path, run_dir: Path, nproc: int, overrides: li
 
 
 def summarize(family: str, run_dir: Path, out: Path) -> dict:
-    rows = {}
-    for line in (run_dir / "tensorboard" / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        rows.setdefault(row["step"], {}).update(row)
+    rows = read_jsonl(run_dir / "tensorboard")
     logged = [rows[s] for s in sorted(rows) if "loss/mlm" in rows[s]]
     status = json.loads((run_dir / "status.json").read_text())
     release = out / "releases" / family

@@ -236,3 +236,15 @@ def test_mfu_arithmetic() -> None:
         mfu(-1.0, 312e12)
     with pytest.raises(ValueError, match="peak"):
         mfu(1e12, 0.0)
+
+
+def test_read_jsonl_merges_a_step_and_skips_a_partial_line(tmp_path):
+    from engine.metrics import read_jsonl
+
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": 2.0}\n{"step": 1, "diag": 5.0}\n{"step": 2, "loss": 1.5}\n{"step": 2, "lo'
+    )
+    assert read_jsonl(tmp_path) == {
+        1: {"step": 1, "loss": 2.0, "diag": 5.0},
+        2: {"step": 2, "loss": 1.5},
+    }

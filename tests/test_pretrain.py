@@ -26,7 +26,7 @@ from pretrain_support import (
 )
 from safetensors.torch import load_file
 
-from engine.metrics import read_image_tags, read_scalars
+from engine.metrics import read_image_tags, read_jsonl, read_scalars
 from model.release import load_release
 from pretrain import export as export_cli
 from pretrain.__main__ import main as pretrain_main
@@ -47,12 +47,7 @@ def _check(proc: subprocess.CompletedProcess, what: str) -> None:
 
 
 def _jsonl(run_dir: Path) -> dict[int, dict]:
-    """metrics.jsonl by step (rows of the same step, e.g. diagnostics, merged)."""
-    rows: dict[int, dict] = {}
-    for line in (run_dir / "tensorboard" / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        rows.setdefault(row["step"], {}).update(row)
-    return rows
+    return read_jsonl(run_dir / "tensorboard")
 
 
 # ----------------------------------------------------------------------------- ZeRO x families

@@ -25,7 +25,7 @@ import submitit
 from pretrain_support import REPO, base_overrides, make_shards, run_pretrain
 
 from data_prep.shards import ShardConfig, build_shards
-from engine.metrics import read_scalars
+from engine.metrics import read_jsonl, read_scalars
 from slurm import launcher
 from slurm.launcher import main
 
@@ -48,18 +48,10 @@ def job_env(monkeypatch):
 
 
 def _rows(run_dir: Path) -> dict[int, dict]:
-    """metrics.jsonl rows with losses, by step (the last row of a step wins)."""
-    path = run_dir / "tensorboard" / "metrics.jsonl"
-    rows: dict[int, dict] = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:  # the line being written right now
-                continue
-            if "loss/mlm" in row:
-                rows[row["step"]] = row
-    return rows
+    """metrics.jsonl rows with losses, by step (empty before the file exists)."""
+    if not (run_dir / "tensorboard" / "metrics.jsonl").is_file():
+        return {}
+    return {s: r for s, r in read_jsonl(run_dir / "tensorboard").items() if "loss/mlm" in r}
 
 
 def _status(run_dir: Path, ignore: str = "") -> dict:

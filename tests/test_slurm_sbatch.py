@@ -15,7 +15,7 @@ from pretrain_support import REPO, base_overrides, make_shards
 from slurm_support import job_state, submit, wait_for_job
 
 from data_prep.shards import ShardConfig, build_shards
-from engine.metrics import read_scalars
+from engine.metrics import read_jsonl, read_scalars
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -50,10 +50,7 @@ def pretrain_job(shards: Path, run_dir: Path, steps: int, log: Path) -> str:
 
 
 def final_row(run_dir: Path) -> dict:
-    rows: dict[int, dict] = {}
-    for line in (run_dir / "tensorboard" / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        rows.setdefault(row["step"], {}).update(row)
+    rows = read_jsonl(run_dir / "tensorboard")
     return rows[max(rows)]
 
 
