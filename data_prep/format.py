@@ -8,7 +8,8 @@ A shard directory holds:
                                   shard's examples, segment A then segment B, example after example
     shard_00000.index.npy         int64 (num_examples, 3): [offset into tokens, len_a, len_b];
                                   rows in order and contiguous (offset[i+1] = offset[i] + len_a
-                                  + len_b), both lengths >= 1
+                                  + len_b), both lengths >= 1 (layout "pair"), or len_b = 0
+                                  (layout "single")
     shard_00000.done.json         per-shard completion record, written atomically after both
                                   arrays: {"examples", "tokens", "sha256": {file: digest}, ...}
     ...
@@ -18,11 +19,19 @@ of one document, without special tokens. The loader adds [CLS] A [SEP] B [SEP], 
 with probability 0.5 for sentence-order prediction and masks dynamically. Both arrays are read
 with `np.load(..., mmap_mode="r")`, so a reader's memory does not grow with the corpus.
 
+Layouts (manifest key "layout", absent = "pair"):
+    pair      ALBERT instances as above (`data_prep shards`).
+    single    one segment per example, no B (len_b = 0): the loader builds `[CLS] A`, with no
+              [SEP] and no sentence-order label: masked-LM on a task's own inputs, e.g. the
+              LRA self-pretraining shards of `python -m finetune lra-shards`.
+
 manifest.json:
     {"format_version": 1,
      "tokenizer_sha256": "<sha256 of tokenizer.json bytes>",
      "tokenizer_kind": "unigram" | "wordpiece" | "bpe" | ...,
      "special_tokens": {"pad": id, "unk": id, "cls": id, "sep": id, "mask": id},
+                       ("unk" may be null: a closed vocabulary, e.g. LRA's, has no unknown token)
+     "layout": "pair" | "single"   (optional; absent = "pair")
      "vocab_size": V,
      "config": {... the ShardConfig used ...},
      "num_shards": S,
@@ -56,6 +65,10 @@ SPECIAL_TOKEN_NAMES: dict[str, tuple[str, ...]] = {
     "sep": ("[SEP]", "<sep>"),
     "mask": ("[MASK]", "<mask>"),
 }
+OPTIONAL_SPECIAL_TOKENS = ("unk",)
+"""Roles a closed vocabulary may lack (nothing in training uses [UNK])."""
+LAYOUTS = ("pair", "single")
+"""Example layouts of a shard directory (see the module docstring)."""
 # The order a trained tokenizer gets them in (ALBERT's ids: <pad>=0 <unk>=1 [CLS]=2 [SEP]=3 [MASK]=4).
 ALBERT_SPECIAL_TOKENS = ("<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]")
 
@@ -126,7 +139,7 @@ def atomic_save_npy(path: str | os.PathLike, array: np.ndarray) -> None:
 @dataclass(frozen=True)
 class SpecialTokens:
     pad: int
-    unk: int
+    unk: int | None
     cls: int
     sep: int
     mask: int
@@ -140,13 +153,15 @@ class SpecialTokens:
             ids = [i for i in ids if i is not None]
             if ids:
                 found[role] = ids[0]
+            elif role in OPTIONAL_SPECIAL_TOKENS:
+                found[role] = None
             else:
                 missing.append(f"{role} ({' or '.join(spellings)})")
         if missing:
             raise ValueError(f"tokenizer lacks special tokens needed for pretraining: {missing}")
         return cls(**found)
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | None]:
         return {
             "pad": self.pad,
             "unk": self.unk,

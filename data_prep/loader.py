@@ -183,11 +183,13 @@ class PretrainingData(Dataset):
         self._cumulative = self.cumulative.tolist()
         self.num_examples = int(self.cumulative[-1])
 
+        roles = manifest["special_tokens"]
         self.special = fmt.SpecialTokens(
-            **{r: int(manifest["special_tokens"][r]) for r in fmt.SPECIAL_TOKEN_NAMES}
+            **{r: None if roles[r] is None else int(roles[r]) for r in fmt.SPECIAL_TOKEN_NAMES}
         )
+        self.layout = manifest.get("layout", "pair")
         self.vocab_size = int(manifest["vocab_size"])
-        specials = set(self.special.to_dict().values())
+        specials = {i for i in self.special.to_dict().values() if i is not None}
         self.word_start: np.ndarray | None = None
         # The tokenizer is needed for whole-word masking; otherwise it is only consulted (when
         # present) for special tokens beyond the five roles.
@@ -216,9 +218,16 @@ class PretrainingData(Dataset):
                 raise bad(f"missing key {key!r}")
         if not isinstance(manifest["shards"], list) or not manifest["shards"]:
             raise bad("'shards' must be a non-empty list")
-        missing = [r for r in fmt.SPECIAL_TOKEN_NAMES if r not in manifest["special_tokens"]]
+        roles = manifest["special_tokens"]
+        missing = [
+            r
+            for r in fmt.SPECIAL_TOKEN_NAMES
+            if roles.get(r) is None and r not in fmt.OPTIONAL_SPECIAL_TOKENS
+        ]
         if missing:
             raise bad(f"special_tokens lacks {missing}")
+        if manifest.get("layout", "pair") not in fmt.LAYOUTS:
+            raise bad(f"unknown layout {manifest['layout']!r}; valid: {list(fmt.LAYOUTS)}")
         for i, shard in enumerate(manifest["shards"]):
             if not isinstance(shard, dict) or "name" not in shard or "examples" not in shard:
                 raise bad(f"shards[{i}] needs 'name' and 'examples'")
@@ -310,7 +319,9 @@ class PretrainingData(Dataset):
         return self.build(a, b, rng)
 
     def build(self, a: np.ndarray, b: np.ndarray, rng: np.random.Generator) -> dict[str, Any]:
-        """Truncate, SOP-swap and mask one (A, B) pair."""
+        """Truncate, SOP-swap and mask one (A, B) pair (layout "single": `[CLS] A`)."""
+        if self.layout == "single":
+            return self._build_single(a, rng)
         la, lb = _truncated_lengths(len(a), len(b), self.max_seq_length - 3)
         a, b = a[len(a) - la :], b[:lb]  # A loses its front, B its back
         draw = rng.random()  # drawn even when unused: the stream stays aligned
@@ -344,6 +355,38 @@ class PretrainingData(Dataset):
             "token_type_ids": token_types,
             "labels": m.labels,
             "sop_label": sop_label,
+        }
+        if m.masked_positions is not None:
+            out["masked_positions"] = m.masked_positions
+            out["masked_weights"] = m.masked_weights
+            out["masked_labels"] = m.masked_labels
+        return out
+
+    def _build_single(self, a: np.ndarray, rng: np.random.Generator) -> dict[str, Any]:
+        """`[CLS] A` (A cut at the back to max_seq_length - 1 tokens, as a fine-tuning loader
+        cuts a document), masked; token types 0; no sentence-order label (-100)."""
+        a = a[: self.max_seq_length - 1]
+        rng.random()  # the SOP draw of the pair layout: the streams stay alike
+        ids = np.empty(len(a) + 1, dtype=np.int64)
+        ids[0], ids[1:] = self.special.cls, a
+        special_mask = np.zeros(len(ids), dtype=bool)
+        special_mask[0] = True
+        word_start = None if self.word_start is None else self.word_start[ids]
+        m = mask_example(
+            ids,
+            special_mask,
+            word_start,
+            rng,
+            self.masking,
+            self.vocab_size,
+            self.special.mask,
+            self.special_ids,
+        )
+        out = {
+            "input_ids": m.input_ids,
+            "token_type_ids": np.zeros(len(ids), dtype=np.int64),
+            "labels": m.labels,
+            "sop_label": IGNORE_INDEX,
         }
         if m.masked_positions is not None:
             out["masked_positions"] = m.masked_positions

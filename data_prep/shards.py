@@ -235,8 +235,10 @@ def _raw_to_npy(raw: Path, final: Path, dtype: np.dtype, shape: tuple[int, ...])
         raise
 
 
-class _ShardWriter:
-    """Appends examples of one shard; `finish` writes the arrays, then the done-record."""
+class ShardWriter:
+    """Appends examples of one shard; `finish` writes the arrays, then the done-record
+    (`finalize` makes the manifest from the done-records). Also used by other producers of
+    shard directories (`finetune.lra.shards`)."""
 
     def __init__(self, out_dir: Path, index: int, dtype: np.dtype, flush_tokens: int) -> None:
         self.out_dir, self.index, self.dtype = out_dir, index, dtype
@@ -316,7 +318,7 @@ def _run_task(task: _Task, progress: Callable[[int, int], None] | None = None) -
     tok = Tokenizer.from_file(task.tokenizer_path)
     dtype = fmt.token_dtype(tok.get_vocab_size())
     flush_tokens = max(1 << 14, BUFFER_TOKENS // len(task.shards))
-    writers = {s: _ShardWriter(out_dir, s, dtype, flush_tokens) for s in task.shards}
+    writers = {s: ShardWriter(out_dir, s, dtype, flush_tokens) for s in task.shards}
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # same ids, no offsets
     max_num_tokens = cfg.max_seq_length - 3
     stats = ReadStats()
@@ -668,6 +670,7 @@ def finalize(out_dir: str | os.PathLike) -> dict[str, Any]:
         "special_tokens": fmt.SpecialTokens.from_tokenizer(tok).to_dict(),
         "vocab_size": tok.get_vocab_size(),
         "token_dtype": fmt.token_dtype(tok.get_vocab_size()).name,
+        **({"layout": config["layout"]} if "layout" in config else {}),
         "config": config,
         "num_shards": num_shards,
         "shards": [

@@ -1,4 +1,5 @@
-"""``python -m finetune glue ...`` (GLUE), ``glue-summary``, ``lra ...`` (Long Range Arena).
+"""``python -m finetune glue ...`` (GLUE), ``glue-summary``, ``lra ...`` (Long Range Arena),
+``lra-shards ...`` (an LRA task's inputs as pretraining shards, for self-pretraining).
 
 Exit codes: 0 done, 2 bad arguments, config or data (nothing was trained).
 """
@@ -52,6 +53,22 @@ def build_parser() -> argparse.ArgumentParser:
     lra.add_argument("--init", help="release dir to start from (default: from scratch)")
     lra.add_argument("--seeds", type=int, nargs="+", help="one run per seed")
     lra.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.eval_every=100")
+    shards = sub.add_parser(
+        "lra-shards",
+        help="an LRA task's training inputs as pretraining shards (self-pretraining)",
+        description=__import__("finetune.lra.shards", fromlist=["x"]).__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    shards.add_argument(
+        "--task", required=True, help="listops|text|retrieval|image|pathfinder|pathx"
+    )
+    shards.add_argument("--data", required=True, help="the task's data directory (official layout)")
+    shards.add_argument("--out", required=True, help="the shard directory to write")
+    shards.add_argument("--max-length", type=int, help="data tokens per document (default: task's)")
+    shards.add_argument("--num-shards", type=int, default=1)
+    shards.add_argument("--splits", nargs="+", default=["train"], help="splits whose inputs to use")
+    shards.add_argument("--difficulty", help="Pathfinder / Path-X: easy|intermediate|hard")
+    shards.add_argument("--split-seed", type=int, default=0, help="Pathfinder split seed")
     return parser
 
 
@@ -66,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.suite == "glue-summary":
             print(glue_run.summarise_dir(Path(args.run_dir)))
             return 0
+        if args.suite == "lra-shards":
+            from finetune.lra import shards as lra_shards
+
+            return lra_shards.main(args)
         if args.suite == "lra":
             from finetune.lra import run as lra_run
 

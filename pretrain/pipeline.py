@@ -7,9 +7,14 @@
        configs/pretrain/debug[-<family>].yaml ...``): checkpoints, TensorBoard, a release;
     3. export: ``python -m pretrain.export`` of each run's final checkpoint, reloaded and
        checked against the run's own release;
-    4. a summary: MLM loss first -> last, SOP accuracy, where the logs and releases are.
+    4. a summary: MLM loss first -> last, SOP accuracy, where the logs and releases are;
+    5. LRA (``--lra-scale main``, the default; ``none`` skips it): generated short ListOps,
+       self-pretraining of a softmax encoder on its training inputs (``python -m finetune
+       lra-shards`` + ``python -m pretrain``), then fine-tuning from that release and from
+       scratch, side by side (`finetune.lra.mini`, the CPU mini-LRA at a smaller scale).
 
-    python -m pretrain.pipeline --out runs/main [--families softmax tisa] [--nproc 2] [-- key=value ...]
+    python -m pretrain.pipeline --out runs/main [--families softmax tisa] [--nproc 2]
+        [--lra-scale main|tiny|none] [-- key=value ...]
 
 Re-running reuses the tokenizer, the shards and finished runs (a finished run resumes at its
 last step and stops at once). Exits 1 if a run failed or its MLM loss did not decrease.
@@ -102,6 +107,26 @@ def summarize(family: str, run_dir: Path, out: Path) -> dict:
     }
 
 
+def lra_stage(out: Path, scale: str) -> list[str]:
+    """Self-pretrained vs from-scratch softmax encoder on generated ListOps; [] or a failure."""
+    from finetune.lra import mini
+
+    start = time.perf_counter()
+    print("\nLRA: generated ListOps, self-pretraining -> fine-tuning vs from scratch", flush=True)
+    try:
+        rows = mini.run(out, ["listops"], ["softmax"], [0], mini.SCALES[scale], jobs=2)
+    except (RuntimeError, ValueError) as e:
+        print(f"LRA stage failed: {e}", file=sys.stderr)
+        return ["lra"]
+    for r in rows:
+        print(f"  ListOps test accuracy, {r['init']:<15} {100 * r['median']:5.1f} %")
+    print(
+        f"  (chance: the most frequent class, about 17-20 %; {out / 'results.md'}; "
+        f"{time.perf_counter() - start:.0f} s)"
+    )
+    return []
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pretrain.pipeline",
@@ -113,7 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2, help="processes (ranks) per run")
     parser.add_argument("--vocab-size", type=int, default=2000)
     parser.add_argument(
-        "overrides", nargs="*", help="extra dotted overrides for every run, e.g. train.steps=20"
+        "--lra-scale",
+        default="main",
+        choices=("main", "tiny", "none"),
+        help="size of the LRA stage (none: skip it)",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="extra dotted overrides for every pretraining run, e.g. train.steps=20",
     )
     args = parser.parse_args(argv)
     unknown = [f for f in args.families if f not in ATTENTION_REGISTRY]
@@ -149,10 +182,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['mlm_loss_last']:>9.3f} {r['sop_accuracy_last']:>7.2f} {r['tokens_per_s']:>8.0f}"
         )
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if args.lra_scale != "none":
+        failed += lra_stage(out / "lra", args.lra_scale)
     print(
         f"\nTensorBoard: tensorboard --logdir {out / 'pretrain'}\n"
         f"releases:    {out / 'releases'}/<family> (config.json, model.safetensors, tokenizer.json)\n"
-        f"summary:     {out / 'summary.json'}  ({time.perf_counter() - start:.0f} s in all)"
+        f"summary:     {out / 'summary.json'}"
+        + (f", {out / 'lra' / 'results.md'}" if args.lra_scale != "none" else "")
+        + f"  ({time.perf_counter() - start:.0f} s in all)"
     )
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)

@@ -1,5 +1,6 @@
 """The README's main job, shortened: data_prep on the embedded corpus -> DeepSpeed pretraining
-on 2 processes -> export -> summary; a second run reuses everything."""
+on 2 processes -> export -> summary -> LRA (self-pretraining vs scratch on generated ListOps);
+a second run reuses everything."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pretrain import pipeline
 
 def test_main_job_end_to_end(tmp_path):
     out = tmp_path / "main"
-    args = ["--out", str(out), "--families", "softmax", "transject", "--", "train.steps=12"]
+    args = ["--out", str(out), "--families", "softmax", "transject", "--lra-scale", "tiny"]
+    args += ["--", "train.steps=12"]
     assert pipeline.main(args) == 0
     manifest = json.loads((out / "data" / "shards" / "manifest.json").read_text())
     assert manifest["totals"]["examples"] > 1000
@@ -27,7 +29,18 @@ def test_main_job_end_to_end(tmp_path):
         ).read_bytes()
         assert load_release(release).config.attention == row["family"]
         assert (out / "pretrain" / row["family"] / "tensorboard").is_dir()
+    # The LRA stage: self-pretrained and from-scratch ListOps runs, side by side.
+    lra = json.loads((out / "lra" / "results.json").read_text())["rows"]
+    assert sorted(r["init"] for r in lra) == ["scratch", "self-pretrained"]
+    for r in lra:
+        assert r["task"] == "listops" and r["family"] == "softmax" and r["seeds"] == [0]
+        assert 0.0 <= r["median"] <= 1.0
+    assert (
+        load_release(out / "lra" / "pretrain" / "listops-softmax" / "release").config.vocab_size
+        == 19
+    )
     # A second run reuses the shards and the finished runs (they resume at their last step).
     before = (out / "data" / "shards" / "shard_00000.tokens.npy").stat().st_mtime_ns
-    assert pipeline.main(["--out", str(out), "--families", "softmax", "--", "train.steps=12"]) == 0
+    again = ["--out", str(out), "--families", "softmax", "--lra-scale", "none"]
+    assert pipeline.main([*again, "--", "train.steps=12"]) == 0
     assert (out / "data" / "shards" / "shard_00000.tokens.npy").stat().st_mtime_ns == before
