@@ -1,4 +1,5 @@
 """``python -m finetune glue ...`` (GLUE), ``glue-summary``, ``lra ...`` (Long Range Arena),
+``lra-summary`` (every LRA run below a directory, beside the published numbers),
 ``lra-shards ...`` (an LRA task's inputs as pretraining shards, for self-pretraining).
 
 Exit codes: 0 done, 2 bad arguments, config or data (nothing was trained).
@@ -50,9 +51,24 @@ def build_parser() -> argparse.ArgumentParser:
     lra.add_argument("--task", required=True, help="listops|text|retrieval|image|pathfinder|pathx")
     lra.add_argument("--data", required=True, help="the task's data directory (official layout)")
     lra.add_argument("--config", help="recipe (configs/finetune/lra/*.yaml)")
+    lra.add_argument(
+        "--protocol",
+        choices=("lra", "skyformer"),
+        help="use the shipped recipe configs/finetune/lra/<protocol>/<task>[-<family>].yaml",
+    )
+    lra.add_argument("--family", help="with --protocol: softmax|tisa|kernel|transject")
+    lra.add_argument(
+        "--no-summary",
+        action="store_true",
+        help="skip the run dir's results.md (array jobs; then run lra-summary)",
+    )
     lra.add_argument("--init", help="release dir to start from (default: from scratch)")
     lra.add_argument("--seeds", type=int, nargs="+", help="one run per seed")
     lra.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.eval_every=100")
+    lra_summary = sub.add_parser(
+        "lra-summary", help="results.md / results.json of every LRA run below a directory"
+    )
+    lra_summary.add_argument("run_dir", help="a directory holding LRA runs (searched recursively)")
     shards = sub.add_parser(
         "lra-shards",
         help="an LRA task's training inputs as pretraining shards (self-pretraining)",
@@ -82,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.suite == "glue-summary":
             print(glue_run.summarise_dir(Path(args.run_dir)))
+            return 0
+        if args.suite == "lra-summary":
+            from finetune.lra import run as lra_run
+
+            print(lra_run.summarise_dir(Path(args.run_dir)))
             return 0
         if args.suite == "lra-shards":
             from finetune.lra import shards as lra_shards

@@ -72,3 +72,54 @@ def test_lra_bad_input_exit_2(tmp_path, capsys):
     assert "unknown LRA task" in capsys.readouterr().err
     assert finetune_main(["lra", "--task", "listops", "--data", str(tmp_path / "x")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+CPU_SMALL = [
+    "engine.device=cpu",
+    "engine.precision=fp32",
+    "engine.micro_batch_size=8",
+    "schedule.warmup_steps=0",
+    "schedule.total_steps=4",
+    "train.eval_every=4",
+    "train.log_every=2",
+    "seeds=[0]",
+]
+
+
+def test_protocol_recipes_and_lra_summary(tmp_path):
+    data = tmp_path / "listops"
+    write_splits(data, {"train": 64, "val": 16, "test": 16}, min_length=20, max_length=60, seed=1)
+    root = tmp_path / "sweep"
+    for family in ("softmax", "kernel"):
+        args = ["lra", "--task", "listops", "--data", str(data), "--protocol", "skyformer"]
+        args += ["--family", family, "--no-summary", "data.max_length=60", *CPU_SMALL]
+        args += [f"run_dir={root / f'listops-{family}'}"]
+        assert finetune_main(args) == 0
+        assert not (root / f"listops-{family}" / "results.md").exists()  # --no-summary
+        seed = json.loads((root / f"listops-{family}" / "seed_0" / "results.json").read_text())
+        assert seed["summary"]["family"] == family and seed["summary"]["task"] == "listops"
+    assert finetune_main(["lra-summary", str(root)]) == 0
+    table = (root / "results.md").read_text().splitlines()
+    ours = {line.split(" | ")[0][2:]: line for line in table if "ours" in line}
+    assert set(ours) == {"kernel (scratch, ours, 1 seeds)", "softmax (scratch, ours, 1 seeds)"}
+    for line in ours.values():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert 0.0 <= float(cells[1]) <= 100.0  # ListOps
+        assert cells[2:] == ["–"] * 7  # the other tasks and the averages: not run
+    lra_paper = next(line for line in table if line.startswith("| Transformer (LRA paper)"))
+    assert lra_paper.endswith("| 71.40 | FAIL | 54.39 | 53.66 |")
+    transject = next(line for line in table if line.startswith("| TransJect (TransJect paper)"))
+    assert "| 59.56 |" in transject  # the paper's 59.6 over its five tasks
+    summary = json.loads((root / "results.json").read_text())
+    assert len(summary["runs"]) == 2
+
+
+def test_protocol_errors(tmp_path, capsys):
+    args = ["lra", "--task", "listops", "--data", str(tmp_path), "--family", "kernel"]
+    assert finetune_main(args) == 2
+    assert "--family picks a shipped recipe" in capsys.readouterr().err
+    args = ["lra", "--task", "listops", "--data", str(tmp_path), "--protocol", "skyformer"]
+    assert finetune_main([*args, "--family", "kernal"]) == 2
+    assert "no shipped recipe" in capsys.readouterr().err
+    assert finetune_main(["lra-summary", str(tmp_path)]) == 2
+    assert "nothing to summarise" in capsys.readouterr().err

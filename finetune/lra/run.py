@@ -1,18 +1,25 @@
 """``python -m finetune lra``: train or fine-tune an encoder on a Long Range Arena task.
 
-    python -m finetune lra --task listops --data lra_release/listops-1000 \\
-        --config configs/finetune/lra/debug-listops.yaml [--init RELEASE] [--seeds 0 1 2] [key=value]
+    python -m finetune lra --task listops --data lra_release --protocol skyformer \\
+        [--family transject] [--init RELEASE] [--seeds 0 1 2] [key=value ...]
+    python -m finetune lra --task listops --data DIR --config my.yaml ...
+    python -m finetune lra-summary runs/lra/skyformer     # every task and family run below it
 
-From scratch (the model section of the recipe, vocabulary and positions sized by the task) or
-from a release (``--init``, e.g. a self-pretrained one: its vocabulary must be the task's).
-Retrieval trains a dual encoder on the two documents. Every seed's run is evaluated on the val
-split every ``train.eval_every`` steps; the best val step's test accuracy is reported:
+The recipe: ``--config``, or the shipped one of ``--protocol`` (``lra``: the official LRA
+settings; ``skyformer``: the Skyformer/TransJect PyTorch setting) and ``--family``:
+``configs/finetune/lra/<protocol>/<task>[-<family>].yaml``. From scratch (the model section of
+the recipe, vocabulary and positions sized by the task) or from a release (``--init``, e.g. a
+self-pretrained one: its vocabulary must be the task's, see ``lra-shards``). Retrieval trains a
+dual encoder on the two documents. Every seed's run is evaluated on the val split every
+``train.eval_every`` steps; the best val step's test accuracy is reported:
 
     <run_dir>/seed_<s>/results.json, best/ (release), tensorboard/
     <run_dir>/results.json, results.md     val/test accuracy per seed, median and spread
 
-Not yet here (issue #7 continues): the official-LRA and Skyformer recipes per task and family,
-self-pretraining through ``python -m pretrain`` and the CPU mini-LRA table.
+``lra-summary ROOT`` gathers every ``seed_*/results.json`` below ROOT (array jobs write them
+with ``--no-summary``) into ROOT/results.md and results.json: test accuracy per task and
+family (median over seeds), the averages over the 5 tasks without Path-X and over all 6 (a
+missing Path-X counted as 50, the LRA paper's FAIL), beside the published numbers.
 """
 
 from __future__ import annotations
@@ -72,6 +79,43 @@ class LraConfig:
     )
     seeds: list[int] = field(default_factory=lambda: [0])
     run_dir: str = "runs/lra"
+
+
+RECIPES = Path(__file__).resolve().parents[2] / "configs" / "finetune" / "lra"
+PROTOCOLS = ("lra", "skyformer")
+
+PUBLISHED: dict[str, dict[str, float | None]] = {
+    # Tay et al. 2021 (the LRA paper), Table 1; Path-X FAIL. ListOps/Text/Retrieval as quoted
+    # in Yorsh & Kovalenko 2022, Table 1.
+    "Transformer (LRA paper)": {
+        "listops": 36.37, "text": 64.27, "retrieval": 57.46, "image": 42.44,
+        "pathfinder": 71.40, "pathx": None,
+    },
+    # Sengupta et al. 2023 (TransJect), LRA table (the Skyformer setting).
+    "Transformer (TransJect paper)": {
+        "listops": 38.4, "text": 61.9, "retrieval": 80.7, "pathfinder": 65.2, "image": 40.6,
+    },
+    "TransJect (TransJect paper)": {
+        "listops": 42.2, "text": 64.9, "retrieval": 80.3, "pathfinder": 71.5, "image": 38.9,
+    },
+    # Yorsh & Kovalenko 2022, Table 1 (3x AOGLU, mean of five runs; three tasks only).
+    "Kernel 3x AOGLU (kernel paper)": {"listops": 18.45, "text": 66.06, "retrieval": 72.57},
+}  # fmt: skip
+"""Published test accuracies (%) to print beside ours."""
+
+TASK_ORDER = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
+
+
+def recipe_path(task: str, protocol: str, family: str | None) -> Path:
+    """The shipped recipe of a task, protocol and attention family (None: softmax)."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown --protocol {protocol!r}; valid: {list(PROTOCOLS)}")
+    name = task if family in (None, "softmax") else f"{task}-{family}"
+    path = RECIPES / protocol / f"{name}.yaml"
+    if not path.is_file():
+        shipped = sorted(p.stem for p in (RECIPES / protocol).glob(f"{task}*.yaml"))
+        raise ValueError(f"no shipped recipe {path}; for {task} there are: {shipped}")
+    return path
 
 
 def build_lra_model(cfg: LraConfig, init: Path | None, seq_len: int) -> torch.nn.Module:
@@ -143,8 +187,9 @@ def run_seed(cfg: LraConfig, data_dir: Path, init: Path | None, seed: int) -> di
         collate_fn=collate_pair if task.pair else None,
         inputs_fn=_dual_inputs if task.pair else None,
     ).run()
-    return {
+    row = {
         "task": task.name,
+        "family": _family(model),
         "seed": seed,
         "init": None if init is None else str(init),
         "best_step": result.best_step,
@@ -152,6 +197,15 @@ def run_seed(cfg: LraConfig, data_dir: Path, init: Path | None, seed: int) -> di
         "test_accuracy": result.best.get("test", {}).get("accuracy"),
         "run_dir": str(run_dir),
     }
+    if detect().rank == 0:  # the per-seed record lra-summary reads
+        path = run_dir / "results.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "summary": row}, indent=2))
+    return row
+
+
+def _family(model: torch.nn.Module) -> str:
+    config = getattr(getattr(model, "encoder", model), "config", None)
+    return str(getattr(config, "attention", "unknown"))
 
 
 def summarise(rows: list[dict[str, Any]], root: Path) -> str:
@@ -171,8 +225,67 @@ def summarise(rows: list[dict[str, Any]], root: Path) -> str:
     return table
 
 
+def _average(scores: dict[str, float], tasks: tuple[str, ...], fail: float | None) -> str:
+    values = [fail if scores.get(t) is None else scores[t] for t in tasks]
+    if any(v is None for v in values):
+        return "–"
+    return f"{statistics.mean(values):.2f}"  # type: ignore[arg-type]
+
+
+def summarise_dir(root: Path) -> str:
+    """ROOT/results.md and results.json from every seed_*/results.json below ROOT."""
+    found = sorted(root.glob("**/seed_*/results.json"))
+    if not found:
+        raise FileNotFoundError(f"no seed_*/results.json below {root}: nothing to summarise")
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for path in found:
+        run = json.loads(path.read_text())
+        row = run.get("summary")
+        if row is None:
+            raise ValueError(f"{path}: no 'summary' (not written by python -m finetune lra)")
+        init = "scratch" if row["init"] is None else "pretrained"
+        groups.setdefault((row["family"], init, row["task"]), []).append(row)
+    ours: dict[str, dict[str, float]] = {}
+    for (family, init, task), runs in sorted(groups.items()):
+        tests = [r["test_accuracy"] for r in runs]
+        ours.setdefault(f"{family} ({init}, ours, {len(runs)} seeds)", {})[task] = 100 * (
+            statistics.median(tests)
+        )
+    names = {"listops": "ListOps", "text": "Text", "retrieval": "Retrieval", "image": "Image"}
+    names |= {"pathfinder": "Pathfinder", "pathx": "Path-X"}
+    lines = ["| model | " + " | ".join(names[t] for t in TASK_ORDER) + " | Avg (5) | Avg (6) |"]
+    lines.append("|---" * (len(TASK_ORDER) + 3) + "|")
+    for label, scores in [*ours.items(), *PUBLISHED.items()]:
+        cells = [
+            "FAIL" if label in PUBLISHED and t == "pathx" and t in scores
+            else ("–" if scores.get(t) is None else f"{scores[t]:.2f}")
+            for t in TASK_ORDER
+        ]  # fmt: skip
+        avg5 = _average(scores, TASK_ORDER[:5], None)
+        avg6 = _average(scores, TASK_ORDER, 50.0 if avg5 != "–" else None)
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {avg5} | {avg6} |")
+    table = "\n".join(lines) + "\n"
+    note = (
+        "\nTest accuracy (%), median over seeds, at each run's best val step. Avg (5): the five "
+        "tasks without Path-X; Avg (6): all six with a missing Path-X counted as 50 (FAIL).\n"
+    )
+    (root / "results.md").write_text(table + note)
+    (root / "results.json").write_text(
+        json.dumps(
+            {"ours": ours, "published": PUBLISHED, "runs": [str(p) for p in found]}, indent=2
+        )
+        + "\n"
+    )
+    return table
+
+
 def main(args, overrides: list[str]) -> int:
-    data = load_recipe(args.config, [f"task={args.task}", *overrides])
+    config = args.config
+    if config is None and args.protocol is not None:
+        config = str(recipe_path(args.task, args.protocol, args.family))
+    elif args.family is not None and config is None:
+        raise ValueError("--family picks a shipped recipe: give --protocol too (or --config)")
+    data = load_recipe(config, [f"task={args.task}", *overrides])
     # LRA selects on val accuracy, whatever part of the train section the recipe sets.
     data = deep_merge({"train": {"select": "accuracy", "select_split": "val"}}, data)
     cfg = build_config(LraConfig, data)
@@ -183,6 +296,6 @@ def main(args, overrides: list[str]) -> int:
     if init is not None and not init.is_dir():
         raise ValueError(f"--init {init}: no such directory")
     rows = [run_seed(cfg, Path(args.data), init, seed) for seed in cfg.seeds]
-    if detect().rank == 0:  # every rank trained; rank 0 writes
+    if detect().rank == 0 and not args.no_summary:  # every rank trained; rank 0 writes
         print(summarise(rows, Path(cfg.run_dir)))
     return 0
