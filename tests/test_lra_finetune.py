@@ -123,3 +123,60 @@ def test_protocol_errors(tmp_path, capsys):
     assert "no shipped recipe" in capsys.readouterr().err
     assert finetune_main(["lra-summary", str(tmp_path)]) == 2
     assert "nothing to summarise" in capsys.readouterr().err
+
+
+def test_lra_sweep_as_a_slurm_array_then_summary(slurm_cluster, tmp_path):
+    """slurm/finetune.sbatch: an LRA array over task x family x seed with the shipped
+    Skyformer recipes, one element self-pretrained via SWEEP_INIT, then lra-summary."""
+    import os
+    import sys
+
+    from slurm_support import REPO, submit, wait_for_job
+
+    from finetune.lra.synthetic import write_synthetic_imdb
+    from model import EncoderConfig
+    from model.heads import build_model
+    from model.release import save_release
+
+    data = tmp_path / "lra_release"
+    write_splits(data / "listops-1000", {"train": 48, "val": 16, "test": 16}, 20, 60, seed=2)
+    write_synthetic_imdb(data, train=32, test=16, min_words=5, max_words=10)
+    # "pretrained" releases in the LRA vocabularies (random weights: what matters is the path)
+    for task, vocab in (("listops", 19), ("text", 260)):
+        cfg = EncoderConfig.from_dict(
+            {"preset": "debug", "hidden_size": 32, "embedding_size": 32, "num_hidden_layers": 1}
+            | {"num_attention_heads": 2, "intermediate_size": 64, "vocab_size": vocab}
+            | {"pad_token_id": 0, "max_position_embeddings": 128}
+        )
+        save_release(tmp_path / f"pre-{task}", build_model(cfg, {"type": "pretraining"}))
+    root = tmp_path / "sweep"
+    env = dict(os.environ)
+    env.update(
+        ALBATROSS_DIR=str(REPO),
+        ALBATROSS_SETUP=f"source {sys.prefix}/bin/activate",
+        SWEEP_TASKS="listops text",
+        SWEEP_FAMILIES="softmax",
+        SWEEP_SEEDS="0 1",
+        SWEEP_ROOT=str(root),
+        SWEEP_INIT=str(tmp_path / "pre-{task}"),
+    )
+    template = str(REPO / "slurm" / "finetune.sbatch")
+    common = ["--gpus-per-node=0", "--cpus-per-task=1", f"--output={tmp_path}/lra-%A_%a.out"]
+    lra = ["lra", "--protocol", "skyformer", "--data", str(data), "data.max_length=60"]
+    array = submit(["--array=0-3", *common, template, *lra, *CPU_SMALL[:-1]], env=env)
+    summary = submit(
+        [f"--dependency=afterok:{array}", *common, template, "lra-summary", str(root)], env=env
+    )
+    wait_for_job(summary)
+    wait_for_job(array)
+    logs = "".join(p.read_text() for p in sorted(tmp_path.glob("lra-*.out")))
+    seeds = sorted(
+        (json.loads(p.read_text())["summary"]["task"], json.loads(p.read_text())["summary"]["seed"])
+        for p in root.glob("*/seed_*/results.json")
+    )
+    assert seeds == [("listops", 0), ("listops", 1), ("text", 0), ("text", 1)], logs
+    for p in root.glob("*/seed_*/results.json"):
+        row = json.loads(p.read_text())["summary"]
+        assert row["init"] == str(tmp_path / f"pre-{row['task']}")
+    table = (root / "results.md").read_text()
+    assert "| softmax (pretrained, ours, 2 seeds) |" in table, logs
