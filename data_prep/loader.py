@@ -339,28 +339,7 @@ class PretrainingData(Dataset):
         token_types[sep1 + 1 :] = 1
         special_mask = np.zeros(n, dtype=bool)
         special_mask[0] = special_mask[sep1] = special_mask[n - 1] = True
-        word_start = None if self.word_start is None else self.word_start[ids]
-        m = mask_example(
-            ids,
-            special_mask,
-            word_start,
-            rng,
-            self.masking,
-            self.vocab_size,
-            sp.mask,
-            self.special_ids,
-        )
-        out = {
-            "input_ids": m.input_ids,
-            "token_type_ids": token_types,
-            "labels": m.labels,
-            "sop_label": sop_label,
-        }
-        if m.masked_positions is not None:
-            out["masked_positions"] = m.masked_positions
-            out["masked_weights"] = m.masked_weights
-            out["masked_labels"] = m.masked_labels
-        return out
+        return self._mask(ids, special_mask, token_types, sop_label, rng)
 
     def _build_single(self, a: np.ndarray, rng: np.random.Generator) -> dict[str, Any]:
         """`[CLS] A` (A cut at the back to max_seq_length - 1 tokens, as a fine-tuning loader
@@ -371,6 +350,18 @@ class PretrainingData(Dataset):
         ids[0], ids[1:] = self.special.cls, a
         special_mask = np.zeros(len(ids), dtype=bool)
         special_mask[0] = True
+        token_types = np.zeros(len(ids), dtype=np.int64)
+        return self._mask(ids, special_mask, token_types, IGNORE_INDEX, rng)
+
+    def _mask(
+        self,
+        ids: np.ndarray,
+        special_mask: np.ndarray,
+        token_types: np.ndarray,
+        sop_label: int,
+        rng: np.random.Generator,
+    ) -> dict[str, Any]:
+        """The example dict of a built sequence, masked (see `mask_example`)."""
         word_start = None if self.word_start is None else self.word_start[ids]
         m = mask_example(
             ids,
@@ -384,9 +375,9 @@ class PretrainingData(Dataset):
         )
         out = {
             "input_ids": m.input_ids,
-            "token_type_ids": np.zeros(len(ids), dtype=np.int64),
+            "token_type_ids": token_types,
             "labels": m.labels,
-            "sop_label": IGNORE_INDEX,
+            "sop_label": sop_label,
         }
         if m.masked_positions is not None:
             out["masked_positions"] = m.masked_positions
