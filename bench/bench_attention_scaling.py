@@ -1,10 +1,20 @@
 """Attention scaling: forward time and peak memory per family as the sequence grows.
 
-Each (family, N) point runs in a fresh subprocess so its peak RSS is its own; the figure reported
-is the peak RSS minus the RSS just before the first forward (what the forward itself allocated).
-Inference (no grad), batch 1, one encoder layer application, CPU fp32 by default.
+Inference (no grad), batch `--batch` (1), one encoder layer application, CPU fp32 by default.
+
+CPU: each (family, N) point runs in a fresh subprocess so its peak RSS is its own; the figure
+reported is the peak RSS minus the RSS just before the first forward (what the forward itself
+allocated). Wall-clock time, median of `--repeats` after one warm-up forward.
+
+CUDA (`--device cuda`): all points run in this process (CUDA start-up once). Time: CUDA events
+around each forward after `--warmup` forwards (which also absorb torch.compile of TISA's
+FlexAttention), median of `--repeats`. Memory: `torch.cuda.max_memory_allocated()` after a
+reset, minus what was allocated before the forward. `--dtype bf16` runs the forward under
+`torch.autocast(dtype=torch.bfloat16)` (weights stay fp32). An out-of-memory point is recorded
+as an error and the next one runs.
 
     python bench/bench_attention_scaling.py --lengths 256 512 1024 2048 4096 8192 --out bench/results/scaling.json
+    python bench/bench_attention_scaling.py --device cuda --dtype bf16 --lengths 256 512 1024 2048 4096 8192 16384 --out scaling_gpu.json
 
 Prints a markdown table with the speed-up of each family over softmax at every N, beside
 TransJect's Table 4 (5.0x to 26.3x inference speed-up, growing with sequence length).
@@ -40,14 +50,9 @@ def _current_rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def run_point(
-    family: str, n: int, width: int, heads: int, layers: int, repeats: int, threads: int
-) -> dict:
-    import torch
-
+def build(family: str, n: int, width: int, heads: int, layers: int):
     from model import Encoder, EncoderConfig
 
-    torch.set_num_threads(threads)
     overrides = dict(FAMILY_CONFIGS[family])
     attention = overrides.pop("attention", family)
     cfg = EncoderConfig.preset(
@@ -62,7 +67,16 @@ def run_point(
         attention=attention,
         **overrides,
     )
-    model = Encoder(cfg).eval()
+    return Encoder(cfg).eval()
+
+
+def run_point(
+    family: str, n: int, width: int, heads: int, layers: int, repeats: int, threads: int
+) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    model = build(family, n, width, heads, layers)
     ids = torch.randint(4, 1000, (1, n))
     mask = torch.ones(1, n, dtype=torch.bool)
     with torch.no_grad():
@@ -81,6 +95,41 @@ def run_point(
     }
 
 
+def run_point_cuda(family: str, n: int, args: argparse.Namespace) -> dict:
+    """One point on the current CUDA device, in this process (see the module docstring)."""
+    import torch
+
+    model = build(family, n, args.width, args.heads, args.layers).cuda()
+    ids = torch.randint(4, 1000, (args.batch, n), device="cuda")
+    mask = torch.ones(args.batch, n, dtype=torch.bool, device="cuda")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.dtype == "bf16")
+    try:
+        with torch.no_grad(), autocast:
+            for _ in range(args.warmup):
+                model(ids, mask)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            model(ids, mask)
+            torch.cuda.synchronize()
+            peak_mb = (torch.cuda.max_memory_allocated() - before) / 2**20
+            times = []
+            for _ in range(args.repeats):
+                begin = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                begin.record()
+                model(ids, mask)
+                end.record()
+                end.synchronize()
+                times.append(begin.elapsed_time(end) / 1e3)
+    except torch.cuda.OutOfMemoryError as e:
+        return {"family": family, "N": n, "error": f"CUDA out of memory: {str(e)[:120]}"}
+    finally:
+        del model
+        torch.cuda.empty_cache()
+    return {"family": family, "N": n, "seconds": statistics.median(times), "peak_mb": peak_mb}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -94,6 +143,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per forward (CUDA)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="CUDA: bf16 "
+                        "autocast (fp32 weights); the CPU path is fp32 only")  # fmt: skip
+    parser.add_argument("--warmup", type=int, default=3, help="untimed forwards (CUDA)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--point", nargs=2, metavar=("FAMILY", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -107,9 +161,19 @@ def main() -> None:
             )
         )
         return
+    if args.device == "cpu" and (args.dtype != "fp32" or args.batch != 1):
+        parser.error("the CPU path measures fp32 at batch 1 (--dtype/--batch are for CUDA)")
     rows = []
     for n in args.lengths:
         for family in args.families:
+            if args.device == "cuda":
+                rows.append(run_point_cuda(family, n, args))
+                print(rows[-1], file=sys.stderr, flush=True)
+                if args.out:  # what is done survives a kill of this process
+                    args.out.parent.mkdir(parents=True, exist_ok=True)
+                    partial = {"args": vars(args), "complete": False, "rows": rows}
+                    args.out.write_text(json.dumps(partial, indent=2, default=str))
+                continue
             cmd = [sys.executable, __file__, "--point", family, str(n)]
             cmd += [
                 "--width",
@@ -128,18 +192,30 @@ def main() -> None:
             else:
                 rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
             print(rows[-1], file=sys.stderr, flush=True)
+    if args.device == "cuda":
+        import torch
+
+        where = f"{torch.cuda.get_device_name()}, {args.dtype}, torch {torch.__version__}"
+    else:
+        where = f"{args.threads} threads"
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(
             json.dumps(
-                {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows},
+                {
+                    "args": {k: v for k, v in vars(args).items() if k != "out"},
+                    "where": where,
+                    "rows": rows,
+                },
                 indent=2,
                 default=str,
             )
         )
     by = {(r["family"], r["N"]): r for r in rows}
+    digits = 2 if args.device == "cuda" else 1
     print(
-        f"\nd={args.width}, H={args.heads}, {args.layers} layer(s), batch 1, forward, {args.threads} threads\n"
+        f"\nd={args.width}, H={args.heads}, {args.layers} layer(s), batch {args.batch}, "
+        f"forward, {where}; ms (peak MB)\n"
     )
     print(
         "| N | "
@@ -155,7 +231,9 @@ def main() -> None:
         for f in args.families:
             r = by.get((f, n), {})
             cells.append(
-                f"{r['seconds'] * 1e3:.1f} ({r['peak_mb']:.0f})" if "seconds" in r else "error"
+                f"{r['seconds'] * 1e3:.{digits}f} ({r['peak_mb']:.0f})"
+                if "seconds" in r
+                else "error"
             )
             if f != "softmax":
                 ok = "seconds" in r and "seconds" in soft

@@ -2,16 +2,25 @@
 
 A random `transformers.AlbertForPreTraining` (ALBERT-base width, `--layers` shared layers) is saved
 to a temp dir and imported through `model.hf_import`, so both models hold identical weights
-(checked: logits agree). Each step computes the same loss on both (MLM cross-entropy over the
-full logits + SOP) and its backward. Runs are interleaved (ours, theirs, ours, ...) and the
-median is reported; the ratio is ours / theirs (<= 1.0 means we are at least as fast).
+(checked: the fp32 losses agree before anything is timed). Each step computes the same loss on
+both (MLM cross-entropy over the full logits + SOP) and its backward. Runs are interleaved (ours,
+theirs, ours, ...) and the median is reported; the ratio is ours / theirs (<= 1.0 means we are at
+least as fast).
+
+Precision (`--dtype`): `fp32`, or `bf16` = `torch.autocast(dtype=torch.bfloat16)` around forward
+and loss with fp32 weights and gradients on both sides (the engine's `bf16-mixed`), so both models
+do the same mixed-precision work. On CUDA each step is timed with CUDA events after `--warmup`
+untimed steps (median of `--repeats`), and the peak memory of one step is
+`torch.cuda.max_memory_allocated()` after a reset, minus what was allocated before the step.
 
     python bench/bench_model.py --seq 128 512 --batch 8 --layers 4 --repeats 5 --out bench/results/model_cpu.json
+    python bench/bench_model.py --device cuda --dtype bf16 --seq 128 512 --batch 32 --layers 12 --repeats 20 --out model_gpu.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -47,17 +56,37 @@ def build_pair(layers: int, vocab: int, device: str):
     return ours.to(device).train(), theirs.to(device).train()
 
 
-def step(model, is_hf: bool, ids, mask, labels, sop):
-    if is_hf:
-        out = model(input_ids=ids, attention_mask=mask)
-        logits, sop_logits = out.prediction_logits, out.sop_logits
-    else:
-        out = model(ids, mask)
-        logits, sop_logits = out.logits, out.sop_logits
-    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-    loss = loss + F.cross_entropy(sop_logits, sop)
+def step(model, is_hf: bool, ids, mask, labels, sop, autocast=None):
+    with autocast if autocast is not None else contextlib.nullcontext():
+        if is_hf:
+            out = model(input_ids=ids, attention_mask=mask)
+            logits, sop_logits = out.prediction_logits, out.sop_logits
+        else:
+            out = model(ids, mask)
+            logits, sop_logits = out.logits, out.sop_logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        loss = loss + F.cross_entropy(sop_logits.float(), sop)
     loss.backward()
     return loss.detach()
+
+
+def timed_step(model, is_hf, inputs, device: str, autocast) -> tuple[float, float | None]:
+    """(seconds, peak MB of the step above what was allocated before it; None on CPU)."""
+    model.zero_grad(set_to_none=True)
+    if device == "cpu":
+        start = time.perf_counter()
+        step(model, is_hf, *inputs, autocast=autocast)
+        return time.perf_counter() - start, None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    step(model, is_hf, *inputs, autocast=autocast)
+    end.record()
+    torch.cuda.synchronize()
+    peak_mb = (torch.cuda.max_memory_allocated() - before) / 2**20
+    return begin.elapsed_time(end) / 1e3, peak_mb
 
 
 def main() -> None:
@@ -69,13 +98,22 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=30000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per model and "
+                        "length before timing (default: 1 on CPU, 3 on CUDA)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    warmup = args.warmup if args.warmup is not None else (1 if args.device == "cpu" else 3)
     ours, theirs = build_pair(args.layers, args.vocab, args.device)
+    autocast = (
+        torch.autocast(device_type=args.device, dtype=torch.bfloat16)
+        if args.dtype == "bf16"
+        else None
+    )
     rows = []
     for n in args.seq:
         g = torch.Generator().manual_seed(n)
@@ -83,35 +121,67 @@ def main() -> None:
         mask = torch.ones(args.batch, n, dtype=torch.long, device=args.device)
         labels = torch.where(torch.rand(ids.shape, generator=g).to(args.device) < 0.15, ids, -100)
         sop = torch.randint(0, 2, (args.batch,), generator=g).to(args.device)
-        la = step(ours, False, ids, mask, labels, sop)
-        lb = step(theirs, True, ids, mask, labels, sop)  # warm-up; also checks the losses agree
-        assert torch.allclose(la, lb, atol=1e-4), f"losses differ: {la} vs {lb}"
-        times = {"ours": [], "theirs": []}
+        inputs = (ids, mask, labels, sop)
+        # Same weights -> same fp32 loss (TF32 off for the check, so it is exact to rounding).
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        la = step(ours, False, *inputs)
+        lb = step(theirs, True, *inputs)
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        assert torch.allclose(la, lb, atol=1e-4), f"fp32 losses differ: {la} vs {lb}"
+        if autocast is not None:
+            la, lb = step(ours, False, *inputs, autocast), step(theirs, True, *inputs, autocast)
+            assert torch.allclose(la, lb, rtol=2e-2), f"bf16 losses differ: {la} vs {lb}"
+        for _ in range(warmup):
+            for model, is_hf in ((ours, False), (theirs, True)):
+                timed_step(model, is_hf, inputs, args.device, autocast)
+        times: dict[str, list[float]] = {"ours": [], "theirs": []}
+        peaks: dict[str, list[float]] = {"ours": [], "theirs": []}
         for _ in range(args.repeats):
             for name, model, is_hf in (("ours", ours, False), ("theirs", theirs, True)):
-                model.zero_grad(set_to_none=True)
-                if args.device != "cpu":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                step(model, is_hf, ids, mask, labels, sop)
-                if args.device != "cpu":
-                    torch.cuda.synchronize()
-                times[name].append(time.perf_counter() - start)
+                seconds, peak = timed_step(model, is_hf, inputs, args.device, autocast)
+                times[name].append(seconds)
+                if peak is not None:
+                    peaks[name].append(peak)
         ours_s, theirs_s = statistics.median(times["ours"]), statistics.median(times["theirs"])
-        rows.append({"seq": n, "ours_s": ours_s, "theirs_s": theirs_s, "ratio": ours_s / theirs_s})
-        print(rows[-1], flush=True)
+        row = {"seq": n, "ours_s": ours_s, "theirs_s": theirs_s, "ratio": ours_s / theirs_s}
+        if peaks["ours"]:
+            row["ours_peak_mb"] = max(peaks["ours"])
+            row["theirs_peak_mb"] = max(peaks["theirs"])
+        row["loss_ours"], row["loss_theirs"] = float(la), float(lb)
+        rows.append(row)
+        print(row, flush=True)
     import transformers
 
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{args.threads} threads"
+    attn = getattr(theirs.config, "_attn_implementation", "?")
     print(
-        f"\nALBERT-base width, {args.layers} layers, batch {args.batch}, {args.device} fp32, "
-        f"{args.threads} threads, torch {torch.__version__}, transformers {transformers.__version__}\n"
+        f"\nALBERT-base width, {args.layers} layers, batch {args.batch}, {args.device} "
+        f"{args.dtype}{' autocast' if args.dtype == 'bf16' else ''}, {where}, HF attention "
+        f"{attn}, torch {torch.__version__}, transformers {transformers.__version__}\n"
     )
-    print("| seq | ours (s) | HF ALBERT (s) | ours / HF |\n|---|---|---|---|")
+    mem = args.device == "cuda"
+    print(
+        "| seq | ours (s) | HF ALBERT (s) | ours / HF |"
+        + (" peak MB ours / HF |" if mem else "")
+        + "\n|---|---|---|---|"
+        + ("---|" if mem else "")
+    )
     for r in rows:
-        print(f"| {r['seq']} | {r['ours_s']:.3f} | {r['theirs_s']:.3f} | {r['ratio']:.3f} |")
+        extra = f" {r['ours_peak_mb']:.0f} / {r['theirs_peak_mb']:.0f} |" if mem else ""
+        print(f"| {r['seq']} | {r['ours_s']:.4f} | {r['theirs_s']:.4f} | {r['ratio']:.3f} |{extra}")
     if args.out:
+        meta = {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "device_name": where,
+            "hf_attn_implementation": attn,
+            "warmup": warmup,
+        }
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2, default=str))
+        args.out.write_text(
+            json.dumps({"args": vars(args), "meta": meta, "rows": rows}, indent=2, default=str)
+        )
 
 
 if __name__ == "__main__":

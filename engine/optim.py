@@ -37,13 +37,17 @@ optimizer and schedule parts are the defaults:
 from __future__ import annotations
 
 import importlib
+import logging
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 OPTIMIZERS = ("lamb", "adamw")
 LAMB_IMPLEMENTATIONS = ("auto", "torch", "apex", "deepspeed")
@@ -281,15 +285,35 @@ def build_optimizer(
         )
     impl = resolve_lamb_implementation(cfg.implementation, device_type)
     common = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    if impl == "deepspeed":
-        cls = _deepspeed_fused_lamb()
-        assert cls is not None
-        return cls(groups, bias_correction=False, **common)
-    if impl == "apex":
-        cls = _apex_fused_lamb()
-        assert cls is not None
-        # adam_w_mode=True: weight decay is added to the update inside the trust ratio.
-        return cls(groups, bias_correction=False, adam_w_mode=True, **common)
+    try:
+        if impl == "deepspeed":
+            cls = _deepspeed_fused_lamb()
+            assert cls is not None
+            return cls(groups, bias_correction=False, **common)
+        if impl == "apex":
+            cls = _apex_fused_lamb()
+            assert cls is not None
+            # adam_w_mode=True: weight decay is added to the update inside the trust ratio.
+            return cls(groups, bias_correction=False, adam_w_mode=True, **common)
+    except Exception as e:  # a fused kernel that imports but does not build (JIT) or load
+        hint = (
+            " (DeepSpeed's JIT builder cannot parse arch suffixes such as 9.0a in "
+            "TORCH_CUDA_ARCH_LIST: set it to e.g. 9.0)"
+            if "TORCH_CUDA_ARCH_LIST" in os.environ
+            else ""
+        )
+        if cfg.implementation != "auto":
+            raise RuntimeError(
+                f"optimizer.implementation={cfg.implementation!r}: the fused LAMB could not be "
+                f"built: {type(e).__name__}: {e}{hint}; or use 'torch' or 'auto'"
+            ) from e
+        log.warning(
+            "fused LAMB (%s) could not be built (%s: %s)%s; using pytorch_optimizer.Lamb",
+            impl,
+            type(e).__name__,
+            e,
+            hint,
+        )
     cls = _torch_lamb()
     assert cls is not None
     # weight_decouple=False: decay inside the trust ratio (You et al. 2019), as apex/DeepSpeed.

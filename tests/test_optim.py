@@ -262,6 +262,25 @@ def test_auto_prefers_deepspeed_then_apex_on_cuda(monkeypatch):
     assert optim.resolve_lamb_implementation("auto", "cuda") == "apex"
 
 
+def test_auto_falls_back_when_the_fused_lamb_does_not_build(monkeypatch, caplog):
+    # Seen on an H100 image with TORCH_CUDA_ARCH_LIST=9.0a: FusedLamb imports, then its JIT
+    # build fails when the optimizer is constructed. 'auto' must train on; explicit must say why.
+    class Unbuildable:
+        def __init__(self, *args, **kwargs):
+            raise ValueError("invalid literal for int() with base 10: '0a'")
+
+    fake_ds = types.ModuleType("deepspeed.ops.lamb")
+    fake_ds.FusedLamb = Unbuildable
+    monkeypatch.setitem(sys.modules, "deepspeed.ops.lamb", fake_ds)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    model = nn.Linear(2, 2)
+    with caplog.at_level("WARNING", logger="engine.optim"):
+        opt = build_optimizer(model, OptimizerConfig(implementation="auto"), "cuda")
+    assert type(opt).__name__ == "Lamb" and "using pytorch_optimizer.Lamb" in caplog.text
+    with pytest.raises(RuntimeError, match=r"could not be built.*TORCH_CUDA_ARCH_LIST"):
+        build_optimizer(model, OptimizerConfig(implementation="deepspeed"), "cuda")
+
+
 # ----------------------------------------------------------------------------- validation
 
 

@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# The GPU half of issue #8's benchmark suite, in ONE call on a lent GPU (an H100: < 9 min wall).
+#
+#   bash bench/gpu_suite.sh             # full suite -> $OUT/*.json + $OUT/suite.log
+#   SMOKE=1 bash bench/gpu_suite.sh     # every part at a tiny size (~4 min): checks the setup
+#   PARTS="model depth" bash bench/gpu_suite.sh     # only those parts
+#   LAMB=auto bash bench/gpu_suite.sh   # the recipes' own LAMB on CUDA (DeepSpeed FusedLamb,
+#                                       # JIT-built first); default LAMB=torch (pytorch_optimizer)
+#   EXTRA="engine.compile=true" bash bench/gpu_suite.sh   # extra recipe overrides (engine parts)
+#
+# On the device machine (see BENCHMARKS.md): run(command="bash bench/gpu_suite.sh",
+# carry=[".whl"], timeout_s=600). .whl/ holds the wheels the image lacks (DeepSpeed built here
+# with DS_BUILD_OPS=0, hjson, pydantic + pydantic-core + annotated-types + typing-inspection +
+# typing-extensions, omegaconf, pytorch-optimizer, zstandard); they are installed into
+# /tmp/site. Without $OUT the results go to bench/results/gpu/.
+#
+# Parts (each under its own time limit, so one that hangs cannot eat the others' time):
+#   model     bench_model.py: ours vs HF ALBERT, albert-base (12 layers), batch 32, seq 128/512,
+#             bf16 autocast                                              -> model_gpu.json
+#   scaling   bench_attention_scaling.py: one layer, d=768, H=12, batch 8, N = 256 .. 16384,
+#             every family, bf16 autocast, forward                     -> scaling_gpu.json
+#   pretrain  bench_pretrain_throughput.py: the real engine (DeepSpeed ZeRO-2, bf16), albert-base
+#             seq 128 / 512 and albert-large seq 512, micro-batch 64, every family
+#                                                                      -> pretrain_gpu.json
+#   depth     the same at albert-base width with 12/24/48/96 shared layers, activation
+#             checkpointing, seq 512, batch 32, softmax               -> depth_gpu.json
+#   loader    bench_loader.py: loader alone vs the real trainer (python -m pretrain), albert-base
+#             seq 128 (num_workers 0 and 4) and 512 (4): data-wait share -> loader_gpu.json
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/gpu}
+mkdir -p "$OUT"
+LOG=$OUT/suite.log
+: >"$LOG"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+SMOKE=${SMOKE:-0}
+PARTS=${PARTS:-jit model scaling pretrain depth loader}
+# LAMB=torch: the recipes' LAMB through pytorch_optimizer.Lamb (no build step). LAMB=auto: what a
+# recipe picks by itself on CUDA, DeepSpeed's FusedLamb, JIT-built by the `jit` part first.
+LAMB=${LAMB:-torch}
+# EXTRA: more recipe overrides for the engine parts (pretrain, depth, loader), e.g.
+# EXTRA="engine.compile=true" (then budget the compile time: warm-up steps absorb it).
+read -ra EXTRA_OVERRIDES <<<"${EXTRA:-}"
+OVERRIDES=("${EXTRA_OVERRIDES[@]}")
+if [ "$LAMB" = torch ]; then OVERRIDES=(optimizer.implementation=torch "${OVERRIDES[@]}"); fi
+if [ ${#OVERRIDES[@]} -gt 0 ]; then OPT=(--override "${OVERRIDES[@]}"); else OPT=(); fi
+START=$(date +%s)
+
+part() { # part NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  case " env $PARTS " in *" $name "*) ;; *) return 0 ;; esac
+  local t0
+  t0=$(date +%s)
+  echo "=== $name (limit ${limit} s): $*" | tee -a "$LOG"
+  timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $(($(date +%s) - t0)) s (suite at $(($(date +%s) - START)) s)" |
+    tee -a "$LOG"
+}
+
+# The image sets TORCH_CUDA_ARCH_LIST to a value DeepSpeed's JIT builder cannot parse (an arch
+# with a letter suffix such as 9.0a: "invalid literal for int() with base 10: '0a'"); use the
+# GPU's own compute capability instead.
+echo "TORCH_CUDA_ARCH_LIST was '${TORCH_CUDA_ARCH_LIST-unset}'" | tee -a "$LOG"
+TORCH_CUDA_ARCH_LIST=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1)
+export TORCH_CUDA_ARCH_LIST
+echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST; LAMB=$LAMB; EXTRA=${EXTRA:-}; SMOKE=$SMOKE; PARTS=$PARTS" |
+  tee -a "$LOG"
+
+part env 40 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv;
+  nvcc --version | tail -2; python3 -c "
+import sys, torch, transformers, triton, deepspeed, omegaconf, pydantic
+print(sys.version.split()[0], \"torch\", torch.__version__, \"cuda\", torch.version.cuda,
+      \"transformers\", transformers.__version__, \"triton\", triton.__version__,
+      \"deepspeed\", deepspeed.__version__, \"omegaconf\", omegaconf.__version__,
+      \"pydantic\", pydantic.__version__)
+import engine.engine, model, pretrain.train, data_prep.loader
+print(\"imports ok:\", torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+"'
+
+# DeepSpeed's fused optimizers are JIT-built (ninja + nvcc) on first use; build them here, timed,
+# so that a pretraining point does not pay for it (LAMB=auto) and a failure shows up once.
+JIT_PY="
+import sys, time
+from deepspeed.ops import op_builder
+for b in [getattr(op_builder, name)() for name in sys.argv[1:]]:
+    t = time.time()
+    try:
+        b.load(verbose=False)
+        print(b.name, 'built and loaded in', round(time.time() - t, 1), 's', flush=True)
+    except Exception as e:
+        print(b.name, 'FAILED after', round(time.time() - t, 1), 's:', repr(e)[-1500:], flush=True)
+"
+if [ "$LAMB" = auto ]; then
+  part jit 80 python3 -c "$JIT_PY" FusedLambBuilder  # ~40 s on an H100
+elif [ "$SMOKE" = 1 ]; then # only a check: in the background, beside the other parts
+  (case " $PARTS " in *" jit "*) timeout 240 python3 -c "$JIT_PY" FusedLambBuilder FusedAdamBuilder >"$OUT/jit.log" 2>&1 ;; esac) &
+fi
+
+if [ "$SMOKE" = 1 ]; then
+  part pretrain 150 python3 bench/bench_pretrain_throughput.py --device cuda \
+    --configs albert-base-128 --steps 3 --warmup 2 --timeout 75 "${OPT[@]}" \
+    --out "$OUT/pretrain_gpu.json"
+  part model 45 python3 bench/bench_model.py --device cuda --dtype bf16 --layers 2 --batch 8 \
+    --seq 128 --repeats 3 --warmup 1 --out "$OUT/model_gpu.json"
+  part scaling 70 python3 bench/bench_attention_scaling.py --device cuda --dtype bf16 \
+    --width 768 --heads 12 --batch 8 --lengths 256 4096 --repeats 3 --warmup 2 \
+    --out "$OUT/scaling_gpu.json"
+  part depth 45 python3 bench/bench_pretrain_throughput.py --device cuda --depth 12 48 \
+    --steps 2 --warmup 1 "${OPT[@]}" --out "$OUT/depth_gpu.json"
+  part loader 60 python3 bench/bench_loader.py --device cuda --runs albert-base-128:2 \
+    --steps 12 --log-every 4 --batches 10 "${OPT[@]}" --out "$OUT/loader_gpu.json"
+  wait
+  if [ -f "$OUT/jit.log" ]; then
+    echo "=== jit (background)" | tee -a "$LOG"
+    tee -a "$LOG" <"$OUT/jit.log"
+  fi
+else
+  part model 60 python3 bench/bench_model.py --device cuda --dtype bf16 --layers 12 --batch 32 \
+    --seq 128 512 --repeats 20 --warmup 3 --out "$OUT/model_gpu.json"
+  part scaling 80 python3 bench/bench_attention_scaling.py --device cuda --dtype bf16 \
+    --width 768 --heads 12 --batch 8 --lengths 256 512 1024 2048 4096 8192 16384 \
+    --repeats 10 --warmup 3 --out "$OUT/scaling_gpu.json"
+  part pretrain 210 python3 bench/bench_pretrain_throughput.py --device cuda --preset albert \
+    --steps 8 --warmup 3 --timeout 75 "${OPT[@]}" --out "$OUT/pretrain_gpu.json"
+  part depth 50 python3 bench/bench_pretrain_throughput.py --device cuda --depth 12 24 48 96 \
+    --steps 4 --warmup 2 --timeout 45 "${OPT[@]}" --out "$OUT/depth_gpu.json"
+  part loader 85 python3 bench/bench_loader.py --device cuda \
+    --runs albert-base-128:0 albert-base-128:4 albert-base-512:4 --steps 20 --log-every 5 \
+    "${OPT[@]}" --out "$OUT/loader_gpu.json"
+fi
+echo "=== suite done in $(($(date +%s) - START)) s; files in $OUT:" | tee -a "$LOG"
+ls -la "$OUT" | tee -a "$LOG"
