@@ -41,7 +41,7 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 SMOKE=${SMOKE:-0}
-PARTS=${PARTS:-jit model scaling pretrain depth loader}
+PARTS=${PARTS:-jit model scaling pretrain depth loader fastpaths}
 # LAMB=torch: the recipes' LAMB through pytorch_optimizer.Lamb (no build step). LAMB=auto: what a
 # recipe picks by itself on CUDA, DeepSpeed's FusedLamb, JIT-built by the `jit` part first.
 LAMB=${LAMB:-torch}
@@ -136,6 +136,10 @@ else
   part loader 85 python3 bench/bench_loader.py --device cuda \
     --runs albert-base-128:0 albert-base-128:4 albert-base-512:4 --steps 20 --log-every 5 \
     "${OPT[@]}" --out "$OUT/loader_gpu.json"
+  # Last: the fast paths' CUDA checks (TISA flex == SDPA bias incl. gradients, no recompiles,
+  # inductor-compiled encoder == eager per family, apex LayerNorm if present) and timings; its
+  # asserts print as they pass, so a cut-off still leaves the checks done in suite.log.
+  part fastpaths 100 python3 bench/bench_fast_paths.py gpu-verify --out "$OUT/fast_paths_gpu.json"
 fi
 echo "=== suite done in $(($(date +%s) - START)) s; files in $OUT:" | tee -a "$LOG"
 ls -la "$OUT" | tee -a "$LOG"

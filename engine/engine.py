@@ -83,6 +83,20 @@ class EngineConfig:
     """Recompute each layer application in backward (torch non-reentrant checkpoint); memory
     then grows with depth by one hidden state per layer application instead of all
     activations. Works with shared layers and ZeRO-3."""
+    compile: bool = False
+    """``torch.compile`` the model's encoder (``model.encoder``; the model itself when it has
+    none) in place, before training: the heads stay eager (the sparse MLM head's number of
+    masked positions changes every batch) and state-dict keys do not change. Every attention
+    family compiles without graph breaks, with activation checkpointing too. Shapes: batches
+    padded to a fixed length (the pretraining loader's ``static_shapes``, on with
+    ``data.masking.static_masked_positions``) compile once; batches padded to their longest
+    example (fine-tuning) recompile once, at the second length, with dynamic shapes, then not
+    again. Eval mode and no-grad (evaluation) compile one more graph. Unused parameters (e.g.
+    the pooler under mean pooling) get zero gradients instead of None. Not with ZeRO-3."""
+    compile_backend: str = "inductor"
+    """The ``torch.compile`` backend: ``"inductor"`` (generates fused kernels), or a debugging
+    backend such as ``"aot_eager"`` (traces forward and backward, runs them eagerly: isolates
+    a compiler problem from a tracing one; the tests use it, inductor's C++ build being slow)."""
     device: str = "auto"
     """``"auto"`` (CUDA when available, else CPU), ``"cpu"`` or ``"cuda"``."""
     fp16_initial_scale_power: int = 16
@@ -126,6 +140,21 @@ class EngineConfig:
             )
         if self.dist_timeout_minutes <= 0:
             raise ValueError("engine.dist_timeout_minutes must be > 0")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"engine.compile={self.compile!r} is invalid; valid: true, false")
+        if not isinstance(self.compile_backend, str) or not self.compile_backend:
+            raise ValueError(
+                f"engine.compile_backend={self.compile_backend!r} is invalid; valid: a "
+                "torch.compile backend name such as 'inductor' or 'aot_eager'"
+            )
+        if self.compile and self.backend == "deepspeed" and self.zero_stage == 3:
+            raise ValueError(
+                "engine.compile=true with engine.zero_stage=3 is not supported: ZeRO-3 "
+                "gathers parameters in hooks on every submodule, where the compiled encoder "
+                "breaks its graph (27 graphs for the debug model instead of 1), so compiling "
+                "gains nothing. Use zero_stage 0-2 (ALBERT-size models gain little from "
+                "ZeRO-3) or engine.compile=false"
+            )
         reserved = {
             "train_batch_size",
             "train_micro_batch_size_per_gpu",
@@ -230,6 +259,22 @@ def check_compatible(cfg: EngineConfig, opt_cfg: OptimizerConfig, device: torch.
         )
 
 
+def compile_encoder(model: nn.Module, backend: str = "inductor") -> nn.Module:
+    """Compiles ``model.encoder`` (or ``model`` when it has no encoder) in place with
+    ``nn.Module.compile``: parameters and state-dict keys stay as they are (no ``_orig_mod.``
+    prefix), so optimizers, DeepSpeed, checkpoints and releases see the same module. Returns
+    the compiled module. The one place the project applies ``torch.compile``."""
+    target = getattr(model, "encoder", model)
+    try:
+        target.compile(backend=backend)
+    except Exception as e:  # torch raises InvalidBackend (a RuntimeError) for unknown names
+        if type(e).__name__ != "InvalidBackend":
+            raise
+        valid = torch._dynamo.list_backends(exclude_tags=())
+        raise ValueError(f"engine.compile_backend={backend!r} is invalid; valid: {valid}") from e
+    return target
+
+
 def init_distributed(dist: DistEnv, cfg: EngineConfig, device: torch.device) -> None:
     """Joins the process group once (gloo on CPU, NCCL on CUDA); a no-op for one process
     with the torch backend. DeepSpeed always wants a group, even of one."""
@@ -286,6 +331,8 @@ class Engine:
                     "with enable_activation_checkpointing()"
                 )
             encoder.enable_activation_checkpointing()
+        if cfg.compile:
+            compile_encoder(model, cfg.compile_backend)
         model.to(self.device)
         self.optimizer = build_optimizer(model, optimizer, device_type=self.device.type)
         self.scheduler = build_scheduler(self.optimizer, schedule)  # wraps optimizer.step too

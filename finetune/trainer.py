@@ -64,6 +64,13 @@ class FinetuneConfig:
     """Seeds the head's initialisation, dropout and the data order."""
     num_workers: int = 0
     """DataLoader workers per rank."""
+    group_by_length: bool = False
+    """Batch training examples of similar length (HF ``group_by_length``), so less padding is
+    computed: each epoch's seeded permutation is cut into megabatches of 50 global batches,
+    each sorted by length and cut into global batches (every rank takes its slice, so ranks
+    pad to similar lengths), and the batches are shuffled. Deterministic by ``seed`` and
+    epoch. Lengths are ``len(input_ids)`` (+ ``len(input_ids_b)`` for pairs), or the training
+    set's ``lengths`` attribute when it has one. Evaluation order is unchanged."""
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.steps < 1:
@@ -117,6 +124,83 @@ def collate(
         regression = any(isinstance(label, (float, np.floating)) for label in labels)
         out["labels"] = torch.tensor(labels, dtype=torch.float32 if regression else torch.long)
     return out
+
+
+MEGABATCH_BATCHES = 50
+"""Global batches per megabatch of the length-grouped sampler (HF's mega_batch_mult)."""
+
+
+def example_lengths(examples: Sequence[Mapping[str, Any]]) -> np.ndarray:
+    """(n,) int64 token counts: the set's ``lengths`` attribute if it has one, else
+    ``len(input_ids)`` plus ``len(input_ids_b)`` for two-document examples."""
+    given = getattr(examples, "lengths", None)
+    if given is not None:
+        return np.asarray(given, dtype=np.int64)
+    out = np.empty(len(examples), dtype=np.int64)
+    for i in range(len(examples)):
+        item = examples[i]
+        out[i] = len(item["input_ids"]) + (len(item["input_ids_b"]) if "input_ids_b" in item else 0)
+    return out
+
+
+class LengthGroupedBatchSampler:
+    """This rank's batches of indices, grouped by length; the same count on every rank.
+
+    Epoch e: a permutation seeded by (seed, e); cut into megabatches of ``MEGABATCH_BATCHES``
+    global batches (``batch_size x world_size`` examples); each megabatch sorted by length
+    (longest first, stable) and cut into global batches; the ragged tail dropped; the global
+    batches shuffled (seeded); rank r takes examples [r*batch_size, (r+1)*batch_size) of
+    each. Sorting inside megabatches keeps batches random while their members have similar
+    lengths; shuffling the batches avoids a long-to-short sweep within every megabatch.
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        megabatch_batches: int = MEGABATCH_BATCHES,
+    ):
+        if batch_size < 1 or megabatch_batches < 1:
+            raise ValueError("batch_size and megabatch_batches must be >= 1")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got {rank}, {world_size}")
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        self.seed, self.megabatch_batches = seed, megabatch_batches
+        self.epoch = 0
+        if len(self) == 0:
+            raise ValueError(
+                f"{len(self.lengths)} training examples give no full global batch of "
+                f"{batch_size} x {world_size} ranks"
+            )
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.lengths) // (self.batch_size * self.world_size)
+
+    def global_batches(self) -> np.ndarray:
+        """(num_batches, batch_size x world_size) example indices of this epoch, all ranks."""
+        rng = np.random.default_rng([self.seed, self.epoch])
+        perm = rng.permutation(len(self.lengths))
+        global_batch = self.batch_size * self.world_size
+        mega = global_batch * self.megabatch_batches
+        chunks = []
+        for start in range(0, len(perm), mega):
+            chunk = perm[start : start + mega]
+            chunks.append(chunk[np.argsort(-self.lengths[chunk], kind="stable")])
+        order = np.concatenate(chunks)[: len(self) * global_batch]
+        batches = order.reshape(len(self), global_batch)
+        return batches[rng.permutation(len(batches))]
+
+    def __iter__(self):
+        lo = self.rank * self.batch_size
+        for batch in self.global_batches():
+            yield batch[lo : lo + self.batch_size].tolist()
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -176,6 +260,9 @@ class Finetuner:
         self.step = 0
 
     def _train_batches(self):
+        if self.cfg.group_by_length:
+            yield from self._length_grouped_batches()
+            return
         sampler = DistributedSampler(
             self.train_set,  # type: ignore[arg-type]
             num_replicas=self.dist.world_size,
@@ -194,6 +281,26 @@ class Finetuner:
                 collate_fn=self.collate,
                 num_workers=self.cfg.num_workers,
                 drop_last=True,
+            )
+            yield from loader
+            epoch += 1
+
+    def _length_grouped_batches(self):
+        sampler = LengthGroupedBatchSampler(
+            example_lengths(self.train_set),
+            self.micro_batch,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            seed=self.cfg.seed,
+        )
+        epoch = 0
+        while True:
+            sampler.set_epoch(epoch)
+            loader = DataLoader(
+                self.train_set,  # type: ignore[arg-type]
+                batch_sampler=sampler,
+                collate_fn=self.collate,
+                num_workers=self.cfg.num_workers,
             )
             yield from loader
             epoch += 1

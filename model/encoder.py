@@ -28,6 +28,7 @@ from model.attention import ATTENTION_REGISTRY, LayerContext, MultiHeadAttention
 from model.attention.base import AuxLosses, make_linear
 from model.config import EncoderConfig
 from model.embeddings import AlbertEmbeddings
+from model.norm import LayerNorm
 from model.orthogonal import (
     active_orthogonal_cache,
     is_orthogonal_parametrized,
@@ -70,8 +71,8 @@ class EncoderLayer(nn.Module):
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
         if cfg.residual != "rezero":
-            self.attn_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
-            self.ffn_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+            self.attn_norm = LayerNorm(d, eps=cfg.layer_norm_eps)
+            self.ffn_norm = LayerNorm(d, eps=cfg.layer_norm_eps)
 
     @staticmethod
     def residual_gate_init(cfg: EncoderConfig) -> float | None:
@@ -132,7 +133,7 @@ class Encoder(nn.Module):
         )
         self.family_state = family.state(cfg) if family.state else None
         self.final_norm = (
-            nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+            LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
             if cfg.residual == "pre_ln" and family.layer is None
             else None
         )
@@ -241,8 +242,15 @@ class Encoder(nn.Module):
 
 
 def _run_layer_with_cache(layer: nn.Module, store: dict, x_BND: Tensor, ctx: LayerContext):
-    """Runs a layer inside the forward's orthogonal cache (also when checkpointing recomputes it)."""
-    with orthogonal_cache(store):
+    """Runs a layer inside the forward's orthogonal cache (also when checkpointing recomputes it).
+
+    In the forward the cache is already active and is left alone: entering it again would be a
+    side effect inside the checkpointed region, which torch.compile cannot trace (its recompute
+    replays the traced graph, no Python, so it needs no cache).
+    """
+    if active_orthogonal_cache() is store:
+        return layer(x_BND, ctx)
+    with orthogonal_cache(store):  # eager recompute in backward: the forward's block has closed
         return layer(x_BND, ctx)
 
 

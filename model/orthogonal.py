@@ -17,12 +17,18 @@ map is evaluated once and the matrix reused (the models wrap their forward in it
 own cache rather than `torch.nn.utils.parametrize.cached()` because activation checkpointing
 recomputes layers during backward, after that context has closed: the encoder hands each layer
 the forward's cache (the `store`) so the recomputation sees the very same matrices.
+
+The active cache is the top of a module-level stack (not a `contextvars.ContextVar`): TorchDynamo
+traces list and dict operations but graph-breaks on `ContextVar.get`, so with a ContextVar a
+compiled encoder (`EngineConfig.compile`) would split at every orthogonal weight. Like
+`torch.nn.utils.parametrize.cached()`, which also keeps global state, it assumes that threads of
+one process do not run forwards concurrently (the autograd thread that recomputes checkpointed
+layers runs while the caller waits in backward; DataLoader workers are processes).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
 from collections.abc import Iterator
 
@@ -32,9 +38,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import _OrthMaps, _Orthogonal
 
-_CACHE: contextvars.ContextVar[dict[int, torch.Tensor] | None] = contextvars.ContextVar(
-    "orthogonal_cache", default=None
-)
+_STACK: list[dict[int, torch.Tensor]] = []
+"""Active caches, innermost last (see the module docstring for why not a ContextVar)."""
 
 
 @contextlib.contextmanager
@@ -46,24 +51,25 @@ def orthogonal_cache(
     Without `store`, an already active cache is reused (nesting) or a new one started; with
     `store`, that dict becomes the active cache (to re-enter a forward's cache in a recompute).
     """
-    active = _CACHE.get()
-    token = _CACHE.set(store if store is not None else (active if active is not None else {}))
+    if store is None:
+        store = _STACK[-1] if _STACK else {}
+    _STACK.append(store)
     try:
-        yield _CACHE.get()
+        yield store
     finally:
-        _CACHE.reset(token)
+        _STACK.pop()
 
 
 def active_orthogonal_cache() -> dict[int, torch.Tensor] | None:
     """The cache of the enclosing `orthogonal_cache()` block, or None outside one."""
-    return _CACHE.get()
+    return _STACK[-1] if _STACK else None
 
 
 class FP32Orthogonal(_Orthogonal):
     """torch's orthogonal map, evaluated in fp32 (autocast off); returns an fp32 matrix."""
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
-        store = _CACHE.get()
+        store = active_orthogonal_cache()
         if store is None:
             return self.evaluate(X)
         Q = store.get(id(self))
@@ -87,7 +93,7 @@ class FP32Orthogonal(_Orthogonal):
                 # once torch.set_num_threads() has been called; single solves are unaffected.
                 flat = X.reshape(-1, *X.shape[-2:])
                 Q = torch.stack([_Orthogonal.forward(self, x) for x in flat])
-                return Q.view(X.shape).float()
+                return Q.reshape(X.shape).float()
             return super().forward(X).float()
 
     @torch.no_grad()

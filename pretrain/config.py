@@ -64,6 +64,8 @@ RESUMABLE_CHANGES = (
     "data.num_workers",
     "data.verify_checksums",
     "engine.dist_timeout_minutes",
+    "engine.compile",
+    "engine.compile_backend",
 )
 """Config keys a resumed run may change (they do not affect the training trajectory)."""
 

@@ -108,10 +108,28 @@ def select_backend(cfg: EncoderConfig, device: torch.device, dropout_active: boo
 
 @functools.cache
 def _compiled_flex_attention():
-    """FlexAttention compiled once, lazily (on CUDA, eager flex materialises the scores)."""
+    """FlexAttention compiled once per process, lazily (on CUDA, eager flex materialises the
+    scores). Every call passes a new `score_mod` closure over new tensors; Dynamo guards on the
+    closure's code, not on the tensors' values, so that does not recompile (see
+    tests/test_fast_paths.py). A new sequence length recompiles once, then shapes are dynamic."""
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention)
+
+
+def tisa_score_mod(values_HM: Tensor, mask_BN: Tensor):
+    """The FlexAttention `score_mod` adding f_h(j - i) and masking padding keys.
+
+    values_HM holds f at offsets -(N-1) .. N-1 (offset k at index k + N - 1), mask_BN is True at
+    real keys. Both are captured tensors (graph inputs under torch.compile, not constants).
+    """
+    N = (values_HM.size(-1) + 1) // 2
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        score = score + values_HM[h, kv_idx - q_idx + N - 1]
+        return torch.where(mask_BN[b, kv_idx], score, float("-inf"))
+
+    return score_mod
 
 
 def tisa_flex_attention(
@@ -120,14 +138,13 @@ def tisa_flex_attention(
     """softmax(Q K^T / sqrt(h) + F_P + key_padding) V through FlexAttention's score_mod."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    N = q_BHNh.size(-2)
-    values_HM = values_HM.to(q_BHNh.dtype)
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        score = score + values_HM[h, kv_idx - q_idx + N - 1]
-        return torch.where(mask_BN[b, kv_idx], score, float("-inf"))
-
-    attend = _compiled_flex_attention() if q_BHNh.is_cuda else flex_attention
+    score_mod = tisa_score_mod(values_HM.to(q_BHNh.dtype), mask_BN)
+    if torch.compiler.is_compiling() or not q_BHNh.is_cuda:
+        # Inside a compiled encoder (EngineConfig.compile) Dynamo captures flex_attention itself;
+        # on CPU (no grad) eager flex is the tested reference.
+        attend = flex_attention
+    else:
+        attend = _compiled_flex_attention()
     return attend(q_BHNh, k_BHNh, v_BHNh, score_mod=score_mod)
 
 
@@ -228,5 +245,6 @@ __all__ = [
     "TISAState",
     "select_backend",
     "tisa_flex_attention",
+    "tisa_score_mod",
     "toeplitz_bias",
 ]

@@ -264,9 +264,12 @@ class TransJectAttention(Attention):
         U_Edd = _compute_dtype(x_BND, self.expert_u)
         V_Edd = _compute_dtype(x_BND, self.expert_v)
         lam_B11d = _compute_dtype(x_BND, lam_Bd)[:, None, None, :]
-        # A_e(X) = ELU( ((X U_e) * lambda) V_e^T ): row vectors, so "X U" is x @ U.
-        xu_BEND = torch.einsum("bnd,edk->benk", x_BND, U_Edd)
-        a_BEND = F.elu(torch.einsum("benk,ejk->benj", xu_BEND * lam_B11d, V_Edd))
+        # A_e(X) = ELU( ((X U_e) * lambda) V_e^T ): row vectors, so "X U" is x @ U. All experts
+        # in one broadcast batched product each (B*E matrices), no loop over experts. (Written
+        # as matmuls, not einsum: AOTAutograd's einsum backward fails on the non-contiguous
+        # gradients the gate makes, "view size is not compatible", under torch.compile.)
+        xu_BEND = x_BND[:, None] @ U_Edd  # (B, 1, N, d) @ (E, d, d)
+        a_BEND = F.elu((xu_BEND * lam_B11d) @ V_Edd.mT)
 
         # Gate: masked max over real tokens -> shared g -> softmax over experts (in fp32).
         mask_B1N1 = ctx.mask_BN[:, None, :, None]

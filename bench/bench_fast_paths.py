@@ -1,0 +1,492 @@
+"""Fast paths of issue #8, measured: TISA's overhead over softmax, torch.compile's gain, length
+grouping for fine-tuning, the padding share of pretraining batches; on GPU also FlexAttention vs
+the SDPA bias and apex's fused LayerNorm vs torch's, with equality checks.
+
+Every timing is the median of `--repeats` interleaved forward + backward steps after `--warmup`
+untimed ones (CUDA: synchronised). Ratios compare two paths in the same process.
+
+    python bench/bench_fast_paths.py tisa --seq 128 512 --out tisa_cpu.json
+    python bench/bench_fast_paths.py compile --families softmax kernel --out compile_cpu.json
+    python bench/bench_fast_paths.py grouping --out grouping_cpu.json
+    python bench/bench_fast_paths.py pretrain-padding
+    python bench/bench_fast_paths.py gpu-verify            # CUDA: flex, compile, apex; asserts
+
+`gpu-verify` checks on CUDA (and fails loudly otherwise): TISA flex == SDPA bias in forward and
+in every gradient (fp32 and bf16 autocast) and that training steps do not recompile; the
+inductor-compiled encoder of every family == eager (loss and gradients); apex's LayerNorm ==
+torch's when NVIDIA apex is importable. Then it times flex vs SDPA bias, compiled vs eager and
+apex vs torch LayerNorm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model import EncoderConfig, EncoderForPretraining, EncoderForSequenceClassification
+
+FAMILY_OVERRIDES = {
+    "softmax": {},
+    "tisa": {"position_embedding": "none"},
+    "kernel": {"kernel": {"feature_map": "aoglu", "dropout": 0.0}},
+    "transject": {"transject": {"num_experts": 4}},
+}
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(fns: dict, warmup: int, repeats: int, device: str) -> dict[str, float]:
+    """Median seconds per call of each fn, interleaved (a, b, a, b, ...)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def model_config(family: str, args, **extra) -> EncoderConfig:
+    return EncoderConfig.preset(
+        "debug",
+        attention=family,
+        vocab_size=args.vocab,
+        embedding_size=128,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        max_position_embeddings=max(512, max(getattr(args, "seq", [512]))),
+        hidden_dropout_prob=0.0,
+        **{**FAMILY_OVERRIDES[family], **extra},
+    )
+
+
+def pretraining_step(model, ids, mask, autocast):
+    def step():
+        model.zero_grad(set_to_none=True)
+        with autocast():
+            out = model(ids, mask, masked_positions=mask & (ids % 7 == 0))
+            loss = out.logits.float().logsumexp(-1).mean() + out.sop_logits.float().sum()
+            loss = loss + sum(out.aux_losses.values(), torch.zeros((), device=ids.device))
+        loss.backward()
+
+    return step
+
+
+def make_batch(args, N: int, device: str, padded: bool = True):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, args.vocab, (args.batch, N), generator=g)
+    mask = torch.ones(args.batch, N, dtype=torch.bool)
+    if padded:  # a quarter of the rows padded to half length
+        mask[: args.batch // 4, N // 2 :] = False
+    return ids.to(device), mask.to(device)
+
+
+def autocast_for(args):
+    if args.dtype == "bf16":
+        return lambda: torch.autocast(args.device, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+# ----------------------------------------------------------------------------- tisa
+
+
+def bench_tisa(args) -> dict:
+    """Step time of TISA (sdpa bias; flex too on CUDA) over plain softmax, same sizes."""
+    rows = []
+    for N in args.seq:
+        ids, mask = make_batch(args, N, args.device)
+        fns = {}
+        for name, family, extra in (
+            ("softmax", "softmax", {}),
+            ("tisa_sdpa", "tisa", {"tisa": {"backend": "sdpa"}}),
+            *(
+                (("tisa_flex", "tisa", {"tisa": {"backend": "flex"}}),)
+                if args.device == "cuda"
+                else ()
+            ),
+        ):
+            torch.manual_seed(0)
+            model = EncoderForPretraining(model_config(family, args, **extra)).to(args.device)
+            fns[name] = pretraining_step(model, ids, mask, autocast_for(args))
+        t = time_steps(fns, args.warmup, args.repeats, args.device)
+        row = {"seq": N, **{f"{k}_s": v for k, v in t.items()}}
+        row["tisa_sdpa_over_softmax"] = t["tisa_sdpa"] / t["softmax"]
+        if "tisa_flex" in t:
+            row["tisa_flex_over_softmax"] = t["tisa_flex"] / t["softmax"]
+        rows.append(row)
+        print(json.dumps(row))
+    return {"rows": rows}
+
+
+# ----------------------------------------------------------------------------- compile
+
+
+def bench_compile(args) -> dict:
+    """torch.compile (inductor) of the encoder vs eager, per family: compile time, step time."""
+    from engine.engine import compile_encoder
+
+    rows = []
+    N = args.seq[0]
+    ids, mask = make_batch(args, N, args.device)
+    for family in args.families:
+        torch.manual_seed(0)
+        eager = EncoderForPretraining(model_config(family, args)).to(args.device)
+        torch.manual_seed(0)
+        compiled = EncoderForPretraining(model_config(family, args)).to(args.device)
+        compile_encoder(compiled, args.compile_backend)
+        start = time.perf_counter()
+        pretraining_step(compiled, ids, mask, autocast_for(args))()
+        sync(args.device)
+        compile_s = time.perf_counter() - start
+        fns = {
+            "eager": pretraining_step(eager, ids, mask, autocast_for(args)),
+            "compiled": pretraining_step(compiled, ids, mask, autocast_for(args)),
+        }
+        t = time_steps(fns, args.warmup, args.repeats, args.device)
+        row = {
+            "family": family,
+            "seq": N,
+            "first_step_s": compile_s,
+            "eager_s": t["eager"],
+            "compiled_s": t["compiled"],
+            "speedup": t["eager"] / t["compiled"],
+        }
+        rows.append(row)
+        print(json.dumps(row))
+        torch._dynamo.reset()
+    return {"rows": rows}
+
+
+# ----------------------------------------------------------------------------- grouping
+
+
+def glue_like_lengths(n: int, seed: int = 0) -> np.ndarray:
+    """Long-tailed lengths like GLUE's (SST-2/MNLI/QQP: median ~25 tokens, tail to 128)."""
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(mean=3.2, sigma=0.55, size=n).astype(np.int64), 4, 128)
+
+
+def bench_grouping(args) -> dict:
+    """One fine-tuning epoch (forward, backward, AdamW) with the default shuffled batches vs
+    group_by_length batches: padding share computed and time per epoch."""
+    from torch.utils.data import DistributedSampler
+
+    from finetune.trainer import LengthGroupedBatchSampler, collate
+
+    lengths = glue_like_lengths(args.examples)
+    rng = np.random.default_rng(1)
+    data = [
+        {
+            "input_ids": rng.integers(5, args.vocab, n).tolist(),
+            "token_type_ids": [0] * n,
+            "label": 0,
+        }
+        for n in lengths
+    ]
+    B = args.batch
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True)
+    shuffled = list(sampler)
+    plans = {
+        "shuffled": [shuffled[i : i + B] for i in range(0, len(shuffled) - B + 1, B)],
+        "grouped": list(LengthGroupedBatchSampler(lengths, B, seed=0)),
+    }
+    out = {"examples": args.examples, "batch": B, "median_length": float(np.median(lengths))}
+    for name, plan in plans.items():
+        batches = [collate([data[i] for i in idx], pad_id=0) for idx in plan]
+        computed = sum(b["attention_mask"].numel() for b in batches)
+        real = sum(int(b["attention_mask"].sum()) for b in batches)
+        torch.manual_seed(0)
+        cfg = model_config("softmax", argparse.Namespace(**{**vars(args), "seq": [128]}))
+        model = EncoderForSequenceClassification(cfg).to(args.device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def epoch(model=model, opt=opt, batches=batches):
+            for b in batches:
+                logits = model(
+                    b["input_ids"].to(args.device), b["attention_mask"].to(args.device)
+                ).logits
+                F.cross_entropy(logits.float(), b["labels"].to(args.device)).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+        epoch()  # warm-up
+        times = []
+        for _ in range(args.repeats):
+            sync(args.device)
+            start = time.perf_counter()
+            epoch()
+            sync(args.device)
+            times.append(time.perf_counter() - start)
+        out[name] = {
+            "batches": len(batches),
+            "padding_share": 1 - real / computed,
+            "tokens_computed": computed,
+            "epoch_s": statistics.median(times),
+        }
+        print(name, json.dumps(out[name]))
+    out["epoch_speedup"] = out["shuffled"]["epoch_s"] / out["grouped"]["epoch_s"]
+    print("speedup", out["epoch_speedup"])
+    return out
+
+
+# ----------------------------------------------------------------------------- pretraining
+
+
+def bench_pretrain_padding(args) -> dict:
+    """Padding share of pretraining batches: ALBERT example construction (data_prep.shards.
+    build_examples, short_seq_prob 0.1) on synthetic documents, random batches padded to the
+    batch's longest (the loader's default) or to max_seq_length (static shapes)."""
+    import random
+
+    from data_prep.shards import build_examples
+
+    rows = []
+    for doc_tokens in (300, 1000, 5000):  # median document length (news, Wikipedia, books)
+        rng = np.random.default_rng(0)
+        lengths = []
+        for d in range(args.documents):
+            n_doc = int(rng.lognormal(np.log(doc_tokens), 0.8))
+            sentences, total = [], 0
+            while total < n_doc:
+                s = max(3, int(rng.lognormal(np.log(25), 0.5)))
+                sentences.append([7] * s)
+                total += s
+            examples, _ = build_examples(sentences, args.max_seq_length - 3, 0.1, random.Random(d))
+            lengths += [3 + len(a) + len(b) for a, b in examples]
+        lengths = np.array(lengths)
+        order = np.random.default_rng(1).permutation(len(lengths))
+        usable = len(order) // args.batch * args.batch
+        batches = lengths[order[:usable]].reshape(-1, args.batch)
+        real = batches.sum()
+        row = {
+            "median_doc_tokens": doc_tokens,
+            "examples": len(lengths),
+            "full_length_share": float((lengths == args.max_seq_length).mean()),
+            "padding_share_batch_max": float(1 - real / (batches.max(1).sum() * args.batch)),
+            "padding_share_static": float(1 - real / (batches.size * args.max_seq_length)),
+        }
+        rows.append(row)
+        print(json.dumps(row))
+    return {"max_seq_length": args.max_seq_length, "batch": args.batch, "rows": rows}
+
+
+# ----------------------------------------------------------------------------- GPU checks
+
+
+def gpu_verify(args) -> dict:
+    """CUDA only: equality checks (assert) and timings of flex, compile and apex."""
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu-verify needs CUDA")
+    from torch._dynamo.utils import counters
+
+    from engine.engine import compile_encoder
+    from model.attention.base import key_padding_bias
+    from model.attention.tisa import PositionScorer, tisa_flex_attention, toeplitz_bias
+    from model.norm import LayerNorm, apex_layer_norm_fn, layer_norm_backend
+
+    dev = "cuda"
+    report: dict = {"device": torch.cuda.get_device_name()}
+
+    # 1. TISA flex == SDPA bias, forward and gradients (q, k, v, scorer a/b/c), fp32 and bf16.
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        torch.manual_seed(0)
+        B, H, N, h = 4, 12, 512, 64
+        scorer = PositionScorer(5, H).to(dev)
+        q, k, v = (
+            torch.randn(B, H, N, h, device=dev, dtype=dtype, requires_grad=True) for _ in range(3)
+        )
+        mask = torch.ones(B, N, dtype=torch.bool, device=dev)
+        mask[1, 300:] = False
+        mask[3, 17:] = False
+        results = {}
+        for backend in ("flex", "sdpa"):
+            values = scorer.values(N)
+            if backend == "flex":
+                out = tisa_flex_attention(q, k, v, values, mask)
+            else:
+                bias = toeplitz_bias(values).to(dtype) + key_padding_bias(mask, dtype)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+            real = mask[:, None, :, None].expand_as(out)
+            loss = out[real].float().square().sum()
+            grads = torch.autograd.grad(loss, [q, k, v, scorer.a, scorer.b, scorer.c])
+            results[backend] = (out[real].float(), [g.float() for g in grads])
+        torch.testing.assert_close(results["flex"][0], results["sdpa"][0], rtol=tol, atol=tol)
+        for g_flex, g_sdpa, name in zip(*(results[b][1] for b in ("flex", "sdpa")), "qkvabc"):
+            scale = g_sdpa.abs().max().clamp_min(1e-6)
+            err = ((g_flex - g_sdpa).abs().max() / scale).item()
+            assert err < (1e-3 if dtype == torch.float32 else 5e-2), (dtype, name, err)
+        report[f"flex_equals_sdpa_{str(dtype)[6:]}"] = True
+        print("flex == sdpa bias", dtype, "ok")
+
+    # 2. Training steps of a TISA model on the flex path do not recompile.
+    torch._dynamo.reset()
+    counters.clear()
+    args.seq = [512]
+    model = EncoderForPretraining(model_config("tisa", args, tisa={"backend": "flex"})).to(dev)
+    ids, mask = make_batch(args, 512, dev)
+    step = pretraining_step(model, ids, mask, lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+    for _ in range(3):
+        step()
+    frames = counters["stats"]["unique_graphs"]
+    assert frames <= 2, f"flex recompiled: {frames} graphs for 3 steps"  # fwd (+ bwd lazily)
+    report["flex_graphs_after_3_steps"] = frames
+    print("flex graphs after 3 steps:", frames)
+
+    # 3. Inductor-compiled encoder == eager, every family (fp32: tight tolerance).
+    for family in FAMILY_OVERRIDES:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        eager = EncoderForPretraining(model_config(family, args)).to(dev)
+        compiled = EncoderForPretraining(model_config(family, args)).to(dev)
+        compiled.load_state_dict(eager.state_dict())
+        compile_encoder(compiled, "inductor")
+        grads = []
+        for m in (eager, compiled):
+            out = m(ids, mask)
+            loss = out.logits.float().logsumexp(-1).mean() + out.sop_logits.float().sum()
+            loss = loss + sum(out.aux_losses.values(), torch.zeros((), device=dev))
+            loss.backward()
+            grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+        assert grads[0].keys() <= grads[1].keys()
+        for name, g in grads[0].items():
+            err = ((grads[1][name] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
+            assert err < 1e-3, (family, name, err)
+        report[f"compile_equals_eager_{family}"] = True
+        print("compiled == eager:", family)
+
+    # 4. apex LayerNorm == torch's (if NVIDIA apex is importable), and timings.
+    if apex_layer_norm_fn() is not None:
+        assert layer_norm_backend("cuda", False) == "apex"
+        ln = LayerNorm(768, eps=1e-12).to(dev)
+        torch.nn.init.normal_(ln.weight)
+        torch.nn.init.normal_(ln.bias)
+        x = torch.randn(32 * 512, 768, device=dev, requires_grad=True)
+        for ac in (False, True):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ac):
+                xin = x.bfloat16() if ac else x
+                got = ln(xin)
+                want = torch.nn.LayerNorm.forward(ln, xin)
+            assert got.dtype == want.dtype, (got.dtype, want.dtype)
+            torch.testing.assert_close(got.float(), want.float(), rtol=1e-4, atol=1e-4)
+        g = torch.randn_like(x)
+
+        def fwd_bwd(fn):
+            def run():
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    y = fn(x.bfloat16())
+                y.backward(g)
+
+            return run
+
+        t = time_steps(
+            {
+                "apex": fwd_bwd(ln),
+                "torch": fwd_bwd(lambda z: torch.nn.LayerNorm.forward(ln, z)),
+            },
+            10,
+            50,
+            dev,
+        )
+        report["layer_norm_apex_over_torch"] = t["apex"] / t["torch"]
+        print("LayerNorm apex / torch step time:", t["apex"] / t["torch"])
+    else:
+        report["apex"] = "not importable (torch LayerNorm used)"
+        print("NVIDIA apex not importable: torch LayerNorm is used")
+
+    # 5. TransJect: share of a training step spent evaluating the orthogonal maps (once per
+    #    micro-batch forward; with gradient accumulation k they run k times per step).
+    from model.orthogonal import orthogonal_cache, orthogonal_modules
+
+    torch.manual_seed(0)
+    tj = EncoderForPretraining(model_config("transject", args)).to(dev)
+    found = orthogonal_modules(tj)
+
+    def maps_only():
+        with orthogonal_cache():
+            total = sum(getattr(m, n).sum() for _, m, n in found)
+        total.backward()
+
+    autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
+    t = time_steps(
+        {"maps": maps_only, "step": pretraining_step(tj, ids, mask, autocast)}, 3, 20, dev
+    )
+    report["transject_orthogonal_maps_share_of_step"] = t["maps"] / t["step"]
+    print("TransJect: orthogonal maps / training step:", t["maps"] / t["step"], len(found), "maps")
+
+    # 6. Timings: TISA flex vs sdpa vs softmax; compile vs eager (bf16, ALBERT-base width).
+    args.dtype = "bf16"
+    args.seq = [512]
+    report["tisa"] = bench_tisa(args)["rows"]
+    args.families = list(FAMILY_OVERRIDES)
+    report["compile"] = bench_compile(args)["rows"]
+    return report
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "what", choices=["tisa", "compile", "grouping", "pretrain-padding", "gpu-verify"]
+    )
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--seq", type=int, nargs="+", default=[128, 512])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--families", nargs="+", default=["softmax", "tisa", "kernel", "transject"])
+    p.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--examples", type=int, default=1024, help="grouping: training examples")
+    p.add_argument("--documents", type=int, default=2000, help="pretrain-padding: documents")
+    p.add_argument("--max-seq-length", type=int, default=512)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.what == "gpu-verify":
+        args.hidden, args.heads, args.layers, args.batch = 768, 12, 12, 32
+    run = {
+        "tisa": bench_tisa,
+        "compile": bench_compile,
+        "grouping": bench_grouping,
+        "pretrain-padding": bench_pretrain_padding,
+        "gpu-verify": gpu_verify,
+    }[args.what]
+    result = {"what": args.what, "args": {k: str(v) for k, v in vars(args).items()}}
+    result.update(run(args))
+    result["torch"] = torch.__version__
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()

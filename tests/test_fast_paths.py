@@ -1,0 +1,461 @@
+"""Fast paths (issue #8) agree with the reference paths: torch.compile of the encoder (every
+family, with activation checkpointing, through the engine), TISA's FlexAttention score_mod
+(no recompilation per step), batched kernel and TransJect products, orthogonal maps once per
+micro-batch under accumulation and checkpointing, the apex LayerNorm choice, and the
+length-grouped fine-tuning sampler.
+
+Compiled models use the ``aot_eager`` backend: it traces forward and backward exactly as
+inductor does (graph capture, AOTAutograd) but skips code generation, whose C++ build takes
+about a minute per model on a CPU runner. Inductor itself is exercised by
+bench/bench_fast_paths.py and on GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import model.norm as norm_module
+from engine.distributed import DistEnv
+from engine.engine import Engine, EngineConfig, compile_encoder
+from engine.optim import OptimizerConfig, ScheduleConfig
+from finetune.trainer import (
+    FinetuneConfig,
+    Finetuner,
+    LengthGroupedBatchSampler,
+    collate,
+    example_lengths,
+)
+from model import EncoderConfig, EncoderForPretraining, EncoderForSequenceClassification
+from model.attention import LayerContext
+from model.attention.base import key_padding_bias
+from model.attention.kernel import KernelAttention
+from model.attention.tisa import PositionScorer, tisa_score_mod, toeplitz_bias
+from model.attention.transject import LAMBDA_KEY, TransJectAttention
+from model.norm import LayerNorm, apex_layer_norm_fn, layer_norm_backend
+from model.orthogonal import FP32Orthogonal, orthogonal_cache, orthogonal_modules
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+ONE = DistEnv(
+    rank=0,
+    local_rank=0,
+    world_size=1,
+    local_world_size=1,
+    node_rank=0,
+    master_addr="127.0.0.1",
+    master_port=29500,
+    launcher="single",
+)
+
+
+def tiny(attention: str, **kw) -> EncoderConfig:
+    kw.setdefault("hidden_dropout_prob", 0.0)
+    if attention == "kernel":
+        kw.setdefault("kernel", {"dropout": 0.0})
+    if attention == "transject":
+        kw.setdefault("transject", {"num_experts": 2})
+    return EncoderConfig.preset("debug", attention=attention, **kw)
+
+
+def batch(B=3, N=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 512, (B, N), generator=g)
+    mask = torch.ones(B, N, dtype=torch.bool)
+    mask[1, N - 4 :] = False
+    mask[2, N - 7 :] = False
+    return ids, mask
+
+
+def loss_of(out) -> torch.Tensor:
+    aux = sum(out.aux_losses.values(), torch.zeros(()))
+    return out.logits.square().mean() + out.sop_logits.square().mean() + aux
+
+
+# ------------------------------------------------------------------------- torch.compile
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "checkpointing"),
+    [  # softmax: through the engine, below
+        ("tisa", {"num_hidden_layers": 1}, False),
+        ("kernel", {"num_hidden_layers": 1}, False),
+        ("transject", {}, True),  # shared orthogonal maps + the checkpoint HOP
+    ],
+)
+def test_compiled_encoder_equals_eager_in_one_graph(family, overrides, checkpointing):
+    """Loss and every gradient of the compiled encoder match eager, and Dynamo captures the
+    encoder as ONE graph (no graph break: a ContextVar-based orthogonal cache, einsum backward
+    or a side effect inside the checkpointed region used to split or fail it)."""
+    torch.manual_seed(0)
+    model = EncoderForPretraining(tiny(family, **overrides))
+    if checkpointing:
+        model.encoder.enable_activation_checkpointing()
+    ids, mask = batch()
+    loss_of(model(ids, mask)).backward()
+    eager = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compile_encoder(model, "aot_eager")
+    loss = loss_of(model(ids, mask))
+    loss.backward()
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["graph_break"])
+    for name, want in eager.items():
+        torch.testing.assert_close(model.get_parameter(name).grad, want, msg=name)
+    assert set(model.state_dict()) == set(EncoderForPretraining(model.config).state_dict())
+    torch._dynamo.reset()
+
+
+def test_engine_compile_option_trains_like_eager():
+    """engine.compile=true (with activation checkpointing): an optimizer step of gradient
+    accumulation 2 gives the eager engine's weights, from one compiled graph; the encoder is
+    compiled in place."""
+    ids, mask = batch(B=4)
+    finals = []
+    for compile_ in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = EncoderForPretraining(tiny("softmax"))
+        cfg = EngineConfig(
+            backend="torch",
+            device="cpu",
+            precision="fp32",
+            micro_batch_size=2,
+            gradient_accumulation_steps=2,
+            activation_checkpointing=True,
+            compile=compile_,
+            compile_backend="aot_eager",
+        )
+        engine = Engine(
+            model,
+            cfg,
+            OptimizerConfig(name="adamw", lr=1e-2),
+            ScheduleConfig(warmup_steps=0, total_steps=4),
+            dist=ONE,
+        )
+        assert (model.encoder._compiled_call_impl is not None) == compile_
+        for half in (slice(0, 2), slice(2, 4)):
+            engine.backward(loss_of(engine.forward(ids[half], mask[half])))
+        engine.step()
+        finals.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        assert counters["stats"]["unique_graphs"] == int(compile_), dict(counters["graph_break"])
+    torch._dynamo.reset()
+    assert finals[0].keys() == finals[1].keys()
+    for name in finals[0]:
+        torch.testing.assert_close(finals[1][name], finals[0][name], rtol=1e-5, atol=1e-6)
+
+
+def test_compile_config_errors():
+    with pytest.raises(ValueError, match="zero_stage=3"):
+        EngineConfig(backend="deepspeed", zero_stage=3, compile=True)
+    with pytest.raises(ValueError, match=r"engine\.compile_backend"):
+        compile_encoder(nn.Linear(2, 2), "no_such_backend")
+    with pytest.raises(ValueError, match=r"engine\.compile="):
+        EngineConfig(compile="yes")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------- TISA flex
+
+
+def test_flex_score_mod_compiles_once_and_equals_the_sdpa_bias():
+    """A new score_mod closure over new tensors at every call (every layer and step) reuses the
+    compiled graph; only a new sequence length compiles again (once, then dynamic). Compiled
+    with Dynamo's eager backend: the recompilation decision is Dynamo's, whatever the backend
+    (FlexAttention has no CPU backward and inductor's CPU flex template fails to build this
+    score_mod in torch 2.13, so the CUDA kernel itself is checked on GPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()
+    counters.clear()
+    attend = torch.compile(flex_attention, backend="eager")
+    B, H, h = 2, 4, 8
+    scorer = PositionScorer(3, H)
+    with torch.no_grad():
+        for step, N in enumerate((16, 16, 16, 24, 32, 40)):
+            q, k, v = torch.randn(3, B, H, N, h).unbind(0)
+            mask = torch.rand(B, N) > 0.3
+            mask[:, 0] = True
+            values = scorer.values(N) * (1 + step)  # new values every "step"
+            out = attend(q, k, v, score_mod=tisa_score_mod(values, mask))
+            bias = toeplitz_bias(values) + key_padding_bias(mask, q.dtype)
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # one graph for N = 16 (three calls), one dynamic-shape graph for 24, 32, 40
+    assert counters["stats"]["unique_graphs"] == 2
+    torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------------- batched products
+
+
+class MatmulLog(TorchDispatchMode):
+    """Records (op name, input dtypes) of every matrix product."""
+
+    OPS = ("mm", "bmm", "matmul", "addmm", "baddbmm")
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, tuple[torch.dtype, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in self.OPS:
+            dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+            self.calls.append((name, dtypes))
+        return func(*args, **(kwargs or {}))
+
+
+def test_kernel_attention_is_two_batched_fp32_products_whatever_the_heads():
+    """phi(K)^T V and phi(Q) KV are one batched product each over all batches and heads (the
+    count does not grow with H), and run in fp32 under bf16 autocast."""
+    counts = []
+    for heads in (2, 8):
+        # elu: a parameter-free phi, so only the two core products remain
+        kernel_cfg = {"dropout": 0.0, "feature_map": "elu"}
+        cfg = tiny("kernel", hidden_size=32, num_attention_heads=heads, kernel=kernel_cfg)
+        kernel = KernelAttention(cfg)
+        q, k, v = torch.randn(3, 2, heads, 10, 32 // heads).bfloat16().unbind(0)
+        log = MatmulLog()
+        with log, torch.autocast("cpu", dtype=torch.bfloat16):
+            kernel(q, k, v, LayerContext(mask_BN=torch.ones(2, 10, dtype=torch.bool)))
+        counts.append(len(log.calls))
+        assert all(dt == torch.float32 for _, dtypes in log.calls for dt in dtypes), log.calls
+    assert counts == [2, 2]
+
+
+def test_transject_experts_are_batched_not_looped():
+    """The expert products are one batched product per factor (U_e, then V_e^T) for any E
+    (E = 1 is left out: its mixture is an elementwise product, one matmul fewer)."""
+    counts = []
+    for experts in (2, 4):
+        cfg = tiny("transject", transject={"num_experts": experts})
+        attn = TransJectAttention(cfg)
+        x = torch.randn(2, 7, cfg.hidden_size)
+        ctx = LayerContext(
+            mask_BN=torch.ones(2, 7, dtype=torch.bool),
+            extras={LAMBDA_KEY: torch.rand(2, cfg.hidden_size)},
+        )
+        log = MatmulLog()
+        with torch.no_grad(), orthogonal_cache():
+            U, V = attn.expert_u, attn.expert_v  # the maps, cached before the log starts
+            with log:
+                out = attn(x, ctx).hidden_BND
+        counts.append(len(log.calls))
+        # equals the per-expert loop it replaces
+        lam_B1d = ctx.extras[LAMBDA_KEY][:, None, :]
+        a = torch.stack([F.elu(((x @ U[e]) * lam_B1d) @ V[e].T) for e in range(experts)], dim=1)
+        with torch.no_grad():
+            w = attn.expert_weights(x, ctx)
+        torch.testing.assert_close(out, torch.einsum("be,bend->bnd", w, a), rtol=1e-5, atol=1e-6)
+    assert counts[0] == counts[1], counts
+
+
+def test_orthogonal_maps_once_per_micro_batch_with_accumulation_and_checkpointing(monkeypatch):
+    """Through the engine (gradient accumulation 2, activation checkpointing), each orthogonal
+    map is evaluated once per micro-batch (forward + checkpoint recompute), never per layer
+    application: 4 layer applications share one layer's maps."""
+    calls = []
+    original = FP32Orthogonal.evaluate
+    monkeypatch.setattr(
+        FP32Orthogonal, "evaluate", lambda self, X: calls.append(self) or original(self, X)
+    )
+    torch.manual_seed(0)
+    model = EncoderForPretraining(tiny("transject", num_hidden_layers=4))
+    cfg = EngineConfig(
+        backend="torch",
+        device="cpu",
+        precision="fp32",
+        micro_batch_size=2,
+        gradient_accumulation_steps=2,
+        activation_checkpointing=True,
+    )
+    engine = Engine(
+        model,
+        cfg,
+        OptimizerConfig(name="adamw", lr=1e-3),
+        ScheduleConfig(warmup_steps=0, total_steps=2),
+        dist=ONE,
+    )
+    ids, mask = batch(B=4)
+    for half in (slice(0, 2), slice(2, 4)):
+        engine.backward(loss_of(engine.forward(ids[half], mask[half])))
+    engine.step()
+    maps = len(orthogonal_modules(model))
+    assert maps > 0 and len(calls) == 2 * maps, (len(calls), maps)
+
+
+# ------------------------------------------------------------------------- apex LayerNorm
+
+
+def _fake_module(name: str, **attrs) -> types.ModuleType:
+    module = types.ModuleType(name)
+    for key, value in attrs.items():
+        setattr(module, key, value)
+    return module
+
+
+@pytest.fixture
+def fresh_apex_lookup():
+    apex_layer_norm_fn.cache_clear()
+    yield
+    apex_layer_norm_fn.cache_clear()
+
+
+def _install(monkeypatch, modules: dict[str, types.ModuleType | None]) -> None:
+    for name in ("apex", "apex.normalization", "apex.normalization.fused_layer_norm"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.delitem(sys.modules, "fused_layer_norm_cuda", raising=False)
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_layer_norm_backend_choice(monkeypatch, fresh_apex_lookup):
+    calls = []
+
+    def fused(x, w, b, shape, eps):
+        calls.append((x.dtype, w.dtype, b.dtype, torch.is_autocast_enabled("cpu")))
+        return F.layer_norm(x, shape, w, b, eps)
+
+    nvidia = {
+        "apex": _fake_module("apex"),
+        "apex.normalization": _fake_module("apex.normalization", FusedLayerNorm=object),
+        "apex.normalization.fused_layer_norm": _fake_module(
+            "apex.normalization.fused_layer_norm", fused_layer_norm_affine=fused
+        ),
+        "fused_layer_norm_cuda": _fake_module("fused_layer_norm_cuda"),
+    }
+    # Not installed here: torch's kernel everywhere.
+    _install(monkeypatch, {})
+    assert apex_layer_norm_fn() is None
+    assert layer_norm_backend("cuda", compiling=False) == "torch"
+    # The PyPI `apex` web toolkit (no apex.normalization) is not NVIDIA apex.
+    apex_layer_norm_fn.cache_clear()
+    _install(monkeypatch, {"apex": _fake_module("apex", App=object)})
+    assert apex_layer_norm_fn() is None
+    # NVIDIA apex built without its CUDA extension: not usable.
+    apex_layer_norm_fn.cache_clear()
+    _install(monkeypatch, {k: v for k, v in nvidia.items() if k != "fused_layer_norm_cuda"})
+    assert apex_layer_norm_fn() is None
+    # NVIDIA apex: on CUDA only, and not while torch.compile traces.
+    apex_layer_norm_fn.cache_clear()
+    _install(monkeypatch, nvidia)
+    assert apex_layer_norm_fn() is fused
+    assert layer_norm_backend("cuda", compiling=False) == "apex"
+    assert layer_norm_backend("cuda", compiling=True) == "torch"
+    assert layer_norm_backend("cpu", compiling=False) == "torch"
+
+    # The module's apex path (forced on CPU): same result; under autocast fp32 in and out,
+    # CUDA autocast's policy for layer_norm (apex only runs on CUDA).
+    ln = LayerNorm(8, eps=1e-5)
+    nn.init.normal_(ln.weight)
+    nn.init.normal_(ln.bias)
+    x = torch.randn(3, 8)
+    want = F.layer_norm(x, (8,), ln.weight, ln.bias, 1e-5)
+    monkeypatch.setattr(norm_module, "layer_norm_backend", lambda device, compiling: "apex")
+    torch.testing.assert_close(ln(x), want)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ln(x.bfloat16())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, F.layer_norm(x.bfloat16().float(), (8,), ln.weight, ln.bias))
+    assert calls == [(torch.float32,) * 3 + (False,)] * 2
+    # parameters of another dtype than the input (no autocast): torch's kernel, not apex's
+    calls.clear()
+    assert ln(x.bfloat16()).dtype == torch.bfloat16 and calls == []
+
+
+def test_models_use_the_layer_norm_factory_with_unchanged_keys():
+    model = EncoderForPretraining(tiny("softmax", residual="pre_ln"))
+    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    assert norms and all(type(m) is LayerNorm for m in norms)  # embeddings, layers, final, MLM
+    assert len(norms) == 5
+    keys = [k for k in model.state_dict() if "norm" in k]
+    assert keys and all(k.endswith((".weight", ".bias")) for k in keys)
+    ids, mask = batch()
+    out = model(ids, mask)  # CPU: torch's kernel, numerically nn.LayerNorm
+    assert torch.isfinite(out.logits).all()
+
+
+# ------------------------------------------------------------------------- length grouping
+
+
+def glue_like_lengths(n: int, seed: int = 0) -> np.ndarray:
+    """A long-tailed length distribution like GLUE's (SST-2/MNLI: median ~25, tail to 128)."""
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(mean=3.2, sigma=0.55, size=n).astype(np.int64), 4, 128)
+
+
+def padding_fraction(batches, lengths) -> float:
+    padded = sum(len(b) * lengths[b].max() for b in batches)
+    return 1.0 - sum(lengths[b].sum() for b in batches) / padded
+
+
+def test_length_grouped_sampler_is_a_deterministic_partition_with_less_padding():
+    lengths = glue_like_lengths(1000)
+    B, W = 8, 2
+    samplers = [LengthGroupedBatchSampler(lengths, B, rank=r, world_size=W, seed=3) for r in (0, 1)]
+    per_rank = [list(s) for s in samplers]
+    assert len(per_rank[0]) == len(per_rank[1]) == len(samplers[0]) == 1000 // (B * W)
+    flat = [i for rank in per_rank for b in rank for i in b]
+    assert all(len(b) == B for rank in per_rank for b in rank)
+    assert len(flat) == len(set(flat))  # each example at most once per epoch, across ranks
+    assert per_rank[0] == list(LengthGroupedBatchSampler(lengths, B, 0, W, seed=3))  # seeded
+    samplers[0].set_epoch(1)
+    assert list(samplers[0]) != per_rank[0]  # reshuffled every epoch
+    # The ranks' i-th batches come from one global batch: similar lengths on every rank.
+    for b0, b1 in zip(*per_rank):
+        assert lengths[b0].min() >= lengths[b1].max() or lengths[b1].min() >= lengths[b0].max()
+    grouped = padding_fraction(per_rank[0] + per_rank[1], lengths)
+    perm = np.random.default_rng(0).permutation(1000)[: len(flat)]
+    random_batches = [perm[i : i + B] for i in range(0, len(perm), B)]
+    baseline = padding_fraction(random_batches, lengths)
+    assert grouped < 0.1 < 0.3 < baseline, (grouped, baseline)
+
+
+def test_finetuner_group_by_length_trains_on_grouped_batches(tmp_path):
+    lengths = glue_like_lengths(64, seed=1)
+    rng = np.random.default_rng(0)
+    train = [
+        {"input_ids": rng.integers(4, 512, n).tolist(), "token_type_ids": [0] * n, "label": i % 2}
+        for i, n in enumerate(lengths)
+    ]
+    assert (example_lengths(train) == lengths).all()
+    widths: list[tuple[int, int]] = []
+
+    def recording_collate(batch, pad_id):
+        out = collate(batch, pad_id)
+        widths.append((out["input_ids"].shape[1], int(out["attention_mask"].sum())))
+        return out
+
+    torch.manual_seed(0)
+    model = EncoderForSequenceClassification(tiny("softmax", max_position_embeddings=128))
+    result = Finetuner(
+        model,
+        train,
+        {"dev": train[:8]},
+        lambda p, y: {"score": float((p == y).mean())},
+        FinetuneConfig(steps=4, log_every=2, save_best=False, group_by_length=True),
+        tmp_path,
+        engine=EngineConfig(backend="torch", device="cpu", precision="fp32", micro_batch_size=8),
+        optimizer=OptimizerConfig(name="adamw", lr=1e-3),
+        schedule=ScheduleConfig(warmup_steps=0, total_steps=4),
+        pad_id=0,
+        collate_fn=recording_collate,
+    ).run()
+    assert result.best_step == 4
+    train_widths = widths[:4]  # then the evaluation batch
+    computed = sum(8 * w for w, _ in train_widths)
+    real = sum(r for _, r in train_widths)
+    random_batches = np.random.default_rng(0).permutation(64).reshape(8, 8)
+    assert 1 - real / computed < 0.3 < padding_fraction(random_batches, lengths), train_widths
