@@ -369,8 +369,11 @@ def gpu_verify(args) -> dict:
             loss.backward()
             grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
         assert grads[0].keys() <= grads[1].keys()
+        # Relative to the largest gradient of the model: some are 0 in exact arithmetic (a
+        # softmax key bias shifts every logit of a row alike), so their own scale is noise.
+        scale = max(g.abs().max() for g in grads[0].values()).clamp_min(1e-12)
         for name, g in grads[0].items():
-            err = ((grads[1][name] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
+            err = ((grads[1][name] - g).abs().max() / scale).item()
             assert err < 1e-3, (family, name, err)
         report[f"compile_equals_eager_{family}"] = True
         print("compiled == eager:", family)
