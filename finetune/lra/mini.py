@@ -57,6 +57,8 @@ class Scale:
     """ListOps min / max length (exclusive)."""
     text: tuple[int, int] = (2000, 500)
     """Synthetic Text train / test examples (val is test, as in LRA)."""
+    text_words: tuple[int, int] = (6, 12)
+    """Synthetic Text neutral words per review (min, max): at most 150 bytes with the cues."""
     pretrain_steps: int = 300
     finetune_steps: int = 400
 
@@ -105,13 +107,15 @@ def make_data(out: Path, scale: Scale, threads: int) -> dict[str, Path]:
         _run(cmd, out / "logs" / "data-listops.log", threads)
     text = out / "data" / "text"
     if not (text / "aclImdb").is_dir():
-        write_synthetic_imdb(text, *scale.text)
+        lo, hi = scale.text_words
+        write_synthetic_imdb(text, *scale.text, min_words=lo, max_words=hi)
     return {"listops": listops, "text": text / "aclImdb"}
 
 
 def max_length(task: str, scale: Scale) -> int:
-    """Data tokens per document: ListOps' upper length bound, Text's recipe's."""
-    return scale.listops_length[1] if task == "listops" else 280
+    """Data tokens per document: ListOps' upper length bound; for Text, room for the longest
+    review (15 words of at most 9 letters and a space)."""
+    return scale.listops_length[1] if task == "listops" else 10 * (scale.text_words[1] + 3)
 
 
 def pretrain_cmd(task: str, family: str, shards: Path, run_dir: Path, scale: Scale) -> list[str]:
