@@ -1,11 +1,15 @@
-"""``python -m finetune lra`` end to end on CPU: ListOps generated in the official format, and
-Retrieval pairs through the dual encoder on a learnable fixture."""
+"""``python -m finetune lra`` end to end on CPU: ListOps generated in the official format,
+Retrieval pairs through the dual encoder on a learnable fixture, Image / Pathfinder / Path-X
+from their official files with the shipped recipes shrunk (Text: test_lra_selfpretrain.py and
+the Slurm sweep below), lra-summary, and the LRA sweep as a Slurm array."""
 
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
+
+import pytest
 
 from data_prep.listops import write_splits
 from finetune.__main__ import main as finetune_main
@@ -180,3 +184,28 @@ def test_lra_sweep_as_a_slurm_array_then_summary(slurm_cluster, tmp_path):
         assert row["init"] == str(tmp_path / f"pre-{row['task']}")
     table = (root / "results.md").read_text()
     assert "| softmax (pretrained, ours, 2 seeds) |" in table, logs
+
+
+@pytest.mark.parametrize(
+    ("task", "family"), [("image", "softmax"), ("pathfinder", "tisa"), ("pathx", "kernel")]
+)
+def test_image_tasks_end_to_end(tmp_path, task, family):
+    """A tiny run per pixel task from its official files, with a shipped recipe shrunk to CPU
+    size (Path-X: 16385 tokens per sequence, with linear attention)."""
+    from test_lra_data import write_cifar, write_pathfinder
+
+    data = tmp_path / "lra_release"
+    if task == "image":
+        write_cifar(data / "cifar-10-batches-py", per_batch=8)
+    else:
+        side = 32 if task == "pathfinder" else 128
+        folder = "pathfinder32" if task == "pathfinder" else "pathfinder128"
+        write_pathfinder(data / folder, side=side, batches=1, per=20)
+    run_dir = tmp_path / "run"
+    args = ["lra", "--task", task, "--data", str(data), "--protocol", "skyformer"]
+    args += ["--family", family, *CPU_SMALL, "engine.micro_batch_size=4", f"run_dir={run_dir}"]
+    args += ["schedule.total_steps=2", "train.eval_every=2"]
+    assert finetune_main(args) == 0
+    row = json.loads((run_dir / "results.json").read_text())["runs"][0]
+    assert row["task"] == task and row["family"] == family
+    assert 0.0 <= row["test_accuracy"] <= 1.0
