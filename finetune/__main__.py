@@ -14,6 +14,22 @@ import sys
 from engine.engine import shutdown
 
 
+def _number(kind: type, option: str, key: str):
+    """An argparse type for --seeds / --lrs that names the usual mistake: a dotted override
+    after the option, which nargs="+" takes as one more value."""
+
+    def parse(value: str):
+        try:
+            return kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{value!r} is not a number: {option} takes every value after it; put key=value "
+                f"overrides before {option}, or set {key}=[...] as an override"
+            ) from None
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m finetune", description=__doc__)
     sub = parser.add_subparsers(dest="suite", required=True)
@@ -30,8 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     glue.add_argument("--init", required=True, help="release dir, or a local HF ALBERT dir")
     glue.add_argument("--config", help="recipe (default: configs/finetune/glue/<task>.yaml)")
     glue.add_argument("--attention", choices=("softmax", "tisa"), help="HF import: attention")
-    glue.add_argument("--seeds", type=int, nargs="+", help="one run per seed")
-    glue.add_argument("--lrs", type=float, nargs="+", help="learning-rate sweep")
+    glue.add_argument(
+        "--seeds", type=_number(int, "--seeds", "seeds"), nargs="+", help="one run per seed"
+    )
+    glue.add_argument(
+        "--lrs", type=_number(float, "--lrs", "lrs"), nargs="+", help="learning-rate sweep"
+    )
     glue.add_argument(
         "--no-summary",
         action="store_true",
@@ -63,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip the run dir's results.md (array jobs; then run lra-summary)",
     )
     lra.add_argument("--init", help="release dir to start from (default: from scratch)")
-    lra.add_argument("--seeds", type=int, nargs="+", help="one run per seed")
+    lra.add_argument(
+        "--seeds", type=_number(int, "--seeds", "seeds"), nargs="+", help="one run per seed"
+    )
     lra.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.eval_every=100")
     lra_summary = sub.add_parser(
         "lra-summary", help="results.md / results.json of every LRA run below a directory"

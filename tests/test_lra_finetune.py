@@ -209,3 +209,10 @@ def test_image_tasks_end_to_end(tmp_path, task, family):
     row = json.loads((run_dir / "results.json").read_text())["runs"][0]
     assert row["task"] == task and row["family"] == family
     assert 0.0 <= row["test_accuracy"] <= 1.0
+
+
+def test_an_override_after_seeds_is_named(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        finetune_main(["lra", "--task", "listops", "--data", str(tmp_path), "--seeds", "0", "a=1"])
+    assert exit_info.value.code == 2
+    assert "put key=value overrides before --seeds, or set seeds=[...]" in capsys.readouterr().err
