@@ -65,9 +65,7 @@ class Scale:
 
 SCALES = {
     "table": Scale(),
-    "main": Scale(
-        listops=(3000, 300, 300), text=(1000, 300), pretrain_steps=250, finetune_steps=300
-    ),
+    "main": Scale(listops=(3000, 300, 300), text=(1000, 300)),
     "tiny": Scale(
         listops=(200, 50, 50),
         listops_length=(20, 60),
