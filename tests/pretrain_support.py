@@ -64,6 +64,15 @@ def base_overrides(shards: Path, run_dir: Path, steps: int) -> list[str]:
     ]
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now (for launchers that default to a fixed one)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def env() -> dict[str, str]:
     e = dict(os.environ)
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")

@@ -20,6 +20,7 @@ from pretrain_support import (
     REPO,
     base_overrides,
     env,
+    free_port,
     make_shards,
     run_pretrain,
     torchrun_cmd,
@@ -296,6 +297,7 @@ def test_deepspeed_launcher(shards, tmp_path):
     """``deepspeed --num_gpus 2 --module pretrain ...`` (it passes --local_rank to each rank)."""
     run_dir = tmp_path / "ds"
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
+    launcher += ["--master_port", str(free_port())]  # its default, 29500, may be taken
     cmd = [*launcher, "--module", "pretrain", "--config", str(REPO / "configs/pretrain/debug.yaml")]
     proc = subprocess.run(
         [*cmd, *base_overrides(shards, run_dir, 3)],
