@@ -22,15 +22,12 @@ RENDEZVOUS_VARS += ("LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
 
 @pytest.fixture(autouse=True)
 def _no_rendezvous_leaks():
-    """A test that starts an engine in this process (which exports MASTER_PORT etc. and may
-    join a one-process group) must not hand that rendezvous to the launchers and jobs of
-    later tests: restore the variables and leave any process group afterwards."""
+    """A test that starts an engine in this process (which exports MASTER_PORT etc. and joins
+    a one-process group) must not hand that rendezvous to the launchers and jobs of later
+    tests: restore the variables. (The group itself stays: DeepSpeed caches its groups, so a
+    later in-process DeepSpeed engine needs the same one.)"""
     before = {name: os.environ.get(name) for name in RENDEZVOUS_VARS}
     yield
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
     for name, value in before.items():
         if value is None:
             os.environ.pop(name, None)
