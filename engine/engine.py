@@ -41,6 +41,7 @@ import copy
 import functools
 import math
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -682,6 +683,29 @@ class Engine:
 
 
 def shutdown() -> None:
-    """Leaves the process group (if any), so the process exits cleanly."""
+    """Leaves the process group (if any), so the process exits cleanly, and forgets the groups
+    DeepSpeed cached on it: a later engine in the same process (a sweep, the tests) then joins
+    a new group instead of failing on a destroyed one ("Group ... is not registered")."""
     if torch_dist.is_available() and torch_dist.is_initialized():
         torch_dist.destroy_process_group()
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        for name in (
+            "_WORLD_GROUP",
+            "_ZERO_PARAM_INTRA_PARALLEL_GROUP",
+            "_DATA_PARALLEL_GROUP",
+            "_MODEL_PARALLEL_GROUP",
+            "_TENSOR_MODEL_PARALLEL_GROUP",
+        ):
+            if hasattr(groups, name):
+                setattr(groups, name, None)
+        for name in (
+            "_EXPERT_PARALLEL_GROUP",
+            "_EXPERT_PARALLEL_GROUP_RANKS",
+            "_EXPERT_DATA_PARALLEL_GROUP",
+            "_EXPERT_DATA_PARALLEL_GROUP_RANKS",
+            "_ALL_TO_ALL_GROUP",
+        ):
+            cached = getattr(groups, name, None)
+            if isinstance(cached, dict):
+                cached.clear()
