@@ -8,6 +8,7 @@ Exit codes: 0 done, 2 bad arguments, config or data (nothing was trained).
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
@@ -30,14 +31,21 @@ def _number(kind: type, option: str, key: str):
     return parse
 
 
+def _documented(sub, name: str, module: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand whose --help shows ``module``'s docstring."""
+    return sub.add_parser(
+        name,
+        help=help,
+        description=importlib.import_module(module).__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m finetune", description=__doc__)
     sub = parser.add_subparsers(dest="suite", required=True)
-    glue = sub.add_parser(
-        "glue",
-        help="GLUE tasks from a release or a local HF ALBERT",
-        description=__import__("finetune.glue.run", fromlist=["x"]).__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    glue = _documented(
+        sub, "glue", "finetune.glue.run", "GLUE tasks from a release or a local HF ALBERT"
     )
     glue.add_argument(
         "--task", required=True, help="cola|sst2|mrpc|stsb|qqp|mnli|qnli|rte|wnli|all"
@@ -62,11 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
         "glue-summary", help="results.md, results.json and submission/ of a GLUE run dir"
     )
     summary.add_argument("run_dir", help="the run_dir of the GLUE runs")
-    lra = sub.add_parser(
-        "lra",
-        help="a Long Range Arena task, from scratch or from a release",
-        description=__import__("finetune.lra.run", fromlist=["x"]).__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    lra = _documented(
+        sub, "lra", "finetune.lra.run", "a Long Range Arena task, from scratch or from a release"
     )
     lra.add_argument("--task", required=True, help="listops|text|retrieval|image|pathfinder|pathx")
     lra.add_argument("--data", required=True, help="the task's data directory (official layout)")
@@ -91,11 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
         "lra-summary", help="results.md / results.json of every LRA run below a directory"
     )
     lra_summary.add_argument("run_dir", help="a directory holding LRA runs (searched recursively)")
-    shards = sub.add_parser(
+    shards = _documented(
+        sub,
         "lra-shards",
-        help="an LRA task's training inputs as pretraining shards (self-pretraining)",
-        description=__import__("finetune.lra.shards", fromlist=["x"]).__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "finetune.lra.shards",
+        "an LRA task's training inputs as pretraining shards (self-pretraining)",
     )
     shards.add_argument(
         "--task", required=True, help="listops|text|retrieval|image|pathfinder|pathx"

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
+from pretrain_support import free_port
 
 from engine.distributed import (
     DistEnv,
@@ -202,12 +202,6 @@ def test_export_torch_env_conflict():
 # -------------------------------------------------------------------------------- real init
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_gloo_init_from_detected_env(monkeypatch):
     import torch
     import torch.distributed as dist
@@ -216,7 +210,7 @@ def test_gloo_init_from_detected_env(monkeypatch):
         # setenv first so that undo() also removes what export_torch_env adds below
         monkeypatch.setenv(name, "placeholder")
         monkeypatch.delenv(name)
-    port = _free_port()
+    port = free_port()
     env = detect({"MASTER_PORT": str(port)})
     assert (env.launcher, env.world_size, env.master_addr) == ("single", 1, "127.0.0.1")
     export_torch_env(env)

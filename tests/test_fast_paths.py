@@ -20,12 +20,12 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
+from test_engine import ONE  # the one-process DistEnv
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model.norm as norm_module
-from engine.distributed import DistEnv
 from engine.engine import Engine, EngineConfig, compile_encoder
 from engine.optim import OptimizerConfig, ScheduleConfig
 from finetune.trainer import (
@@ -45,17 +45,6 @@ from model.norm import LayerNorm, apex_layer_norm_fn, layer_norm_backend
 from model.orthogonal import FP32Orthogonal, orthogonal_cache, orthogonal_modules
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-
-ONE = DistEnv(
-    rank=0,
-    local_rank=0,
-    world_size=1,
-    local_world_size=1,
-    node_rank=0,
-    master_addr="127.0.0.1",
-    master_port=29500,
-    launcher="single",
-)
 
 
 def tiny(attention: str, **kw) -> EncoderConfig:

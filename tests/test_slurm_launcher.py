@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -22,7 +21,7 @@ from unittest import mock
 
 import pytest
 import submitit
-from pretrain_support import REPO, base_overrides, make_shards, run_pretrain
+from pretrain_support import REPO, base_overrides, free_port, make_shards, run_pretrain
 
 from data_prep.shards import ShardConfig, build_shards
 from engine.metrics import read_jsonl, read_scalars
@@ -275,12 +274,6 @@ def test_stage_job_drops_inherited_torchrun_variables(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- slow: one process
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_stop_signal_is_handed_to_submitits_handler_after_the_run(
     shards, tmp_path, job_env, monkeypatch
@@ -308,7 +301,7 @@ def test_stop_signal_is_handed_to_submitits_handler_after_the_run(
     # The engine exports RANK, MASTER_PORT, ... into os.environ: put it back afterwards.
     args = ["--config", CONFIG, *base_overrides(shards, run_dir, 5000)]
     # The engine exports RANK, MASTER_PORT, ... into os.environ: put it back afterwards.
-    with mock.patch.dict(os.environ, {"MASTER_PORT": str(_free_port())}):
+    with mock.patch.dict(os.environ, {"MASTER_PORT": str(free_port())}):
         try:
             result = launcher.StageJob("pretrain", args)()
         finally:

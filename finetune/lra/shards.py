@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -140,11 +139,7 @@ def write_lra_shards(
         load_split(task, data_dir, split, max_length, cls=False, **options)[0] for split in splits
     ]
     tok_path = out / fmt.TOKENIZER
-    with tempfile.TemporaryDirectory(dir=out) as tmp:
-        staged = Path(tmp) / fmt.TOKENIZER
-        lra_tokenizer(task).save(str(staged))
-        os.replace(staged, tok_path)
-    fmt.publish_mode(tok_path)
+    fmt.atomic_write_text(tok_path, lra_tokenizer(task).to_str(pretty=True))
     input_stats = {
         "splits": {name: len(split) for name, split in zip(splits, loaded)},
         "documents": sum(len(s) * (2 if s.pair else 1) for s in loaded),
@@ -188,9 +183,8 @@ def _existing(out: Path, config: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
-    manifest_path = out / fmt.MANIFEST
-    if manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text())
+    if (out / fmt.MANIFEST).is_file():
+        manifest = fmt.read_manifest(out)
         if manifest.get("config") == config:
             log.info("%s already holds these shards; reusing them", out)
             return manifest
