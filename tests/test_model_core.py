@@ -234,6 +234,49 @@ def test_orthogonal_maps_evaluated_once_per_forward(family, checkpointing, monke
     assert len(set(map(id, calls))) == len(found)
 
 
+def test_inference_reuses_orthogonal_maps_across_forwards(monkeypatch):
+    """Eval mode with gradients off: a second forward evaluates no map and gives the same
+    outputs; a change to the free parameters (even through `.data`, which leaves the version
+    counter alone) is seen; training mode and gradient-recording forwards always evaluate."""
+    cfg = tiny("transject", num_hidden_layers=3, transject={"residual_init": 0.5})
+    model = EncoderForPretraining(cfg).eval()
+    found = orthogonal_modules(model)
+    calls = count_map_evaluations(monkeypatch)
+    ids, mask = batch()
+    with torch.no_grad():
+        first = model(ids, mask).logits
+        assert len(calls) == len(found)
+        again = model(ids, mask).logits
+        assert len(calls) == len(found), "the second inference forward re-evaluated maps"
+        torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+        basis = model.encoder.family_state.parametrizations.eigenbasis.original
+        version = basis._version
+        basis.data.add_(0.05)  # what DeepSpeed does to parameters: through .data
+        assert basis._version == version
+        changed = model(ids, mask).logits
+        assert len(calls) == len(found) + 1  # the eigenbasis only
+        fresh = copy.deepcopy(model)
+        for _, mod, _ in orthogonal_modules(fresh):
+            for orth in mod.parametrizations.values():
+                orth[0]._inference = None
+        torch.testing.assert_close(fresh(ids, mask).logits, changed, rtol=0, atol=0)
+        assert not torch.equal(changed, first)
+
+    calls.clear()
+    model(ids, mask)  # eval mode, gradients on: evaluates, keeps nothing new
+    assert len(calls) == len(found)
+    model.train()
+    assert all(
+        orth[0]._inference is None for _, m, _ in found for orth in m.parametrizations.values()
+    )
+    calls.clear()
+    with torch.no_grad():
+        model(ids, mask)
+        model(ids, mask)
+    assert len(calls) == 2 * len(found), "training mode must evaluate the maps every forward"
+
+
 def test_orthogonal_option_covers_square_projections():
     model = EncoderForPretraining(tiny(orthogonal=True, intermediate_size=32))
     names = {q for q, _, _ in orthogonal_modules(model)}
