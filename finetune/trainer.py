@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
+from data_prep.transport import PackedCollate, unpack_if_packed
 from engine.distributed import detect
 from engine.engine import Engine, EngineConfig
 from engine.metrics import MetricsWriter, Progress
@@ -278,12 +279,16 @@ class Finetuner:
                 self.train_set,  # type: ignore[arg-type]
                 batch_size=self.micro_batch,
                 sampler=sampler,
-                collate_fn=self.collate,
+                collate_fn=self._worker_collate(),
                 num_workers=self.cfg.num_workers,
                 drop_last=True,
             )
-            yield from loader
+            yield from map(unpack_if_packed, loader)
             epoch += 1
+
+    def _worker_collate(self):
+        """The collate function DataLoader runs; with workers, batches travel as one buffer."""
+        return PackedCollate(self.collate) if self.cfg.num_workers else self.collate
 
     def _length_grouped_batches(self):
         sampler = LengthGroupedBatchSampler(
@@ -299,10 +304,10 @@ class Finetuner:
             loader = DataLoader(
                 self.train_set,  # type: ignore[arg-type]
                 batch_sampler=sampler,
-                collate_fn=self.collate,
+                collate_fn=self._worker_collate(),
                 num_workers=self.cfg.num_workers,
             )
-            yield from loader
+            yield from map(unpack_if_packed, loader)
             epoch += 1
 
     @torch.no_grad()

@@ -223,6 +223,7 @@ def test_stsb_regression_end_to_end(tmp_path, release):
         "schedule.total_steps=20",
         "engine.micro_batch_size=8",
         "data.max_length=40",
+        "train.num_workers=2",  # float labels through the workers' packed batches
         f"run_dir={run_dir}",
     ]
     args = ["glue", "--task", "stsb", "--data", str(data), "--init", str(release), *overrides]
