@@ -34,7 +34,7 @@ import dataclasses
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from data_prep import format as fmt
 from data_prep.masking import IGNORE_INDEX, MaskingConfig, mask_example, word_start_table
-from data_prep.transport import PackedCollate, ThreadPrefetcher, unpack_if_packed
+from data_prep.transport import PackedCollate, unpack_if_packed
 
 STATE_VERSION = 1
 _SHUFFLE_DOMAIN = 0x5348_5546  # spawn_key tag: shuffle keys never collide with example seeds
@@ -535,9 +535,6 @@ class PretrainingLoader:
     drop_last: drop the last partial batch of each epoch (same count on every rank either way).
     static_shapes: pad every batch to max_seq_length (compiled models). None: on when the
         masking config has static_masked_positions.
-    prefetch_batches: with num_workers=0, a background thread builds this many batches ahead
-        of the training step (`data_prep.transport.ThreadPrefetcher`); 0: build each batch
-        when it is asked for. Ignored with workers (DataLoader's prefetch_factor applies).
     """
 
     def __init__(
@@ -553,7 +550,6 @@ class PretrainingLoader:
         static_shapes: bool | None = None,
         pin_memory: bool = False,
         prefetch_factor: int | None = None,
-        prefetch_batches: int = 2,
     ):
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
@@ -572,11 +568,8 @@ class PretrainingLoader:
         self.collate = PretrainingCollator(
             data.special.pad, data.max_seq_length if static_shapes else None
         )
-        if prefetch_batches < 0:
-            raise ValueError(f"prefetch_batches must be >= 0, got {prefetch_batches}")
         self.pin_memory = pin_memory
         self.prefetch_factor = prefetch_factor
-        self.prefetch_batches = prefetch_batches
         self.epoch = 0
         self.batch_in_epoch = 0  # batches of `epoch` already handed out
 
@@ -606,21 +599,13 @@ class PretrainingLoader:
             generator=torch.Generator().manual_seed(self.data.seed),
             **extra,
         )
-        batches: Iterable[Any] = loader
-        if self.num_workers == 0 and self.prefetch_batches:
-            batches = ThreadPrefetcher(loader, self.prefetch_batches, name="loader-prefetch")
-        try:
-            for packed in batches:
-                batch = unpack_if_packed(packed)
-                # Counted when handed out: a state saved after this batch resumes at the next
-                # one (batches a prefetching thread built ahead are rebuilt after a resume).
-                self.batch_in_epoch += 1
-                if self.batch_in_epoch == self.plan.batches_per_epoch:
-                    self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-                yield batch
-        finally:
-            if isinstance(batches, ThreadPrefetcher):
-                batches.close()
+        for packed in loader:
+            batch = unpack_if_packed(packed)
+            # Counted when handed out: a state saved after this batch resumes at the next one.
+            self.batch_in_epoch += 1
+            if self.batch_in_epoch == self.plan.batches_per_epoch:
+                self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+            yield batch
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -16,19 +16,11 @@ shared-memory tensor took 1.8 ms); a larger one is a uint8 tensor in shared memo
 1 MB, where pickled bytes took 2.9 ms). DataLoader's `pin_memory=True` pins the one buffer
 (`PackedBatch.pin_memory`), so the views are pinned too. Values that are not tensors pass
 through unchanged.
-
-Without workers (`num_workers=0`) the batches are built in the training process, between steps.
-`ThreadPrefetcher` builds them in a background thread instead, a few batches ahead: the
-masking and collation (numpy, pure Python) then run while the training step runs its kernels,
-which release the GIL (torch CPU ops, CUDA synchronisation). The batches and their order are
-the same; an exception in the thread is raised in the consumer at the batch where it happened.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,60 +113,4 @@ def unpack_if_packed(batch: Any) -> Any:
     return batch.unpack() if isinstance(batch, PackedBatch) else batch
 
 
-class ThreadPrefetcher:
-    """Iterates `source` in a daemon thread, at most `depth` items ahead of the consumer.
-
-    `close()` (also on garbage collection of the consumer's generator, see PretrainingLoader)
-    stops the thread; items it had built ahead are dropped.
-    """
-
-    _END = object()
-
-    def __init__(self, source: Iterable[Any], depth: int = 2, name: str = "batch-prefetch"):
-        if depth < 1:
-            raise ValueError(f"prefetch depth must be >= 1, got {depth}")
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(source,), name=name, daemon=True)
-        self._thread.start()
-
-    def _put(self, item: Any) -> bool:
-        """Blocks until there is room or close() was called; False if closed."""
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _run(self, source: Iterable[Any]) -> None:
-        try:
-            for item in source:
-                if not self._put((item, None)):
-                    return
-            self._put((self._END, None))
-        except BaseException as e:  # handed to the consumer, raised there
-            self._put((self._END, e))
-
-    def __iter__(self) -> Iterator[Any]:
-        return self
-
-    def __next__(self) -> Any:
-        if self._stop.is_set():
-            raise StopIteration
-        item, error = self._queue.get()
-        if item is self._END:
-            self._stop.set()
-            self._thread.join()
-            if error is not None:
-                raise error
-            raise StopIteration
-        return item
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-
-__all__ = ["PackedBatch", "PackedCollate", "ThreadPrefetcher", "pack_batch", "unpack_if_packed"]
+__all__ = ["PackedBatch", "PackedCollate", "pack_batch", "unpack_if_packed"]

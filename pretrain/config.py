@@ -37,9 +37,6 @@ class DataConfig:
     """Dynamic MLM + SOP masking (``data_prep.masking.MaskingConfig``)."""
     num_workers: int = 2
     """DataLoader worker processes per rank (0: load in the training process)."""
-    prefetch_batches: int = 2
-    """With num_workers=0: batches a background thread builds ahead of the step, so masking
-    overlaps the step (0: build each batch when the step asks for it). Same batches either way."""
     verify_checksums: bool = True
     """Check every shard's sha256 against the manifest before training (rank 0; reads the
     whole corpus once: turn off for very large corpora that were verified already)."""
@@ -51,10 +48,6 @@ class DataConfig:
             raise ValueError(f"data.max_seq_length={self.max_seq_length} is invalid; valid: >= 5")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers={self.num_workers} is invalid; valid: >= 0")
-        if self.prefetch_batches < 0:
-            raise ValueError(
-                f"data.prefetch_batches={self.prefetch_batches} is invalid; valid: >= 0"
-            )
 
 
 RESUMABLE_CHANGES = (
@@ -69,7 +62,6 @@ RESUMABLE_CHANGES = (
     "train.export_at_end",
     "train.fail_at_step",
     "data.num_workers",
-    "data.prefetch_batches",
     "data.verify_checksums",
     "engine.dist_timeout_minutes",
     "engine.compile",

@@ -158,7 +158,6 @@ class Trainer:
             rank=self.rank,
             world_size=self.dist.world_size,
             num_workers=cfg.data.num_workers,
-            prefetch_batches=cfg.data.prefetch_batches,
             pin_memory=self.engine.device.type == "cuda",
         )
         self.store = ckpt.CheckpointStore(

@@ -3,9 +3,7 @@ SOP, and refusal of bad shard directories. Shard directories are written here wi
 
 from __future__ import annotations
 
-import gc
 import json
-import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -23,7 +21,6 @@ from data_prep.loader import (
     _truncated_lengths,
 )
 from data_prep.masking import IGNORE_INDEX, MaskingConfig
-from data_prep.transport import ThreadPrefetcher
 
 SPECIALS = list(fmt.ALBERT_SPECIAL_TOKENS)  # <pad> <unk> [CLS] [SEP] [MASK] = 0..4
 WORDS = [f"▁w{i}" for i in range(40)]  # word starts (SentencePiece convention)
@@ -271,57 +268,13 @@ def test_resume_skips_at_index_level(shard_dir):
             return super().__getitem__(key)
 
     data = Counting(shard_dir, max_seq_length=64)
-    loader = PretrainingLoader(data, batch_size=8, prefetch_batches=0)
+    loader = PretrainingLoader(data, batch_size=8)
     state = loader.state_dict()
     state.update(epoch=1000, batch_in_epoch=7)
     loader.load_state_dict(state)
     take(loader, 2)
     assert Counting.calls == 16
     assert (loader.epoch, loader.batch_in_epoch) == (1000, 9)
-    # With the prefetching thread: at most the depth (2) + the one in progress built ahead.
-    Counting.calls = 0
-    loader = PretrainingLoader(data, batch_size=8, prefetch_batches=2)
-    loader.load_state_dict(state)
-    take(loader, 2)
-    assert 16 <= Counting.calls <= 8 * (2 + 2 + 1)
-    assert (loader.epoch, loader.batch_in_epoch) == (1000, 9)
-
-
-def test_prefetch_thread_same_batches_and_stops(shard_dir):
-    """num_workers=0 with a prefetching thread: the same batches across epochs as building each
-    batch on demand; the thread ends when the iteration is closed or dropped."""
-    data = PretrainingData(shard_dir, max_seq_length=64, seed=3)
-    ref = take(PretrainingLoader(data, batch_size=8, prefetch_batches=0), 30)
-    got = take(PretrainingLoader(data, batch_size=8, prefetch_batches=3), 30)
-    assert_batches_equal(ref, got)
-
-    def prefetchers():
-        return [t for t in threading.enumerate() if t.name == "loader-prefetch" and t.is_alive()]
-
-    it = iter(PretrainingLoader(data, batch_size=8))
-    next(it)
-    assert len(prefetchers()) == 1
-    del it  # abandoned mid-epoch: the generator's cleanup stops the thread
-    gc.collect()
-    deadline = time.monotonic() + 10
-    while prefetchers() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not prefetchers()
-    with pytest.raises(ValueError, match="prefetch_batches"):
-        PretrainingLoader(data, batch_size=8, prefetch_batches=-1)
-
-
-def test_prefetch_thread_raises_the_sources_error_in_order():
-    def source():
-        yield from range(3)
-        raise fmt.ShardError("shard 7 is truncated")
-
-    got = []
-    with pytest.raises(fmt.ShardError, match="truncated"):
-        for item in ThreadPrefetcher(source(), depth=2):
-            got.append(item)
-    assert got == [0, 1, 2]
-    assert list(ThreadPrefetcher(iter([]), depth=1)) == []
 
 
 def test_num_epochs_stops_and_reshuffles(shard_dir):
