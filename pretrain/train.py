@@ -448,13 +448,7 @@ class Trainer:
         batch: dict[str, torch.Tensor] = {}
         for _ in range(self.cfg.engine.gradient_accumulation_steps):
             t0 = time.perf_counter()
-            cpu_batch = next(batches)
-            # Counts from the CPU batch: no device synchronisation for bookkeeping.
-            b, n = cpu_batch["input_ids"].shape
-            masked = int((cpu_batch["mlm_labels"] != -100).sum())
-            tokens += int(cpu_batch["attention_mask"].sum())
-            samples += b
-            flops += training_flops(self.model_cfg, n, masked_tokens=max(1, masked // b)) * b
+            cpu_batch = next(batches)  # time/data: the wait for the batch and its copy only
             batch = engine.to_device(cpu_batch)
             sync()
             t1 = time.perf_counter()
@@ -465,6 +459,12 @@ class Trainer:
             engine.backward(loss.total)
             sync()
             t3 = time.perf_counter()
+            # Counts from the CPU batch: no device synchronisation for bookkeeping.
+            b, n = cpu_batch["input_ids"].shape
+            masked = int((cpu_batch["mlm_labels"] != -100).sum())
+            tokens += int(cpu_batch["attention_mask"].sum())
+            samples += b
+            flops += training_flops(self.model_cfg, n, masked_tokens=max(1, masked // b)) * b
             timers["data"] += t1 - t0
             timers["forward"] += t2 - t1
             timers["backward"] += t3 - t2
