@@ -9,6 +9,7 @@ untimed ones (CUDA: synchronised). Ratios compare two paths in the same process.
     python bench/bench_fast_paths.py compile --families softmax kernel --out compile_cpu.json
     python bench/bench_fast_paths.py grouping --out grouping_cpu.json
     python bench/bench_fast_paths.py pretrain-padding
+    python bench/bench_fast_paths.py orthogonal-cache --seq 256 1024 4096 --batch 1
     python bench/bench_fast_paths.py gpu-verify            # CUDA: flex, compile, apex; asserts
 
 `gpu-verify` checks on CUDA (and fails loudly otherwise): TISA flex == SDPA bias in forward and
@@ -446,14 +447,65 @@ def gpu_verify(args) -> dict:
     return report
 
 
+# ----------------------------------------------------------------------------- orthogonal cache
+
+
+def bench_orthogonal_cache(args) -> dict:
+    """TransJect inference forwards (eval, no grad) with the orthogonal maps kept across
+    forwards (the default) vs evaluated in every forward (the kept matrices dropped before each
+    call), same model, interleaved; plain softmax beside them for scale."""
+    from model.orthogonal import FP32Orthogonal
+
+    rows = []
+    for N in args.seq:
+        ids, mask = make_batch(args, N, args.device, padded=False)
+        torch.manual_seed(0)
+        tj = EncoderForPretraining(model_config("transject", args)).to(args.device).eval()
+        torch.manual_seed(0)
+        sm = EncoderForPretraining(model_config("softmax", args)).to(args.device).eval()
+        maps = [m for m in tj.modules() if isinstance(m, FP32Orthogonal)]
+        autocast = autocast_for(args)
+
+        def forward(model, forget=False, maps=maps, autocast=autocast, ids=ids, mask=mask):
+            def run():
+                if forget:
+                    for m in maps:
+                        m._inference = None
+                with torch.no_grad(), autocast():
+                    model(ids, mask)
+
+            return run
+
+        t = time_steps(
+            {
+                "transject_kept": forward(tj),
+                "transject_evaluated": forward(tj, forget=True),
+                "softmax": forward(sm),
+            },
+            args.warmup,
+            args.repeats,
+            args.device,
+        )
+        row = {"seq": N, **{f"{k}_s": v for k, v in t.items()}}
+        row["kept_speedup"] = t["transject_evaluated"] / t["transject_kept"]
+        row["transject_kept_over_softmax"] = t["softmax"] / t["transject_kept"]
+        row["transject_evaluated_over_softmax"] = t["softmax"] / t["transject_evaluated"]
+        rows.append(row)
+        print(json.dumps(row))
+    return {"rows": rows, "orthogonal_maps": len(maps)}
+
+
 # ----------------------------------------------------------------------------- main
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
-        "what", choices=["tisa", "compile", "grouping", "pretrain-padding", "gpu-verify"]
-    )
+        "what",
+        choices=[
+            "tisa", "compile", "grouping", "pretrain-padding", "orthogonal-cache", "gpu-verify"
+        ],
+    )  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--seq", type=int, nargs="+", default=[128, 512])
@@ -481,6 +533,7 @@ def main() -> None:
         "compile": bench_compile,
         "grouping": bench_grouping,
         "pretrain-padding": bench_pretrain_padding,
+        "orthogonal-cache": bench_orthogonal_cache,
         "gpu-verify": gpu_verify,
     }[args.what]
     result = {"what": args.what, "args": {k: str(v) for k, v in vars(args).items()}}
