@@ -41,7 +41,7 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 SMOKE=${SMOKE:-0}
-PARTS=${PARTS:-jit model scaling pretrain depth loader fastpaths}
+PARTS=${PARTS:-jit model scaling pretrain depth loader tisa orthocache fastpaths}
 # LAMB=torch: the recipes' LAMB through pytorch_optimizer.Lamb (no build step). LAMB=auto: what a
 # recipe picks by itself on CUDA, DeepSpeed's FusedLamb, JIT-built by the `jit` part first.
 LAMB=${LAMB:-torch}
@@ -136,6 +136,15 @@ else
   part loader 85 python3 bench/bench_loader.py --device cuda \
     --runs albert-base-128:0 albert-base-128:4 albert-base-512:4 --steps 20 --log-every 5 \
     "${OPT[@]}" --out "$OUT/loader_gpu.json"
+  # TISA through FlexAttention at one length in a fresh process (compiled once, static shapes):
+  # tests whether the slowdown of the scaling / pretrain parts comes from their dynamic-shape
+  # recompile at a second length (BENCHMARKS.md, "Attention scaling").
+  part tisa 60 python3 bench/bench_fast_paths.py tisa --device cuda --dtype bf16 --hidden 768 \
+    --heads 12 --layers 12 --batch 32 --seq 512 --warmup 3 --repeats 10 --out "$OUT/tisa_gpu.json"
+  # TransJect inference with its orthogonal maps kept across forwards vs evaluated every time.
+  part orthocache 40 python3 bench/bench_fast_paths.py orthogonal-cache --device cuda --dtype bf16 \
+    --hidden 768 --heads 12 --layers 1 --batch 8 --seq 256 4096 16384 --warmup 2 --repeats 10 \
+    --out "$OUT/orthogonal_cache_gpu.json"
   # Last: the fast paths' CUDA checks (TISA flex == SDPA bias incl. gradients, no recompiles,
   # inductor-compiled encoder == eager per family, apex LayerNorm if present) and timings; its
   # asserts print as they pass, so a cut-off still leaves the checks done in suite.log.
