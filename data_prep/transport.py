@@ -1,4 +1,4 @@
-"""One shared-memory buffer per batch between DataLoader workers and the training process.
+"""One buffer per batch between DataLoader workers and the training process.
 
 A DataLoader worker hands every tensor of a batch to the training process through its own
 shared-memory segment (with torch's default `file_descriptor` sharing strategy: one segment
