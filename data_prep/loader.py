@@ -40,11 +40,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from data_prep import format as fmt
 from data_prep.masking import IGNORE_INDEX, MaskingConfig, mask_example, word_start_table
-from data_prep.transport import PackedCollate, unpack_if_packed
+from data_prep.transport import loader_batches
 
 STATE_VERSION = 1
 _SHUFFLE_DOMAIN = 0x5348_5546  # spawn_key tag: shuffle keys never collide with example seeds
@@ -586,21 +586,18 @@ class PretrainingLoader:
             return
         sampler = _BatchSampler(self.plan, self.epoch, self.batch_in_epoch, self.num_epochs)
         extra = {} if self.prefetch_factor is None else {"prefetch_factor": self.prefetch_factor}
-        loader = DataLoader(
+        batches = loader_batches(
             self.data,
+            self.collate,
+            self.num_workers,
             batch_sampler=sampler,
-            num_workers=self.num_workers,
-            # Workers send each batch as one shared-memory buffer, not one per tensor
-            # (data_prep/transport.py: the per-tensor transfer dominated the data wait).
-            collate_fn=PackedCollate(self.collate) if self.num_workers else self.collate,
             pin_memory=self.pin_memory,
             # Its own generator: creating the iterator must not draw from the global torch RNG
             # (that would shift dropout after a resume). Examples draw from (seed, epoch, index).
             generator=torch.Generator().manual_seed(self.data.seed),
             **extra,
         )
-        for packed in loader:
-            batch = unpack_if_packed(packed)
+        for batch in batches:
             # Counted when handed out: a state saved after this batch resumes at the next one.
             self.batch_in_epoch += 1
             if self.batch_in_epoch == self.plan.batches_per_epoch:

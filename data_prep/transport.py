@@ -20,11 +20,13 @@ through unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
 INLINE_BYTES = 256 * 1024
 """Largest buffer sent inline (pickled bytes) rather than as a shared-memory tensor."""
@@ -41,8 +43,8 @@ class PackedBatch:
     buffer: torch.Tensor | bytearray
     """Every tensor's bytes, each starting at a multiple of 8: a bytearray (sent inline) or a
     uint8 tensor (sent through shared memory)."""
-    layout: tuple[tuple[str, torch.dtype, tuple[int, ...], int, int], ...]
-    """(key, dtype, shape, byte offset, byte count) per tensor, in the dict's order."""
+    layout: tuple[tuple[str, torch.dtype, tuple[int, ...], int], ...]
+    """(key, dtype, shape, byte offset) per tensor, in the dict's order."""
     others: tuple[tuple[str, Any], ...]
     """(key, value) of the values that are not tensors."""
     keys: tuple[str, ...]
@@ -63,11 +65,15 @@ class PackedBatch:
         """The original dict, in its order; its tensors are views into `buffer` (no copy)."""
         buffer = self._tensor()
         values: dict[str, Any] = {
-            key: buffer[offset : offset + nbytes].view(dtype).view(shape)
-            for key, dtype, shape, offset, nbytes in self.layout
+            key: buffer[offset : offset + _nbytes(dtype, shape)].view(dtype).view(shape)
+            for key, dtype, shape, offset in self.layout
         }
         values.update(self.others)
         return {key: values[key] for key in self.keys}
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * dtype.itemsize
 
 
 def pack_batch(batch: Mapping[str, Any], inline_bytes: int = INLINE_BYTES) -> PackedBatch:
@@ -83,18 +89,19 @@ def pack_batch(batch: Mapping[str, Any], inline_bytes: int = INLINE_BYTES) -> Pa
     layout = []
     offset = 0
     for key, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        layout.append((key, tensor.dtype, tuple(tensor.shape), offset, nbytes))
-        offset += -(-nbytes // _ALIGN) * _ALIGN
+        layout.append((key, tensor.dtype, tuple(tensor.shape), offset))
+        offset += -(-_nbytes(tensor.dtype, tuple(tensor.shape)) // _ALIGN) * _ALIGN
     raw: torch.Tensor | bytearray
     if 0 < offset <= inline_bytes:
         raw = bytearray(offset)
         buffer = torch.frombuffer(raw, dtype=torch.uint8)  # writes go to the bytearray
     else:
         raw = buffer = torch.empty(offset, dtype=torch.uint8)
-    for (_key, tensor), (_, _, _, start, nbytes) in zip(tensors, layout):
-        if nbytes:
-            buffer[start : start + nbytes] = tensor.reshape(-1).view(torch.uint8)
+    for (_key, tensor), (_, _, _, start) in zip(tensors, layout):
+        if tensor.numel():
+            buffer[start : start + tensor.numel() * tensor.element_size()] = tensor.reshape(
+                -1
+            ).view(torch.uint8)
     return PackedBatch(raw, tuple(layout), tuple(others), tuple(batch.keys()))
 
 
@@ -113,4 +120,15 @@ def unpack_if_packed(batch: Any) -> Any:
     return batch.unpack() if isinstance(batch, PackedBatch) else batch
 
 
-__all__ = ["PackedBatch", "PackedCollate", "pack_batch", "unpack_if_packed"]
+def loader_batches(
+    dataset: Any, collate: Callable[[list[Any]], Mapping[str, Any]], num_workers: int, **loader
+) -> Iterator[Any]:
+    """One pass of a `DataLoader` over `dataset` (further DataLoader arguments in `loader`):
+    with workers the batches travel packed and are unpacked here; without, `collate` runs as is.
+    The one place the project's loaders choose the transport."""
+    collate_fn = PackedCollate(collate) if num_workers else collate
+    batches = DataLoader(dataset, collate_fn=collate_fn, num_workers=num_workers, **loader)
+    return map(unpack_if_packed, batches)
+
+
+__all__ = ["PackedBatch", "PackedCollate", "loader_batches", "pack_batch", "unpack_if_packed"]

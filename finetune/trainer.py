@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DistributedSampler
 
-from data_prep.transport import PackedCollate, unpack_if_packed
+from data_prep.transport import loader_batches
 from engine.distributed import detect
 from engine.engine import Engine, EngineConfig
 from engine.metrics import MetricsWriter, Progress
@@ -261,53 +261,34 @@ class Finetuner:
         self.step = 0
 
     def _train_batches(self):
+        """Endless training batches: epoch after epoch of this rank's share, shuffled by seed
+        and epoch (grouped by length with ``group_by_length``)."""
+        sampler: LengthGroupedBatchSampler | DistributedSampler
         if self.cfg.group_by_length:
-            yield from self._length_grouped_batches()
-            return
-        sampler = DistributedSampler(
-            self.train_set,  # type: ignore[arg-type]
-            num_replicas=self.dist.world_size,
-            rank=self.dist.rank,
-            shuffle=True,
-            seed=self.cfg.seed,
-            drop_last=True,
-        )
-        epoch = 0
-        while True:
-            sampler.set_epoch(epoch)
-            loader = DataLoader(
+            sampler = LengthGroupedBatchSampler(
+                example_lengths(self.train_set),
+                self.micro_batch,
+                rank=self.dist.rank,
+                world_size=self.dist.world_size,
+                seed=self.cfg.seed,
+            )
+            batching: dict[str, Any] = {"batch_sampler": sampler}
+        else:
+            sampler = DistributedSampler(
                 self.train_set,  # type: ignore[arg-type]
-                batch_size=self.micro_batch,
-                sampler=sampler,
-                collate_fn=self._worker_collate(),
-                num_workers=self.cfg.num_workers,
+                num_replicas=self.dist.world_size,
+                rank=self.dist.rank,
+                shuffle=True,
+                seed=self.cfg.seed,
                 drop_last=True,
             )
-            yield from map(unpack_if_packed, loader)
-            epoch += 1
-
-    def _worker_collate(self):
-        """The collate function DataLoader runs; with workers, batches travel as one buffer."""
-        return PackedCollate(self.collate) if self.cfg.num_workers else self.collate
-
-    def _length_grouped_batches(self):
-        sampler = LengthGroupedBatchSampler(
-            example_lengths(self.train_set),
-            self.micro_batch,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
-            seed=self.cfg.seed,
-        )
+            batching = {"batch_size": self.micro_batch, "sampler": sampler, "drop_last": True}
         epoch = 0
         while True:
             sampler.set_epoch(epoch)
-            loader = DataLoader(
-                self.train_set,  # type: ignore[arg-type]
-                batch_sampler=sampler,
-                collate_fn=self._worker_collate(),
-                num_workers=self.cfg.num_workers,
+            yield from loader_batches(
+                self.train_set, self.collate, self.cfg.num_workers, **batching
             )
-            yield from map(unpack_if_packed, loader)
             epoch += 1
 
     @torch.no_grad()

@@ -21,6 +21,7 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 from test_engine import ONE  # the one-process DistEnv
+from test_model_core import count_map_evaluations
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -42,7 +43,7 @@ from model.attention.kernel import KernelAttention
 from model.attention.tisa import PositionScorer, tisa_score_mod, toeplitz_bias
 from model.attention.transject import LAMBDA_KEY, TransJectAttention
 from model.norm import LayerNorm, apex_layer_norm_fn, layer_norm_backend
-from model.orthogonal import FP32Orthogonal, orthogonal_cache, orthogonal_modules
+from model.orthogonal import orthogonal_cache, orthogonal_modules
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -106,6 +107,34 @@ def test_compiled_encoder_equals_eager_in_one_graph(family, overrides, checkpoin
     torch._dynamo.reset()
 
 
+def accumulating_engine(model, lr: float, total_steps: int, **engine_options) -> Engine:
+    """A one-process torch engine on CPU: micro-batches of 2, gradient accumulation 2,
+    activation checkpointing, AdamW."""
+    cfg = EngineConfig(
+        backend="torch",
+        device="cpu",
+        precision="fp32",
+        micro_batch_size=2,
+        gradient_accumulation_steps=2,
+        activation_checkpointing=True,
+        **engine_options,
+    )
+    return Engine(
+        model,
+        cfg,
+        OptimizerConfig(name="adamw", lr=lr),
+        ScheduleConfig(warmup_steps=0, total_steps=total_steps),
+        dist=ONE,
+    )
+
+
+def step_in_two_micro_batches(engine: Engine, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """One optimizer step over a batch of 4 as two accumulated micro-batches of 2."""
+    for half in (slice(0, 2), slice(2, 4)):
+        engine.backward(loss_of(engine.forward(ids[half], mask[half])))
+    engine.step()
+
+
 def test_engine_compile_option_trains_like_eager():
     """engine.compile=true (with activation checkpointing): an optimizer step of gradient
     accumulation 2 gives the eager engine's weights, from one compiled graph; the encoder is
@@ -117,27 +146,11 @@ def test_engine_compile_option_trains_like_eager():
         counters.clear()
         torch.manual_seed(0)
         model = EncoderForPretraining(tiny("softmax"))
-        cfg = EngineConfig(
-            backend="torch",
-            device="cpu",
-            precision="fp32",
-            micro_batch_size=2,
-            gradient_accumulation_steps=2,
-            activation_checkpointing=True,
-            compile=compile_,
-            compile_backend="aot_eager",
-        )
-        engine = Engine(
-            model,
-            cfg,
-            OptimizerConfig(name="adamw", lr=1e-2),
-            ScheduleConfig(warmup_steps=0, total_steps=4),
-            dist=ONE,
+        engine = accumulating_engine(
+            model, lr=1e-2, total_steps=4, compile=compile_, compile_backend="aot_eager"
         )
         assert (model.encoder._compiled_call_impl is not None) == compile_
-        for half in (slice(0, 2), slice(2, 4)):
-            engine.backward(loss_of(engine.forward(ids[half], mask[half])))
-        engine.step()
+        step_in_two_micro_batches(engine, ids, mask)
         finals.append({n: p.detach().clone() for n, p in model.named_parameters()})
         assert counters["stats"]["unique_graphs"] == int(compile_), dict(counters["graph_break"])
     torch._dynamo.reset()
@@ -255,32 +268,12 @@ def test_orthogonal_maps_once_per_micro_batch_with_accumulation_and_checkpointin
     """Through the engine (gradient accumulation 2, activation checkpointing), each orthogonal
     map is evaluated once per micro-batch (forward + checkpoint recompute), never per layer
     application: 4 layer applications share one layer's maps."""
-    calls = []
-    original = FP32Orthogonal.evaluate
-    monkeypatch.setattr(
-        FP32Orthogonal, "evaluate", lambda self, X: calls.append(self) or original(self, X)
-    )
+    calls = count_map_evaluations(monkeypatch)
     torch.manual_seed(0)
     model = EncoderForPretraining(tiny("transject", num_hidden_layers=4))
-    cfg = EngineConfig(
-        backend="torch",
-        device="cpu",
-        precision="fp32",
-        micro_batch_size=2,
-        gradient_accumulation_steps=2,
-        activation_checkpointing=True,
-    )
-    engine = Engine(
-        model,
-        cfg,
-        OptimizerConfig(name="adamw", lr=1e-3),
-        ScheduleConfig(warmup_steps=0, total_steps=2),
-        dist=ONE,
-    )
+    engine = accumulating_engine(model, lr=1e-3, total_steps=2)
     ids, mask = batch(B=4)
-    for half in (slice(0, 2), slice(2, 4)):
-        engine.backward(loss_of(engine.forward(ids[half], mask[half])))
-    engine.step()
+    step_in_two_micro_batches(engine, ids, mask)
     maps = len(orthogonal_modules(model))
     assert maps > 0 and len(calls) == 2 * maps, (len(calls), maps)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import pickle
 
 import pytest
@@ -46,8 +47,8 @@ def test_unpacked_tensors_are_views_of_one_buffer():
     out = packed.unpack()
     start = packed.buffer.data_ptr()
     end = start + packed.buffer.numel()
-    for key, _, _, offset, nbytes in packed.layout:
-        if nbytes:
+    for key, dtype, shape, offset in packed.layout:
+        if math.prod(shape) * dtype.itemsize:
             assert out[key].data_ptr() == start + offset and offset % 8 == 0, key
             assert start <= out[key].data_ptr() < end
     out["input_ids"][0, 0] = -1  # a view: writes land in the buffer, nothing else moves
