@@ -88,11 +88,15 @@ class KernelConfig:
     """For `aoglu`: the low-rank gate A B has rank r = head_dim // gate_rank_divisor."""
 
     orthogonality_penalty: float = 0.0
-    """lambda_orth in lambda_orth * mean((W W^T - I)^2), summed over the orthogonally initialised
-    W of every unit (ffn, oglu, aoglu); returned as the auxiliary loss `kernel_orthogonality`."""
+    """lambda_orth of the authors' penalty lambda_orth * mean((W W^T - I)^2), counted once per
+    feature-map call as in their code (phi runs on queries and on keys, so each W contributes
+    2 * lambda_orth * mean(...)); summed over the orthogonally initialised W of every unit (ffn,
+    oglu, aoglu); returned as the auxiliary loss `kernel_orthogonality`."""
 
     dropout: float = 0.1
-    """Dropout on the kernel input (the per-head queries/keys before phi)."""
+    """Dropout on the input of every feature-map unit (the authors' per-unit dropout: a stack of
+    k units drops k times; queries and keys get independent masks). The parameter-free `elu`
+    baseline has no dropout, as in Katharopoulos et al."""
 
     eps: float = 1e-6
     """Added to the normaliser phi(q)^T sum_j phi(k_j)."""
@@ -120,15 +124,34 @@ class TransJectConfig:
     basis, plus a reconstruction loss. `random`: Random-TransJect, a learned diagonal (no loss)."""
 
     reconstruction_weight: float = 1e-3
-    """Weight of the eigen-reconstruction loss (authors: 1e-3 classification, 0.1 LM). The model
-    returns the weighted loss as the auxiliary loss `transject_reconstruction`."""
+    """Weight of the eigen-reconstruction loss (the authors' code: 1e-3 classification, 0.1 LM).
+    The model returns the weighted loss as the auxiliary loss `transject_reconstruction`."""
+
+    reconstruction: Literal["scale_free", "authors"] = "scale_free"
+    """The eigen-reconstruction loss. `scale_free` (default): mean((M/s - U diag(lambda) U^T)^2),
+    s = max|diag(U^T M U)| the scale that normalises lambda; zero exactly when U is an eigenbasis
+    of M, independent of N and of the embedding norm. `authors`: mean((M - U diag(lambda) U^T)^2)
+    with the raw M and the normalised lambda, as in the authors' code: measured, it pushes U
+    AWAY from the eigenbasis (its minimum spreads diag(U^T M U) evenly; docs/methods.md)."""
+
+    gate_input: Literal["sublayer", "attention"] = "sublayer"
+    """What the expert gate max-pools over the real tokens. `sublayer`: each expert's sublayer
+    output X + alpha * A_e(X), as in the authors' code (uniform weights at the ReZero init).
+    `attention`: A_e(X) alone (this project's earlier reading of the paper)."""
+
+    bias: Literal["lipschitz", "authors", "none"] = "lipschitz"
+    """Biases of the expert and FFN maps. `authors`: every bias of the authors' code (the
+    expert's U and V maps, the FFN's two maps), nn.Linear's default init. `lipschitz` (default):
+    the same except V's bias, the one that breaks the paper's Lipschitz bound (it adds
+    (sum of the features of X U) * b_V to every token). `none`: no bias anywhere."""
 
     token_embedding: Literal["auto", "orthogonal", "plain"] = "auto"
     """The d/2-wide token embedding. `orthogonal`: rows orthonormal (needs vocab_size <= d/2);
     `plain`: an ordinary embedding; `auto`: orthogonal when the vocabulary fits, else plain."""
 
     residual_init: float = 0.0
-    """Initial r_l of the injective residual weight alpha_l = tanh(r_l) / L (ReZero-style 0)."""
+    """Initial r_l of the injective residual weight alpha_l = tanh(r_l) / L (0: ReZero, as in the
+    authors' code, so every layer starts as the identity)."""
 
     def __post_init__(self) -> None:
         _check_positive("transject.num_experts", self.num_experts)
@@ -137,6 +160,9 @@ class TransJectConfig:
         _check_choice(
             "transject.token_embedding", self.token_embedding, ("auto", "orthogonal", "plain")
         )
+        _check_choice("transject.reconstruction", self.reconstruction, ("authors", "scale_free"))
+        _check_choice("transject.gate_input", self.gate_input, ("sublayer", "attention"))
+        _check_choice("transject.bias", self.bias, ("lipschitz", "authors", "none"))
 
 
 @dataclass

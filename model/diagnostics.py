@@ -12,6 +12,8 @@ Legend: B batch, N tokens, d hidden width, L layer applications, E experts, H he
 * `residual_weights`: the residual scalars per application (TransJect alpha_l = tanh(r_l)/L,
   ReZero alpha_l).
 * `tisa_curves`: TISA's f(k) per scorer and head on an offset axis.
+* `family_state_diagnostics`: whatever scalars the family's once-per-forward state reports
+  through its optional `diagnostics(x0, mask)` method (TransJect: the eigenbasis error).
 * `orthogonality_errors`: max |W^T W - I| of every orthogonally parameterised weight.
 * `toeplitzness`: share of the variance of P = E_P E_P^T explained by its projection onto
   Toeplitz matrices (averages along each diagonal); the project's definition (METHODS.md 2).
@@ -104,6 +106,20 @@ def residual_weights(model: nn.Module) -> Tensor | None:
     if enc.config.attention == "transject":
         return torch.tanh(gates) / enc.config.num_layer_applications
     return gates
+
+
+@torch.no_grad()
+def family_state_diagnostics(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None
+) -> dict[str, float]:
+    """{name: value} from the family state's `diagnostics(x0_BND, mask_BN)` hook, if it has one."""
+    enc = _encoder(model)
+    hook = getattr(enc.family_state, "diagnostics", None)
+    if hook is None:
+        return {}
+    steps = enc.trace(input_ids, attention_mask)
+    x0_BND, ctx = steps[0]
+    return hook(x0_BND, ctx.mask_BN)
 
 
 @torch.no_grad()

@@ -283,6 +283,8 @@ class Trainer:
         if residual is not None:
             for layer, r in enumerate(residual.tolist()):
                 values[f"diagnostics/residual/layer_{layer:02d}"] = r
+        for name, value in diagnostics.family_state_diagnostics(model, ids, mask).items():
+            values[f"diagnostics/{name}"] = value
         errors = diagnostics.orthogonality_errors(model)
         if errors:
             values["diagnostics/orthogonality_error_max"] = max(errors.values())

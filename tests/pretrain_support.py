@@ -25,7 +25,7 @@ TINY_MODEL = [
 ]
 FAMILY = {
     "softmax": [],
-    "tisa": ["model.attention=tisa", "model.position_embedding=none"],
+    "tisa": ["model.attention=tisa"],
     "kernel": ["model.attention=kernel", "model.kernel.feature_map=aoglu"],
     "transject": ["model.attention=transject", "model.transject.num_experts=2"],
 }

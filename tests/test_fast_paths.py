@@ -247,6 +247,7 @@ def test_transject_experts_are_batched_not_looped():
         x = torch.randn(2, 7, cfg.hidden_size)
         ctx = LayerContext(
             mask_BN=torch.ones(2, 7, dtype=torch.bool),
+            residual_gate=torch.tensor(0.5),
             extras={LAMBDA_KEY: torch.rand(2, cfg.hidden_size)},
         )
         log = MatmulLog()
@@ -257,7 +258,10 @@ def test_transject_experts_are_batched_not_looped():
         counts.append(len(log.calls))
         # equals the per-expert loop it replaces
         lam_B1d = ctx.extras[LAMBDA_KEY][:, None, :]
-        a = torch.stack([F.elu(((x @ U[e]) * lam_B1d) @ V[e].T) for e in range(experts)], dim=1)
+        b = attn.expert_u_bias
+        a = torch.stack(
+            [F.elu(((x @ U[e] + b[e]) * lam_B1d) @ V[e].T) for e in range(experts)], dim=1
+        )
         with torch.no_grad():
             w = attn.expert_weights(x, ctx)
         torch.testing.assert_close(out, torch.einsum("be,bend->bnd", w, a), rtol=1e-5, atol=1e-6)

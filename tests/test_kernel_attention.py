@@ -127,7 +127,8 @@ def test_dropout_on_kernel_input():
     cfg = make_cfg("aoglu", dropout=0.5)
     kernel = KernelAttention(cfg).train()
     seen = []
-    kernel.phi.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
+    unit = units(kernel)[0]
+    unit.dropout.register_forward_hook(lambda mod, args, out: seen.append(out))
     q, k, v = random_qkv(cfg)
     ctx = LayerContext(mask_BN=torch.ones(3, 9, dtype=torch.bool))
     out_train, _ = kernel(q, k, v, ctx)
@@ -135,11 +136,23 @@ def test_dropout_on_kernel_input():
         dropped = x == 0
         assert 0.3 < dropped.float().mean() < 0.7
         torch.testing.assert_close(x[~dropped], 2 * raw[~dropped])
+    assert not torch.equal(seen[0] == 0, seen[1] == 0)  # independent masks for q and k
     seen.clear()
     kernel.eval()
     out_eval, _ = kernel(q, k, v, ctx)
     torch.testing.assert_close(seen[0], q)
     assert not torch.allclose(out_train, out_eval)
+
+
+def test_elu_baseline_has_no_dropout():
+    """elu(x)+1 (Katharopoulos et al.) has no dropout, whatever kernel.dropout says."""
+    torch.manual_seed(12)
+    cfg = make_cfg("elu", dropout=0.5)
+    kernel = KernelAttention(cfg).train()
+    assert not any(isinstance(m, torch.nn.Dropout) for m in kernel.modules())
+    q, k, v = random_qkv(cfg)
+    ctx = LayerContext(mask_BN=torch.ones(3, 9, dtype=torch.bool))
+    torch.testing.assert_close(kernel(q, k, v, ctx)[0], kernel.eval()(q, k, v, ctx)[0])
 
 
 @pytest.mark.parametrize(("feature_map", "stacked"), CASES)
@@ -220,7 +233,8 @@ def test_orthogonal_init_and_penalty(feature_map, stacked):
     with torch.no_grad():
         for u in units(kernel):
             u.w_Hhh.add_(0.1 * torch.randn_like(u.w_Hhh))
-    expected = lam * orthogonality_formula(units(kernel))
+    # The authors add lambda * mean((W W^T - I)^2) at each feature-map call (queries, keys).
+    expected = 2 * lam * orthogonality_formula(units(kernel))
     assert expected > 1e-4
     torch.testing.assert_close(kernel.orthogonality_loss(), expected)
 
@@ -264,7 +278,7 @@ def test_penalty_counted_once_per_distinct_layer():
         for kernel in kernels:
             for u in units(kernel):
                 u.w_Hhh.mul_(1.1)
-    expected = sum(0.5 * orthogonality_formula(units(kernel)) for kernel in kernels)
+    expected = sum(2 * 0.5 * orthogonality_formula(units(kernel)) for kernel in kernels)
     aux = model(torch.randint(1, 512, (2, 5))).aux_losses
     torch.testing.assert_close(aux["kernel_orthogonality"], expected)
 
@@ -373,3 +387,103 @@ def test_linear_cost_no_N_by_N_intermediate():
     with LargestTensor() as naive_probe:
         naive_kernel_attention(q[..., :n, :], k[..., :n, :], v[..., :n, :], mask[:, :n], 1e-6)
     assert naive_probe.largest >= n * n
+
+
+# --------------------------------------------------------------------------------------------
+# Against a port of the authors' code (vladyorsh/lra_efficient_transformers, the LRA notebooks:
+# HWLinear, GatedOrthoKernel, AMGOLU, LinearKernel, LKAAttention); written for these tests.
+# --------------------------------------------------------------------------------------------
+
+
+class _AuthorsUnit(torch.nn.Module):
+    """One of the authors' kernel units: dropout on the input, then
+    kernel_nonlinearity(x W) * gate_nonlinearity(gate(x)), and the penalty appended per call."""
+
+    def __init__(self, w, gate_weights, last: bool, dropout: float, lam: float):
+        super().__init__()
+        self.w, self.gate_weights, self.last, self.lam = w, gate_weights, last, lam
+        self.dropout = torch.nn.Dropout(dropout)
+
+    def forward(self, x, losses):
+        x = self.dropout(x)
+        y = torch.matmul(x, self.w)
+        y = F.softplus(y) if self.last else y
+        if self.gate_weights:
+            g = x
+            for m in self.gate_weights:
+                g = torch.matmul(g, m)
+            y = y * torch.sigmoid(g)
+        eye = torch.eye(self.w.size(-1)).unsqueeze(0).expand(self.w.size(0), -1, -1)
+        losses.append(
+            torch.nn.MSELoss()(torch.matmul(self.w, self.w.transpose(-1, -2)), eye) * self.lam
+        )
+        return y
+
+
+def _authors_attention(port_units, q, k, v, losses):
+    """LKAAttention's kernel step: lka on q, then on k (each call appends the losses)."""
+    for u in port_units:
+        q = u(q, losses)
+    for u in port_units:
+        k = u(k, losses)
+    h = q.size(-1)
+    q, k = q / h**0.5, k / h**0.5
+    numerator = torch.matmul(q, (k.unsqueeze(-1) * v.unsqueeze(-2)).sum(dim=2))
+    denominator = q.matmul(k.sum(dim=2).unsqueeze(-1))
+    return numerator / denominator
+
+
+def _port_of(kernel: KernelAttention, dropout: float, lam: float) -> list[_AuthorsUnit]:
+    out = []
+    for u in units(kernel):
+        if u.feature_map == "aoglu":
+            gate_weights = [u.a_Hhr, u.b_Hrh]
+        elif u.feature_map in ("glu", "oglu"):
+            gate_weights = [u.v_Hhh]
+        else:
+            gate_weights = []
+        out.append(_AuthorsUnit(u.w_Hhh, gate_weights, u.last, dropout, lam))
+    return out
+
+
+@pytest.mark.parametrize(("feature_map", "stacked"), [("aoglu", 3), ("oglu", 2), ("ffn", 1)])
+def test_matches_authors_port(feature_map, stacked):
+    """Same output (with dropout: same RNG order, one mask per unit per call) and the same
+    penalty as the authors' kernel attention; padding-free since their kernel has no mask."""
+    lam, p = 0.1, 0.2
+    cfg = make_cfg(feature_map, stacked, dropout=p, orthogonality_penalty=lam)
+    torch.manual_seed(7)
+    kernel = KernelAttention(cfg).train()
+    for u in units(kernel):
+        u.init_parameters()
+    port = _port_of(kernel, p, lam)
+    q, k, v = random_qkv(cfg, B=2, N=11)
+    ctx = LayerContext(mask_BN=torch.ones(2, 11, dtype=torch.bool))
+    torch.manual_seed(123)
+    ours, aux = kernel(q, k, v, ctx)
+    torch.manual_seed(123)
+    losses: list[torch.Tensor] = []
+    theirs = _authors_attention(port, q, k, v, losses)
+    torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+    assert len(losses) == 2 * stacked
+    torch.testing.assert_close(aux["kernel_orthogonality"], sum(losses))
+
+
+def test_non_orthogonal_weights_are_he_normal():
+    """The authors' HWLinear init N(0, 2 / fan_in) for V (glu), A and B (aoglu); about 6x the
+    std of nn.Linear's U(+-1/sqrt(fan_in)) at fan_in 8 (aoglu's B)."""
+    torch.manual_seed(8)
+    big = EncoderConfig.preset(
+        "debug",
+        attention="kernel",
+        hidden_size=256,
+        num_attention_heads=4,
+        kernel={"feature_map": "aoglu"},
+    )
+    unit = units(KernelAttention(big))[0]
+    h, r = big.head_dim, big.head_dim // 4
+    assert abs(unit.a_Hhr.std().item() / (2 / h) ** 0.5 - 1) < 0.05
+    assert abs(unit.b_Hrh.std().item() / (2 / r) ** 0.5 - 1) < 0.05
+    glu = units(KernelAttention(make_cfg("glu")))[0]
+    for w in (glu.w_Hhh, glu.v_Hhh):  # glu's W is not orthogonal: He-normal as well
+        assert abs(w.std().item() / (2 / w.size(-2)) ** 0.5 - 1) < 0.2

@@ -342,7 +342,7 @@ def test_family_settings():
     assert (transject.num_experts, transject.eigenvalues) == (4, "approx")
     assert transject.reconstruction_weight == pytest.approx(1e-3)
     tisa_enc = _encoder(_finetune("lra", "listops", "tisa"))
-    assert tisa_enc.position_embedding == "none"
+    assert tisa_enc.position_embedding == "absolute"  # the paper's main setting
     assert (tisa_enc.tisa.num_kernels, tisa_enc.tisa.scope) == (5, "per_layer")
 
 

@@ -36,6 +36,8 @@ def test_shipped_model_config_parses(path):
             "embedding_size": 16,
             "vocab_size": 100,
             "num_hidden_layers": 2,
+            # one layer per depth stays one layer per depth
+            "num_hidden_groups": 2 if data.get("num_hidden_groups", 1) > 1 else 1,
         }
     )
     out = EncoderForPretraining(small)(torch.randint(0, 100, (2, 6)))

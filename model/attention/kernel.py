@@ -17,15 +17,22 @@ r = h // gate_rank_divisor, no bias):
     elu    phi(x) = elu(x) + 1                    parameter-free baseline (Katharopoulos et al. 2020)
 `num_stacked` units run in sequence; g is the identity in all but the last unit and softplus in
 the last, so phi > 0. (Stacked `ffn` units are thus a product of linear maps before the softplus.)
-Non-orthogonal matrices get nn.Linear's default scale, U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+As in the authors' code (vladyorsh/lra_efficient_transformers, the LRA notebooks' HWLinear,
+GatedOrthoKernel, AMGOLU, LinearKernel):
+* non-orthogonal matrices (V, A, B) are He-normal, N(0, 2 / fan_in);
+* every unit drops out its own input (`kernel.dropout`), so a stack of k units drops k times, and
+  queries and keys get independent masks; the parameter-free `elu` baseline has no dropout;
+* the authors divide phi(q) and phi(k) by sqrt(h) and add no eps: both cancel in the ratio up to
+  the eps this project adds to the normaliser (1e-6, against a ratio of sums of positive terms).
 
-Orthogonality penalty: lambda * sum over the orthogonally initialised W of every unit of
-mean((W W^T - I)^2) (mean over heads and entries), returned as the auxiliary loss
-`kernel_orthogonality` when lambda > 0. **Decision (cross-layer sharing):** the penalty is a
-property of the weights, not of how often they run, so a layer reports it only at the FIRST
-application of its weights in a forward (`LayerContext.first_use`); the encoder's
-sum over applications then counts every distinct W exactly once, whatever the depth. Without
-sharing this is the paper's sum over layers.
+Orthogonality penalty: the authors' `MSELoss(W W^T, I) * LAMBDA` (mean over heads and entries)
+is appended at every call of the feature map, i.e. once for the queries and once for the keys:
+2 * lambda * mean((W W^T - I)^2) per orthogonally initialised W per layer. This module returns
+exactly that (`PENALTY_CALLS_PER_FORWARD = 2`) as the auxiliary loss `kernel_orthogonality` when
+lambda > 0. **Decision (cross-layer sharing):** the penalty is a property of the weights, not of
+how often they run, so a layer reports it only at the FIRST application of its weights in a
+forward (`LayerContext.first_use`); the encoder's sum over applications then counts every
+distinct W once, whatever the depth. Without sharing this is the authors' sum over layers.
 
 Legend: B batch, H heads, N tokens, h head width, r gate rank. `q_BHNh` is (B, H, N, h),
 `w_Hhh` is (H, h, h), `kv_BHhh` the per-head h x h key-value summary, `z_BH1h` the key sum.
@@ -46,6 +53,9 @@ from model.config import EncoderConfig
 ORTHOGONAL_MAPS = ("ffn", "oglu", "aoglu")
 """Feature maps whose W is orthogonally initialised (and subject to the penalty)."""
 
+PENALTY_CALLS_PER_FORWARD = 2
+"""The authors add the penalty at every feature-map call: phi(queries) and phi(keys)."""
+
 
 def naive_kernel_attention(
     phi_q_BHNh: Tensor, phi_k_BHNh: Tensor, v_BHNh: Tensor, mask_BN: Tensor, eps: float
@@ -64,20 +74,29 @@ def _matmul(x: Tensor, w: Tensor) -> Tensor:
     return x @ w
 
 
-def _uniform_fan_in_(w: Tensor) -> None:
-    """nn.Linear's default scale for a stack of (fan_in, fan_out) matrices."""
-    bound = 1.0 / math.sqrt(w.size(-2))
-    nn.init.uniform_(w, -bound, bound)
+def _he_normal_(w: Tensor) -> None:
+    """The authors' HWLinear init for a stack of (fan_in, fan_out) matrices: N(0, 2 / fan_in)."""
+    nn.init.normal_(w, mean=0.0, std=math.sqrt(2.0 / w.size(-2)))
 
 
 class FeatureMapUnit(nn.Module):
-    """One unit g(x W) [* sigmoid(gate(x))], per head. Owns its raw parameters and their init."""
+    """One unit g(Drop(x) W) [* sigmoid(gate(Drop(x)))], per head, with its own dropout on its
+    input. Owns its raw parameters and their init."""
 
-    def __init__(self, feature_map: str, num_heads: int, head_dim: int, rank: int, last: bool):
+    def __init__(
+        self,
+        feature_map: str,
+        num_heads: int,
+        head_dim: int,
+        rank: int,
+        last: bool,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         H, h = num_heads, head_dim
         self.feature_map = feature_map
         self.last = last
+        self.dropout = nn.Dropout(dropout)
         self.w_Hhh = nn.Parameter(torch.empty(H, h, h))
         if feature_map in ("glu", "oglu"):
             self.v_Hhh = nn.Parameter(torch.empty(H, h, h))
@@ -93,16 +112,17 @@ class FeatureMapUnit(nn.Module):
 
     @torch.no_grad()
     def init_parameters(self) -> None:
-        """Orthogonal W per head (ffn, oglu, aoglu), else nn.Linear's default scale. Called by
+        """Orthogonal W per head (ffn, oglu, aoglu), else He-normal (the authors'). Called by
         the encoder's generic init instead of its N(0, 0.02)."""
         for name, param in self.named_parameters(recurse=False):
             if name == "w_Hhh" and self.orthogonal:
                 for w_hh in param:  # nn.init.orthogonal_ would flatten the head dimension
                     nn.init.orthogonal_(w_hh)
             else:
-                _uniform_fan_in_(param)
+                _he_normal_(param)
 
     def forward(self, x_BHNh: Tensor) -> Tensor:
+        x_BHNh = self.dropout(x_BHNh)
         y_BHNh = _matmul(x_BHNh, self.w_Hhh)
         if self.last:
             y_BHNh = F.softplus(y_BHNh)
@@ -130,7 +150,12 @@ class FeedForwardFeatureMap(nn.Module):
         rank = h // kc.gate_rank_divisor
         self.units = nn.ModuleList(
             FeatureMapUnit(
-                kc.feature_map, cfg.num_attention_heads, h, rank, i == kc.num_stacked - 1
+                kc.feature_map,
+                cfg.num_attention_heads,
+                h,
+                rank,
+                last=i == kc.num_stacked - 1,
+                dropout=kc.dropout,
             )
             for i in range(kc.num_stacked)
         )
@@ -164,7 +189,6 @@ class KernelAttention(ScoreKernel):
         kc = cfg.kernel
         self.eps = kc.eps
         self.penalty = kc.orthogonality_penalty
-        self.dropout = nn.Dropout(kc.dropout)  # on the kernel input (per-head q and k)
         self.phi = EluFeatureMap() if kc.feature_map == "elu" else FeedForwardFeatureMap(cfg)
         if self.penalty > 0 and kc.feature_map not in ORTHOGONAL_MAPS:
             warnings.warn(
@@ -179,15 +203,16 @@ class KernelAttention(ScoreKernel):
             )
 
     def orthogonality_loss(self) -> Tensor | None:
-        """lambda * sum over units of mean((W W^T - I)^2); None if lambda = 0 or no such W."""
+        """2 * lambda * sum over units of mean((W W^T - I)^2) (the authors count it for the
+        queries' and the keys' call); None if lambda = 0 or no such W."""
         error = self.phi.orthogonality_error() if self.penalty > 0 else None
-        return None if error is None else self.penalty * error
+        return None if error is None else PENALTY_CALLS_PER_FORWARD * self.penalty * error
 
     def forward(
         self, q_BHNh: Tensor, k_BHNh: Tensor, v_BHNh: Tensor, ctx: LayerContext
     ) -> tuple[Tensor, AuxLosses]:
-        phi_q_BHNh = self.phi(self.dropout(q_BHNh))
-        phi_k_BHNh = self.phi(self.dropout(k_BHNh))
+        phi_q_BHNh = self.phi(q_BHNh)  # each unit drops out its own input
+        phi_k_BHNh = self.phi(k_BHNh)
         # The two sums over keys and the normaliser in fp32, whatever the autocast dtype.
         with torch.autocast(q_BHNh.device.type, enabled=False):
             pad_B1N1 = ~ctx.mask_BN[:, None, :, None]
@@ -215,6 +240,7 @@ FAMILY = AttentionFamily(
 
 __all__ = [
     "FAMILY",
+    "PENALTY_CALLS_PER_FORWARD",
     "EluFeatureMap",
     "FeatureMapUnit",
     "FeedForwardFeatureMap",

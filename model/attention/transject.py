@@ -14,19 +14,30 @@ The family replaces the whole layer, the embeddings, and adds a once-per-forward
     embeddings   x_i = [ sqrt(P) E(t_i) ; PE(i) ]           E orthogonal rows (when V <= P)
     state        M = X0^T X0 (per sample, padding excluded)
                  lambda = diag(U^T M U) / max|diag(U^T M U)|   U learnable orthogonal (d x d)
-                 aux loss  w_rec * mean( (M/s - U diag(lambda) U^T)^2 )
-    attention    A_e(X) = ELU( X U_e diag(lambda) V_e^T )     U_e, V_e orthogonal (d x d), no bias
-                 w = softmax_e( g( masked max_n A_e(X) ) )    g: R^d -> R shared by the experts
+                 aux loss  w_rec * mean( (M/s - U diag(lambda) U^T)^2 ),  s = max|diag(U^T M U)|
+    attention    A_e(X) = ELU( (X U_e + b_e) diag(lambda) V_e^T )  U_e, V_e orthogonal (d x d)
+                 w = softmax_e( g( masked max_n (X + alpha_l A_e(X)) ) )   g: R^d -> R, shared
                  Attn(X) = sum_e w_e A_e(X)
     layer        alpha_l = tanh(r_l) / L_app
                  X <- X + alpha_l Attn(X)
-                 X <- X + alpha_l ELU( W2 Drop( ELU( W1 X ) ) )  W1, W2 orthogonal (d x d), no bias
+                 X <- X + alpha_l ELU( W2 Drop( ELU( W1 X + b1 ) ) + b2 )  W1, W2 orthogonal
 
 Why the map is injective and Lipschitz (the property the tests check): for one sample, Lambda and
-the gate w are fixed, ||U_e Lambda V_e^T||_2 = max|lambda| = 1, ELU is 1-Lipschitz and the gate
-is a convex combination, so each sublayer F has Lip(F) <= 1 on token vectors; x + alpha F(x) with
-|alpha| < 1 then satisfies (1 - |alpha|) ||x - y|| <= ||f(x) - f(y)|| <= (1 + |alpha|) ||x - y||.
-There is no LayerNorm anywhere (LayerNorm is not injective).
+the gate w are fixed, ||U_e Lambda V_e^T||_2 = max|lambda| = 1, ELU is 1-Lipschitz, a bias inside
+is a translation, and the gate is a convex combination, so each sublayer F has Lip(F) <= 1 on
+token vectors; x + alpha F(x) with |alpha| < 1 then satisfies
+(1 - |alpha|) ||x - y|| <= ||f(x) - f(y)|| <= (1 + |alpha|) ||x - y||.
+There is no LayerNorm anywhere (LayerNorm is not injective). The authors' bias on V (option
+`transject.bias=authors`) adds (sum_k (X U_e + b_e)_k) b_V to every token, a rank-one term of
+norm up to sqrt(d) ||b_V|| that this bound does not cover; it is off by default.
+
+Following the authors' code (victor7246/TransJect models/layers.py), where the earlier reading
+of the paper differed (each a named option; docs/methods.md has the measurements):
+* the gate pools each expert's sublayer output X + alpha A_e(X) (`transject.gate_input`);
+* the expert's U map and both FFN maps have biases, initialised as nn.Linear's
+  (`transject.bias`); the gate g as nn.Linear's default too;
+* alpha_l = tanh(r_l) / L with r_l = 0 at init (ReZero), one r_l per layer shared by the
+  attention and the FFN residual: as in the authors' code.
 
 Decisions (METHODS.md 3, where the paper and the authors' code disagree or the code is wrong):
 * Token embedding orthogonally parameterised (rows orthonormal) when V <= P, else plain
@@ -38,11 +49,16 @@ Decisions (METHODS.md 3, where the paper and the authors' code disagree or the c
   injectivity.
 * Pooling over tokens (in the heads) must be masked: use `pooling="mean"` (masked) for the paper's
   mean pooling; the code averages over padding.
+* The reconstruction loss compares M / s with U diag(lambda) U^T (s = max|diag(U^T M U)|, the
+  scale that normalises lambda), at the authors' weights: it is zero exactly at an eigenbasis of
+  M and does not grow with N or the embedding norm. The authors' loss compares the raw M with the
+  normalised reconstruction (`transject.reconstruction=authors`, kept as an option): its minimum
+  over U spreads diag(U^T M U) evenly instead of diagonalising M, and measured on a 2-layer
+  classifier it moves U away from the eigenbasis (eigenbasis error 0.789 -> 0.807 in 200 AdamW
+  steps) while the scale-free loss at the same weight 1e-3 trains it (0.789 -> 0.642; with no
+  loss 0.785). `eigenbasis_error` is logged to TensorBoard with the pretraining diagnostics.
 
 Project readings where the paper is silent:
-* The reconstruction loss compares M / s with U diag(lambda) U^T, with s = max|diag(U^T M U)| the
-  same scale that normalises lambda, so the loss is scale-free (it does not grow with N or with
-  the embedding norm) and its weight means the same thing for every sequence length.
 * The token half is multiplied by the fixed constant sqrt(P) (the sqrt(d_model) embedding scale of
   Vaswani et al.): orthonormal rows have norm 1 while the sinusoid has norm sqrt(P/2); scaled, the
   token half has entries of RMS 1 like the authors' plain N(0, 1) embedding, and the two halves
@@ -176,26 +192,52 @@ def _normalise(lam_raw_Bd: Tensor) -> tuple[Tensor, Tensor]:
     return lam_raw_Bd / s_B1, s_B1
 
 
-def approximate_eigenvalues(x0_BND: Tensor, mask_BN: Tensor, U_dd: Tensor) -> tuple[Tensor, Tensor]:
-    """Approximate eigenvalues of M = X0^T X0 in the basis U, normalised; and the reconstruction error.
+def _gram(x0_BND: Tensor, mask_BN: Tensor) -> Tensor:
+    """M = X0^T X0 (B, d, d) over the real tokens of each sample, fp32."""
+    x_BND = x0_BND.float() * mask_BN.unsqueeze(-1).float()  # padding rows excluded
+    return x_BND.mT @ x_BND
+
+
+def approximate_eigenvalues(
+    x0_BND: Tensor, mask_BN: Tensor, U_dd: Tensor, reconstruction: str = "scale_free"
+) -> tuple[Tensor, Tensor]:
+    """Approximate eigenvalues of M = X0^T X0 in the basis U, normalised; and the reconstruction loss.
 
     Returns (lam_Bd, recon_B):
         M_Bdd    = X0^T X0 over the real tokens of each sample
         lam_raw  = diag(U^T M U)             (a real matrix product: Decision, METHODS.md 3)
         lam      = lam_raw / s,              s = max_k |lam_raw_k|
-        recon    = mean_{ij} ( M/s - U diag(lam) U^T )^2_{ij}
+        recon    = mean_{ij} ( M/s - U diag(lam) U^T )^2_{ij}    reconstruction="scale_free"
+                   mean_{ij} ( M - U diag(lam) U^T )^2_{ij}      reconstruction="authors"
     Everything in fp32 with autocast off.
     """
     with torch.autocast(device_type=x0_BND.device.type, enabled=False):
-        x_BND = x0_BND.float() * mask_BN.unsqueeze(-1).float()  # padding rows excluded
+        M_Bdd = _gram(x0_BND, mask_BN)
         U = U_dd.float()
-        M_Bdd = x_BND.mT @ x_BND
         # diag(U^T M U)_k = sum_i U_ik (M U)_ik: the diagonal of the product without forming it.
         lam_raw_Bd = (U * (M_Bdd @ U)).sum(dim=-2)
         lam_Bd, s_B1 = _normalise(lam_raw_Bd)
         recon_Bdd = (U * lam_Bd[:, None, :]) @ U.mT  # U diag(lam) U^T
-        recon_B = ((M_Bdd / s_B1[:, :, None] - recon_Bdd) ** 2).mean(dim=(-2, -1))
+        target_Bdd = M_Bdd if reconstruction == "authors" else M_Bdd / s_B1[:, :, None]
+        recon_B = ((target_Bdd - recon_Bdd) ** 2).mean(dim=(-2, -1))
     return lam_Bd, recon_B
+
+
+@torch.no_grad()
+def eigenbasis_error(x0_BND: Tensor, mask_BN: Tensor, U_dd: Tensor) -> Tensor:
+    """(B,) how far U is from an eigenbasis of M: ||offdiag(U^T M U)||_F^2 / ||M||_F^2.
+
+    Equals ||M - U diag(lam_raw) U^T||_F^2 / ||M||_F^2 (U orthogonal): 0 when U diagonalises M,
+    about 1 - 1/d for a random U. Scale-free, so it is comparable across runs and lengths; the
+    diagnostic logged to show that the eigenbasis trains.
+    """
+    with torch.autocast(device_type=x0_BND.device.type, enabled=False):
+        M_Bdd = _gram(x0_BND, mask_BN)
+        U = U_dd.float()
+        D_Bdd = U.mT @ M_Bdd @ U
+        total_B = (M_Bdd**2).sum(dim=(-2, -1)).clamp_min(_EPS)
+        diag_B = (torch.diagonal(D_Bdd, dim1=-2, dim2=-1) ** 2).sum(-1)
+        return ((total_B - diag_B) / total_B).clamp_min(0.0)
 
 
 class EigenState(FamilyState):
@@ -216,6 +258,7 @@ class EigenState(FamilyState):
         d = cfg.hidden_size
         self.mode = cfg.transject.eigenvalues
         self.reconstruction_weight = cfg.transject.reconstruction_weight
+        self.reconstruction = cfg.transject.reconstruction
         if self.mode == "approx":
             self.eigenbasis = nn.Parameter(torch.empty(d, d))
             make_orthogonal(self, "eigenbasis", cfg.orthogonal_map)
@@ -226,9 +269,24 @@ class EigenState(FamilyState):
         if self.mode == "random":
             lam_1d, _ = _normalise(self.eigenvalues.float()[None, :])
             return {LAMBDA_KEY: lam_1d}, {}
-        lam_Bd, recon_B = approximate_eigenvalues(x0_BND, mask_BN, self.eigenbasis)
+        lam_Bd, recon_B = approximate_eigenvalues(
+            x0_BND, mask_BN, self.eigenbasis, self.reconstruction
+        )
         return {LAMBDA_KEY: lam_Bd}, {
             RECONSTRUCTION_KEY: self.reconstruction_weight * recon_B.mean()
+        }
+
+    @torch.no_grad()
+    def diagnostics(self, x0_BND: Tensor, mask_BN: Tensor) -> dict[str, float]:
+        """Scalars for TensorBoard: the eigenbasis error (mean over the batch) and the
+        unweighted reconstruction loss; empty for Random-TransJect."""
+        if self.mode == "random":
+            return {}
+        _, recon_B = approximate_eigenvalues(x0_BND, mask_BN, self.eigenbasis, self.reconstruction)
+        error_B = eigenbasis_error(x0_BND, mask_BN, self.eigenbasis)
+        return {
+            "transject/eigenbasis_error": float(error_B.mean()),
+            "transject/reconstruction_loss": float(recon_B.mean()),
         }
 
 
@@ -237,26 +295,54 @@ class EigenState(FamilyState):
 # ---------------------------------------------------------------------------------------------
 
 
+def residual_alpha(ctx: LayerContext, num_applications: int) -> Tensor:
+    """alpha_l = tanh(r_l) / L_app, the injective residual weight of this application."""
+    if ctx.residual_gate is None:
+        raise ValueError("TransJect layers need ctx.residual_gate (the encoder's r_l)")
+    return torch.tanh(ctx.residual_gate) / num_applications
+
+
+def _linear_default_init_(param: Tensor, fan_in: int) -> None:
+    """nn.Linear's default init of a bias (and of a weight, up to the same bound): U(+-1/sqrt(fan_in))."""
+    bound = 1.0 / math.sqrt(fan_in)
+    nn.init.uniform_(param, -bound, bound)
+
+
 class TransJectAttention(Attention):
-    """E orthogonal experts A_e(X) = ELU(X U_e Lambda V_e^T) mixed by a per-sample softmax gate.
+    """E orthogonal experts A_e(X) = ELU((X U_e + b_e) Lambda V_e^T) mixed by a per-sample gate.
 
     Mixing is over features, per token: cost O(N E d^2), linear in N; outputs at real tokens do
-    not depend on padding (Lambda and the gate's max-pool exclude it). No bias anywhere (a bias
-    would break the Lipschitz bound). U, V are stacked as (E, d, d) orthogonal tensors so the
-    experts run as one batched product.
+    not depend on padding (Lambda and the gate's max-pool exclude it). U, V are stacked as
+    (E, d, d) orthogonal tensors so the experts run as one batched product. Biases per
+    `cfg.transject.bias` (module docstring); the gate pools per `cfg.transject.gate_input`.
     """
 
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
         d, E = cfg.hidden_size, cfg.transject.num_experts
         self.num_experts = E
+        self.num_applications = cfg.num_layer_applications
+        self.gate_input = cfg.transject.gate_input
         self.expert_u = nn.Parameter(torch.empty(E, d, d))
         self.expert_v = nn.Parameter(torch.empty(E, d, d))
         make_orthogonal(self, "expert_u", cfg.orthogonal_map)
         make_orthogonal(self, "expert_v", cfg.orthogonal_map)
+        bias = cfg.transject.bias
+        self.expert_u_bias = nn.Parameter(torch.zeros(E, d)) if bias != "none" else None
+        self.expert_v_bias = nn.Parameter(torch.zeros(E, d)) if bias == "authors" else None
         # The gate g: R^d -> R. No bias: a shared bias shifts every expert's logit equally and
-        # cancels in the softmax (it would only ever get a zero gradient).
+        # cancels in the softmax (the authors' has one; it only ever gets a zero gradient).
         self.gate = Linear(d, 1, bias=False)
+
+    def init_parameters(self) -> None:
+        """The authors' nn.Linear defaults for the biases and the gate (the encoder's init
+        calls this instead of its N(0, 0.02)); U_e, V_e come from their parametrization."""
+        d = self.gate.in_features
+        with torch.no_grad():
+            _linear_default_init_(self.gate.weight, d)
+            for b in (self.expert_u_bias, self.expert_v_bias):
+                if b is not None:
+                    _linear_default_init_(b, d)
 
     def experts(self, x_BND: Tensor, ctx: LayerContext) -> tuple[Tensor, Tensor]:
         """(a_BEND, w_BE): every expert's output and the per-sample mixture weights."""
@@ -264,16 +350,31 @@ class TransJectAttention(Attention):
         U_Edd = _compute_dtype(x_BND, self.expert_u)
         V_Edd = _compute_dtype(x_BND, self.expert_v)
         lam_B11d = _compute_dtype(x_BND, lam_Bd)[:, None, None, :]
-        # A_e(X) = ELU( ((X U_e) * lambda) V_e^T ): row vectors, so "X U" is x @ U. All experts
-        # in one broadcast batched product each (B*E matrices), no loop over experts. (Written
-        # as matmuls, not einsum: AOTAutograd's einsum backward fails on the non-contiguous
-        # gradients the gate makes, "view size is not compatible", under torch.compile.)
+        # A_e(X) = ELU( ((X U_e + b_e) * lambda) V_e^T ): row vectors, so "X U" is x @ U. All
+        # experts in one broadcast batched product each (B*E matrices), no loop over experts.
+        # (Written as matmuls, not einsum: AOTAutograd's einsum backward fails on the
+        # non-contiguous gradients the gate makes, "view size is not compatible", under
+        # torch.compile.)
         xu_BEND = x_BND[:, None] @ U_Edd  # (B, 1, N, d) @ (E, d, d)
-        a_BEND = F.elu((xu_BEND * lam_B11d) @ V_Edd.mT)
+        if self.expert_u_bias is not None:
+            xu_BEND = xu_BEND + self.expert_u_bias.to(xu_BEND.dtype)[None, :, None, :]
+        pre_BEND = (xu_BEND * lam_B11d) @ V_Edd.mT
+        if self.expert_v_bias is not None:
+            # The authors' V(diag(lambda)) = diag(lambda) V^T + 1 b_V^T: every row gets b_V,
+            # so the product adds (sum_k xu_k) b_V to each token.
+            b_v_1E1d = self.expert_v_bias.to(pre_BEND.dtype)[None, :, None, :]
+            pre_BEND = pre_BEND + xu_BEND.sum(dim=-1, keepdim=True) * b_v_1E1d
+        a_BEND = F.elu(pre_BEND)
 
-        # Gate: masked max over real tokens -> shared g -> softmax over experts (in fp32).
+        # Gate: masked max over real tokens -> shared g -> softmax over experts (in fp32). The
+        # authors pool each expert's sublayer output X + alpha A_e(X).
+        if self.gate_input == "sublayer":
+            alpha = residual_alpha(ctx, self.num_applications).to(a_BEND.dtype)
+            gated_BEND = x_BND[:, None] + alpha * a_BEND
+        else:
+            gated_BEND = a_BEND
         mask_B1N1 = ctx.mask_BN[:, None, :, None]
-        pooled_BED = a_BEND.masked_fill(~mask_B1N1, torch.finfo(a_BEND.dtype).min).amax(dim=2)
+        pooled_BED = gated_BEND.masked_fill(~mask_B1N1, torch.finfo(a_BEND.dtype).min).amax(dim=2)
         has_tokens_B11 = ctx.mask_BN.any(dim=1)[:, None, None]
         pooled_BED = pooled_BED.masked_fill(~has_tokens_B11, 0.0)  # all-padding sample: no -inf
         w_BE = self.gate(pooled_BED).squeeze(-1).float().softmax(dim=-1)
@@ -295,11 +396,12 @@ class TransJectAttention(Attention):
 
 
 class TransJectLayer(nn.Module):
-    """X <- X + alpha Attn(X);  X <- X + alpha ELU(W2 Drop(ELU(W1 X)));  alpha = tanh(r_l) / L_app.
+    """X <- X + alpha Attn(X);  X <- X + alpha ELU(W2 Drop(ELU(W1 X + b1)) + b2);  alpha = tanh(r_l)/L_app.
 
     r_l is owned by the encoder (one scalar per layer application, `ctx.residual_gate`), starts at
     `cfg.transject.residual_init` (0: ReZero, the identity map at init), so |alpha| < 1/L_app and
-    every application is a contraction-perturbed identity: injective. No LayerNorm.
+    every application is a contraction-perturbed identity: injective. No LayerNorm. The FFN
+    biases follow `cfg.transject.bias` (none only for `none`), initialised as nn.Linear's.
     """
 
     def __init__(self, cfg: EncoderConfig):
@@ -307,9 +409,18 @@ class TransJectLayer(nn.Module):
         d = cfg.hidden_size
         self.num_applications = cfg.num_layer_applications
         self.attention = TransJectAttention(cfg)
-        self.ffn_in = make_orthogonal(Linear(d, d, bias=False), "weight", cfg.orthogonal_map)
-        self.ffn_out = make_orthogonal(Linear(d, d, bias=False), "weight", cfg.orthogonal_map)
+        bias = cfg.transject.bias != "none"
+        self.ffn_in = make_orthogonal(Linear(d, d, bias=bias), "weight", cfg.orthogonal_map)
+        self.ffn_out = make_orthogonal(Linear(d, d, bias=bias), "weight", cfg.orthogonal_map)
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+
+    def init_parameters(self) -> None:
+        """FFN biases as nn.Linear's default (the encoder's init would zero them); runs after the
+        children's init, so it has the last word."""
+        with torch.no_grad():
+            for linear in (self.ffn_in, self.ffn_out):
+                if linear.bias is not None:
+                    _linear_default_init_(linear.bias, linear.in_features)
 
     @staticmethod
     def residual_gate_init(cfg: EncoderConfig) -> float:
@@ -321,9 +432,7 @@ class TransJectLayer(nn.Module):
         return F.elu(self.ffn_out(self.dropout(F.elu(self.ffn_in(x_BND)))))
 
     def forward(self, x_BND: Tensor, ctx: LayerContext) -> tuple[Tensor, AuxLosses]:
-        if ctx.residual_gate is None:
-            raise ValueError("TransJectLayer needs ctx.residual_gate (the encoder's r_l)")
-        alpha = torch.tanh(ctx.residual_gate) / self.num_applications
+        alpha = residual_alpha(ctx, self.num_applications)
         attn = self.attention(x_BND, ctx)
         x_BND = x_BND + alpha * attn.hidden_BND
         x_BND = x_BND + alpha * self.ffn(x_BND)
@@ -350,5 +459,7 @@ __all__ = [
     "TransJectEmbeddings",
     "TransJectLayer",
     "approximate_eigenvalues",
+    "eigenbasis_error",
+    "residual_alpha",
     "sinusoidal_encoding",
 ]
