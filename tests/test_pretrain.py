@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from pretrain_support import (
+    FAMILY as FAMILY_OVERRIDES,
+)
+from pretrain_support import (
     REPO,
     base_overrides,
     env,
@@ -111,6 +114,8 @@ def test_tensorboard_holds_the_scalars_and_diagnostics(matrix):
         "diagnostics/expert_weight/layer_00/expert_1",
         "diagnostics/residual/layer_01",
         "diagnostics/orthogonality_error_max",
+        "diagnostics/transject/eigenbasis_error",
+        "diagnostics/transject/reconstruction_loss",
     }
     assert expected <= tags, sorted(expected - tags)
     run_dir = matrix["out"] / "zero0-fp32-plain-transject"
@@ -120,6 +125,26 @@ def test_tensorboard_holds_the_scalars_and_diagnostics(matrix):
     assert scalars["loss/mlm"][-1][1] == pytest.approx(jsonl[3]["loss/mlm"], rel=1e-6)
     tisa = matrix["out"] / "zero0-fp32-plain-tisa" / "tensorboard"
     assert "diagnostics/tisa_curves" in read_image_tags(tisa)
+
+
+def test_transject_eigenbasis_error_falls_over_a_run(shards, tmp_path):
+    """The eigen-approximation trains: TransJect's eigenbasis error (the share of M's energy off
+    the diagonal of U^T M U), logged to TensorBoard every 10 steps, falls over 60 steps."""
+    run_dir = tmp_path / "run"
+    overrides = [
+        *base_overrides(shards, run_dir, 60),
+        *FAMILY_OVERRIDES["transject"],
+        "train.log_every=10",
+        "train.diagnostics_every=10",
+        "model.transject.reconstruction_weight=0.1",  # the authors' LM weight
+    ]
+    _check(run_pretrain(overrides, nproc=1), "transject pretraining")
+    curve = read_scalars(run_dir / "tensorboard")["diagnostics/transject/eigenbasis_error"]
+    steps = [s for s, _ in curve]
+    values = [v for _, v in curve]
+    assert steps[0] == 10 and steps[-1] == 60, steps
+    print("eigenbasis error", list(zip(steps, values)))
+    assert values[-1] < values[0] - 0.05, values
 
 
 # ----------------------------------------------------------------------------- resume
