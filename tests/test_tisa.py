@@ -246,3 +246,32 @@ def test_state_extras_shapes():
     assert extras["tisa_values"].shape == (3, cfg.num_attention_heads, 9)
     assert "tisa_bias" not in extras  # per_layer kernels build their own bias
     assert state.scorers[0].a.shape == (2, cfg.num_attention_heads)
+
+
+def _authors_tisa_matrix(a, b, c, seq_len: int) -> torch.Tensor:
+    """A port of ulmewennberg/tisa Tisa.forward (written for this test): RBF scores at offsets
+    -N .. N, gathered into the (H, N, N) matrix with their 'deformed Toeplitz' index."""
+    offsets = torch.arange(-seq_len, seq_len + 1)
+    scores = (
+        a.unsqueeze(-1)
+        * torch.exp(-torch.abs(b.unsqueeze(-1)) * ((c.unsqueeze(-1) - offsets) ** 2))
+    ).sum(axis=0)
+    index = (
+        (torch.arange(0, -(seq_len**2), step=-1) + (seq_len - 1)).view(seq_len, seq_len)
+        + (seq_len + 1) * torch.arange(seq_len).view(-1, 1)
+    ).view(-1)
+    return torch.take_along_dim(scores, index.view(1, -1), 1).view(a.shape[1], seq_len, seq_len)
+
+
+def test_bias_matches_authors_port_up_to_the_offset_convention():
+    """Their matrix is f(i - j - 1); ours is f(j - i). The same function with centres c' = -c - 1
+    (a reparameterisation: same a, b), so the two biases are equal entry by entry."""
+    from model.attention.tisa import PositionScorer, toeplitz_bias
+
+    torch.manual_seed(0)
+    scorer = PositionScorer(num_kernels=5, num_heads=3)
+    theirs = _authors_tisa_matrix(scorer.a, scorer.b, scorer.c, 9)
+    with torch.no_grad():
+        scorer.c.copy_(-scorer.c - 1)
+    ours = toeplitz_bias(scorer.values(9))
+    torch.testing.assert_close(ours, theirs)
