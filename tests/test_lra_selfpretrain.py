@@ -163,5 +163,6 @@ def test_mini_lra_tiny(tmp_path):
     release = load_release(tmp_path / "pretrain" / "text-kernel" / "release")
     assert release.config.attention == "kernel" and release.config.vocab_size == 260
     table = (tmp_path / "results.md").read_text()
-    assert table.startswith("| family | text scratch | text self-pretrained | text gain |")
-    assert "| kernel |" in table
+    assert table.startswith("| model | init | text | text − shortcut | text gain | average |")
+    assert "| kernel | scratch |" in table and "| kernel | self-pretrained |" in table
+    assert "| bag-of-tokens | baseline |" in table and "| text: step | 4 | 8 |" in table

@@ -27,12 +27,25 @@ from data_prep.corpus import embedded_documents
 
 POSITIVE = ("good", "great", "excellent", "wonderful", "superb", "brilliant", "lovely", "fine")
 NEGATIVE = ("bad", "awful", "terrible", "boring", "dreadful", "poor", "horrible", "dull")
+CUE_STYLES = ("words", "mirrored")
+"""`words`: the two lists above. `mirrored`: the positive words and the same words spelt
+backwards as the negative cues ("good" / "doog"), so the two classes have the same letters and
+a bag of bytes cannot tell them apart: the order of the bytes inside a word decides."""
+
+
+def cue_lists(style: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(positive, negative) cue words for a `CUE_STYLES` entry."""
+    if style == "words":
+        return POSITIVE, NEGATIVE
+    if style == "mirrored":
+        return POSITIVE, tuple(w[::-1] for w in POSITIVE)
+    raise ValueError(f"cue style {style!r} is not one of {list(CUE_STYLES)}")
 
 
 def neutral_words() -> list[str]:
     """Lower-case alphabetic words of 3-9 letters from the embedded corpus, sorted, without
     the cue words."""
-    cues = set(POSITIVE) | set(NEGATIVE)
+    cues = set(POSITIVE) | set(NEGATIVE) | set(cue_lists("mirrored")[1])
     words: set[str] = set()
     for doc in embedded_documents():
         words.update(w.lower() for w in re.findall(r"\b[A-Za-z]{3,9}\b", doc))
@@ -40,12 +53,13 @@ def neutral_words() -> list[str]:
 
 
 def make_review(
-    rng: random.Random, vocab: list[str], num_words: int, num_cues: int
+    rng: random.Random, vocab: list[str], num_words: int, num_cues: int, cue_style: str = "words"
 ) -> tuple[str, int]:
     """(text, label): `num_words` neutral words with `num_cues` cue words inserted."""
+    positive, negative = cue_lists(cue_style)
     positives = rng.randint(0, num_cues)
-    cues = [rng.choice(POSITIVE) for _ in range(positives)]
-    cues += [rng.choice(NEGATIVE) for _ in range(num_cues - positives)]
+    cues = [rng.choice(positive) for _ in range(positives)]
+    cues += [rng.choice(negative) for _ in range(num_cues - positives)]
     words = [rng.choice(vocab) for _ in range(num_words)]
     for cue in cues:
         words.insert(rng.randint(0, len(words)), cue)
@@ -62,9 +76,11 @@ def write_synthetic_imdb(
     max_words: int = 30,
     num_cues: int = 3,
     seed: int = 0,
+    cue_style: str = "words",
 ) -> Path:
     """Writes `out`/aclImdb (see the module docstring); returns that folder. Refuses to write
     into an existing aclImdb folder."""
+    cue_lists(cue_style)  # validates the style
     if num_cues < 1 or num_cues % 2 == 0:
         raise ValueError(f"num_cues must be odd and >= 1 (no ties), got {num_cues}")
     if not 1 <= min_words <= max_words:
@@ -81,7 +97,8 @@ def write_synthetic_imdb(
         for label in (0, 1):
             (tmp / split / ("pos" if label else "neg")).mkdir(parents=True, exist_ok=True)
         while made[0] + made[1] < count:
-            text, label = make_review(rng, vocab, rng.randint(min_words, max_words), num_cues)
+            num_words = rng.randint(min_words, max_words)
+            text, label = make_review(rng, vocab, num_words, num_cues, cue_style)
             if made[label] >= (count + 1 - label) // 2:  # balanced: neg gets the odd one
                 continue
             rating = rng.randint(7, 10) if label else rng.randint(1, 4)
