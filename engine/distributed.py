@@ -324,6 +324,22 @@ def _detect_slurm(environ: Mapping[str, str]) -> DistEnv:
     return _check(env, names)
 
 
+_SINGLE_PORT: int | None = None
+"""The rendezvous port of this process when it runs alone and MASTER_PORT is unset: a free one,
+picked once per process, so two single-process runs on one machine do not collide."""
+
+
+def _single_process_port() -> int:
+    global _SINGLE_PORT
+    if _SINGLE_PORT is None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind((DEFAULT_MASTER_ADDR, 0))
+            _SINGLE_PORT = s.getsockname()[1]
+    return _SINGLE_PORT
+
+
 def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
     """Learn this process's place in the job from ``environ`` (default ``os.environ``).
 
@@ -344,7 +360,7 @@ def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
         local_world_size=1,
         node_rank=0,
         master_addr=environ.get("MASTER_ADDR", "").strip() or DEFAULT_MASTER_ADDR,
-        master_port=DEFAULT_MASTER_PORT if port is None else port,
+        master_port=_single_process_port() if port is None else port,
         launcher="single",
     )
 

@@ -132,9 +132,11 @@ MEGABATCH_BATCHES = 50
 
 
 def example_lengths(examples: Sequence[Mapping[str, Any]]) -> np.ndarray:
-    """(n,) int64 token counts: the set's ``lengths`` attribute if it has one, else
-    ``len(input_ids)`` plus ``len(input_ids_b)`` for two-document examples."""
+    """(n,) int64 token counts: the set's ``lengths`` (an array, or a method returning one) if it
+    has one, else ``len(input_ids)`` plus ``len(input_ids_b)`` for two-document examples."""
     given = getattr(examples, "lengths", None)
+    if callable(given):  # the GLUE and LRA example sets compute it
+        given = given()
     if given is not None:
         return np.asarray(given, dtype=np.int64)
     out = np.empty(len(examples), dtype=np.int64)
@@ -248,6 +250,16 @@ class Finetuner:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.dist = detect()
+        global_batch = engine.micro_batch_size * self.dist.world_size
+        if len(train_set) < global_batch:
+            # Every epoch drops its last partial batch: with fewer examples than one global
+            # batch no step could ever run (the endless epoch loop would spin forever).
+            raise ValueError(
+                f"the training set has {len(train_set)} examples, fewer than one global batch "
+                f"of {global_batch} (engine.micro_batch_size={engine.micro_batch_size} x "
+                f"{self.dist.world_size} processes): no training step could run; lower "
+                "engine.micro_batch_size or use more training data"
+            )
         self.is_main = self.dist.rank == 0
         self.train_set, self.eval_sets = train_set, eval_sets
         self.score_fn = score_fn

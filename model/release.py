@@ -42,6 +42,13 @@ def _fp32_contiguous(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _apply_umask(path: Path, directory: bool = False) -> None:
+    """Gives `path` the mode a plain mkdir / open would (0777 / 0666 less the umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod((0o777 if directory else 0o666) & ~umask)
+
+
 def save_release(
     out_dir: str | os.PathLike,
     model: torch.nn.Module,
@@ -68,6 +75,7 @@ def save_release(
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    _apply_umask(tmp, directory=True)  # mkdtemp makes it 0700: collaborators could not read it
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         weights = _fp32_contiguous(state_dict if state_dict is not None else model.state_dict())
@@ -77,6 +85,8 @@ def save_release(
             if not tok.is_file():
                 raise FileNotFoundError(f"tokenizer file {tok} does not exist")
             shutil.copyfile(tok, tmp / TOKENIZER_FILE)
+        for f in tmp.iterdir():  # safetensors writes 0600
+            _apply_umask(f)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
