@@ -258,7 +258,7 @@ def test_transject_experts_are_batched_not_looped():
         counts.append(len(log.calls))
         # equals the per-expert loop it replaces
         lam_B1d = ctx.extras[LAMBDA_KEY][:, None, :]
-        b = attn.expert_u_bias
+        b = attn.expert_u_bias.bias
         a = torch.stack(
             [F.elu(((x @ U[e] + b[e]) * lam_B1d) @ V[e].T) for e in range(experts)], dim=1
         )

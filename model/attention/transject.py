@@ -308,6 +308,22 @@ def _linear_default_init_(param: Tensor, fan_in: int) -> None:
     nn.init.uniform_(param, -bound, bound)
 
 
+class ExpertBias(nn.Module):
+    """A per-expert bias (E, d), in a module of its own so that a sharded engine (ZeRO-3), which
+    gathers a module's parameters around its forward and backward, sees it used.
+
+    forward(y_BEND) -> y + b_e. With `scale_BEN1`: y + scale * b_e (the authors' V bias).
+    """
+
+    def __init__(self, num_experts: int, width: int):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(num_experts, width))
+
+    def forward(self, y_BEND: Tensor, scale_BEN1: Tensor | None = None) -> Tensor:
+        b_1E1d = self.bias.to(y_BEND.dtype)[None, :, None, :]
+        return y_BEND + (b_1E1d if scale_BEN1 is None else scale_BEN1 * b_1E1d)
+
+
 class TransJectAttention(Attention):
     """E orthogonal experts A_e(X) = ELU((X U_e + b_e) Lambda V_e^T) mixed by a per-sample gate.
 
@@ -328,8 +344,8 @@ class TransJectAttention(Attention):
         make_orthogonal(self, "expert_u", cfg.orthogonal_map)
         make_orthogonal(self, "expert_v", cfg.orthogonal_map)
         bias = cfg.transject.bias
-        self.expert_u_bias = nn.Parameter(torch.zeros(E, d)) if bias != "none" else None
-        self.expert_v_bias = nn.Parameter(torch.zeros(E, d)) if bias == "authors" else None
+        self.expert_u_bias = ExpertBias(E, d) if bias != "none" else None
+        self.expert_v_bias = ExpertBias(E, d) if bias == "authors" else None
         # The gate g: R^d -> R. No bias: a shared bias shifts every expert's logit equally and
         # cancels in the softmax (the authors' has one; it only ever gets a zero gradient).
         self.gate = Linear(d, 1, bias=False)
@@ -342,7 +358,7 @@ class TransJectAttention(Attention):
             _linear_default_init_(self.gate.weight, d)
             for b in (self.expert_u_bias, self.expert_v_bias):
                 if b is not None:
-                    _linear_default_init_(b, d)
+                    _linear_default_init_(b.bias, d)
 
     def experts(self, x_BND: Tensor, ctx: LayerContext) -> tuple[Tensor, Tensor]:
         """(a_BEND, w_BE): every expert's output and the per-sample mixture weights."""
@@ -357,13 +373,12 @@ class TransJectAttention(Attention):
         # torch.compile.)
         xu_BEND = x_BND[:, None] @ U_Edd  # (B, 1, N, d) @ (E, d, d)
         if self.expert_u_bias is not None:
-            xu_BEND = xu_BEND + self.expert_u_bias.to(xu_BEND.dtype)[None, :, None, :]
+            xu_BEND = self.expert_u_bias(xu_BEND)
         pre_BEND = (xu_BEND * lam_B11d) @ V_Edd.mT
         if self.expert_v_bias is not None:
             # The authors' V(diag(lambda)) = diag(lambda) V^T + 1 b_V^T: every row gets b_V,
             # so the product adds (sum_k xu_k) b_V to each token.
-            b_v_1E1d = self.expert_v_bias.to(pre_BEND.dtype)[None, :, None, :]
-            pre_BEND = pre_BEND + xu_BEND.sum(dim=-1, keepdim=True) * b_v_1E1d
+            pre_BEND = self.expert_v_bias(pre_BEND, xu_BEND.sum(dim=-1, keepdim=True))
         a_BEND = F.elu(pre_BEND)
 
         # Gate: masked max over real tokens -> shared g -> softmax over experts (in fp32). The
@@ -455,6 +470,7 @@ __all__ = [
     "LAMBDA_KEY",
     "RECONSTRUCTION_KEY",
     "EigenState",
+    "ExpertBias",
     "TransJectAttention",
     "TransJectEmbeddings",
     "TransJectLayer",
