@@ -72,6 +72,7 @@ def _cmd_shards(args: argparse.Namespace) -> int:
         seed=args.seed,
         text_field=args.text_field,
         max_line_chars=args.max_line_chars,
+        truncation=args.truncation,
     )
     build_shards(
         config,
@@ -152,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--short-seq-prob", type=float, default=0.1, help="share of short-target examples"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--truncation",
+        choices=("albert", "junction"),
+        default="albert",
+        help="cut over-long pairs at random ends (ALBERT) or keep the A|B junction",
+    )
     p.add_argument("--workers", type=int, default=1, help="processes on this machine")
     p.add_argument(
         "--job-index", type=int, default=0, help="this job's index i (shards s %% k == i)"

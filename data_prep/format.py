@@ -231,3 +231,22 @@ def open_shard(shard_dir: str | os.PathLike, name: str) -> tuple[np.ndarray, np.
             f"{shard_dir / index_file(name)}: expected shape (n, 3), got {index.shape}"
         )
     return tokens, index
+
+
+def truncated_pair_lengths(la: int, lb: int, budget: int) -> tuple[int, int]:
+    """ALBERT's truncate_seq_pair lengths (used by the loader and by the shard builder's
+    `junction` truncation): pop one token from the longer segment (B on ties)
+    until la + lb <= budget, in closed form."""
+    excess = la + lb - budget
+    if excess <= 0:
+        return la, lb
+    if la > lb:  # trim the longer one alone until both are equal
+        d = min(excess, la - lb)
+        la, excess = la - d, excess - d
+    elif lb > la:
+        d = min(excess, lb - la)
+        lb, excess = lb - d, excess - d
+    # Now equal: B, A, B, A, ...
+    lb -= (excess + 1) // 2
+    la -= excess // 2
+    return la, lb

@@ -323,7 +323,7 @@ class PretrainingData(Dataset):
         """Truncate, SOP-swap and mask one (A, B) pair (layout "single": `[CLS] A`)."""
         if self.layout == "single":
             return self._build_single(a, rng)
-        la, lb = _truncated_lengths(len(a), len(b), self.max_seq_length - 3)
+        la, lb = fmt.truncated_pair_lengths(len(a), len(b), self.max_seq_length - 3)
         a, b = a[len(a) - la :], b[:lb]  # A loses its front, B its back
         draw = rng.random()  # drawn even when unused: the stream stays aligned
         has_pair = la > 0 and lb > 0
@@ -395,24 +395,6 @@ class PretrainingData(Dataset):
             "max_seq_length": self.max_seq_length,
             "masking": dataclasses.asdict(self.masking),
         }
-
-
-def _truncated_lengths(la: int, lb: int, budget: int) -> tuple[int, int]:
-    """ALBERT's truncate_seq_pair lengths: pop one token from the longer segment (B on ties)
-    until la + lb <= budget, in closed form."""
-    excess = la + lb - budget
-    if excess <= 0:
-        return la, lb
-    if la > lb:  # trim the longer one alone until both are equal
-        d = min(excess, la - lb)
-        la, excess = la - d, excess - d
-    elif lb > la:
-        d = min(excess, lb - la)
-        lb, excess = lb - d, excess - d
-    # Now equal: B, A, B, A, ...
-    lb -= (excess + 1) // 2
-    la -= excess // 2
-    return la, lb
 
 
 # --------------------------------------------------------------------------------------------
@@ -648,3 +630,6 @@ def _jsonish(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_jsonish(v) for v in x]
     return x
+
+
+_truncated_lengths = fmt.truncated_pair_lengths  # the name the tests and benches use

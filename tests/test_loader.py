@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from data_prep import format as fmt
+from data_prep.format import truncated_pair_lengths
 from data_prep.loader import (
     EpochPlan,
     FeistelPermutation,
     PretrainingData,
     PretrainingLoader,
-    _truncated_lengths,
 )
 from data_prep.masking import IGNORE_INDEX, MaskingConfig
 
@@ -146,7 +146,7 @@ def test_truncation_matches_albert_pop_loop():
     for la in range(0, 12):
         for lb in range(0, 12):
             for budget in range(2, 20):
-                assert _truncated_lengths(la, lb, budget) == albert(la, lb, budget)
+                assert truncated_pair_lengths(la, lb, budget) == albert(la, lb, budget)
 
 
 # -- examples ---------------------------------------------------------------------------------
@@ -172,7 +172,7 @@ def test_examples_structure_sop_and_truncation(shard_dir):
             for p in (0, *sep):
                 assert labels[p] == IGNORE_INDEX and ids[p] in (CLS, SEP)
             a, b = data.segments(i)
-            la, lb = _truncated_lengths(len(a), len(b), 45)
+            la, lb = truncated_pair_lengths(len(a), len(b), 45)
             truncated += la + lb < len(a) + len(b)
             a, b = a[len(a) - la :], b[:lb]  # A keeps its end, B its start
             if ex["sop_label"] == 1:
