@@ -8,13 +8,10 @@
    order) is held out when d % 4 == 3 (19 of 79 documents, 15 % of the text). Each part is
    written as JSONL (the JSONL reader splits a document into its lines exactly as the
    embedded reader does) and gets its own shard directory.
-2. Shard variants (``--variants``): ``builder`` is data_prep/shards.py as it is; ``junction``
-   is the same builder with the pair truncation of the loader (A loses its front, B its back,
-   ``data_prep.loader._truncated_lengths``) in place of ALBERT's random-end truncation, which
-   cuts the A|B junction of 72 % of the 64-token pairs (median 4 tokens). This bench applies
-   that change to ``data_prep.shards._split_chunk`` in its own process only (see
-   ``junction_split_chunk``); it is the proposed fix of shards.py, measured before it is made.
-   Once shards.py keeps the junction itself, the two variants write identical shards.
+2. Shard variants (``--variants``): ``builder`` is the shard builder's default (ALBERT's
+   random-end truncation, which cuts the A|B junction of 72 % of the 64-token pairs, median 4
+   tokens); ``junction`` is ``data_prep shards --truncation junction`` (A loses its front, B
+   its back, ``data_prep.format.truncated_pair_lengths``), which keeps it.
 3. Training: ``python -m pretrain --config <recipe> ...`` (the project's CLI, one process,
    OMP_NUM_THREADS=1) on the training shards, a checkpoint (with its release) every
    ``eval_every`` steps; ``train.seed`` is the seed (weights, data order, masking).
@@ -31,16 +28,27 @@ Settings (``--settings``):
   pairs, lr 2e-3, 300 steps of 32 (the main job: 2 processes x 16, DeepSpeed ZeRO-2; here 1 x
   32, plain PyTorch, engine.backend=torch).
 * ``sop-budget``: configs/pretrain/debug-sop.yaml: the same model on 32-token pairs, lr 1e-3,
-  6000 steps of 32.
+  6000 steps of 32 (about 3 minutes).
+* ``sop-long``: the same, 12000 steps (the linear decay stretched to match).
+* ``sop-budget-64``: debug-sop.yaml on the main job's 64-token pairs, 6000 steps.
+
+The figures in BENCHMARKS.md ("Sentence-order prediction"), in bench/results/sop_cpu.json:
 
     OMP_NUM_THREADS=1 python bench/bench_sop.py --settings main-job sop-budget \\
         --variants builder junction --seeds 1 2 3 --json bench/results/sop_cpu.json
+    OMP_NUM_THREADS=1 python bench/bench_sop.py --settings sop-budget --variants builder \\
+        junction --seeds 4 5 6 --json bench/results/sop_cpu.json --append
+    OMP_NUM_THREADS=1 python bench/bench_sop.py --settings sop-long --variants builder \\
+        --seeds 1 2 3 4 --json bench/results/sop_cpu.json --append
+    OMP_NUM_THREADS=1 python bench/bench_sop.py --settings sop-budget-64 --variants builder \\
+        --seeds 1 2 --json bench/results/sop_cpu.json --append
+    OMP_NUM_THREADS=1 python bench/bench_sop.py --settings main-job sop-budget --variants \\
+        builder junction --data-only --json bench/results/sop_cpu.json --append
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import math
@@ -89,40 +97,6 @@ def rel(path: Path) -> str:
 
 
 # ----------------------------------------------------------------------------------- data
-
-
-def junction_split_chunk(chunk, max_num_tokens, rng):
-    """data_prep.shards._split_chunk with the loader's truncation (A from its front, B from its
-    back): the same A|B split (same RNG draws up to it), the junction kept."""
-    from data_prep.loader import _truncated_lengths
-
-    if len(chunk) >= 2:
-        a_end = rng.randint(1, len(chunk) - 1)
-        a = [t for seg in chunk[:a_end] for t in seg]
-        b = [t for seg in chunk[a_end:] for t in seg]
-    else:
-        (tokens,) = chunk
-        if len(tokens) < 2:
-            return None, len(tokens)
-        cut = rng.randint(1, len(tokens) - 1)
-        a, b = tokens[:cut], tokens[cut:]
-    la, lb = _truncated_lengths(len(a), len(b), max_num_tokens)
-    return (a[len(a) - la :], b[:lb]), len(a) + len(b) - la - lb
-
-
-@contextlib.contextmanager
-def shard_variant(variant: str):
-    import data_prep.shards as shards
-
-    if variant == "builder":
-        yield
-        return
-    saved = shards._split_chunk
-    shards._split_chunk = junction_split_chunk
-    try:
-        yield
-    finally:
-        shards._split_chunk = saved
 
 
 def junction_kept(shards_dir: Path, documents_jsonl: Path, tokenizer: Path) -> float:
@@ -177,10 +151,13 @@ def prepare(out: Path, seq: int, variant: str) -> dict[str, Path]:
     for part in ("train", "heldout"):
         shards = data / variant / f"{part}-{seq}"
         cfg = ShardConfig(
-            inputs=(str(paths[f"{part}_jsonl"]),), num_shards=2, max_seq_length=seq, seed=0
+            inputs=(str(paths[f"{part}_jsonl"]),),
+            num_shards=2,
+            max_seq_length=seq,
+            seed=0,
+            truncation="junction" if variant == "junction" else "albert",
         )
-        with shard_variant(variant):
-            build_shards(cfg, paths["tokenizer"], shards, workers=1)  # reused when done
+        build_shards(cfg, paths["tokenizer"], shards, workers=1)  # reused when done
         paths[part] = shards
     return paths
 
@@ -188,14 +165,15 @@ def prepare(out: Path, seq: int, variant: str) -> dict[str, Path]:
 def pairs_of(shards: Path, seq: int, limit: int | None = None):
     """The (A, B) pairs of a shard directory (int64), truncated as the loader does, and the
     special tokens; `limit` takes that many spread over the directory."""
-    from data_prep.loader import PretrainingData, _truncated_lengths
+    from data_prep.format import truncated_pair_lengths
+    from data_prep.loader import PretrainingData
 
     data = PretrainingData(shards, max_seq_length=seq)
     n = data.num_examples if limit is None else min(limit, data.num_examples)
     out = []
     for k in range(n):
         a, b = data.segments(int(k * data.num_examples / n))
-        la, lb = _truncated_lengths(len(a), len(b), seq - 3)
+        la, lb = truncated_pair_lengths(len(a), len(b), seq - 3)
         if la and lb:
             out.append((a[len(a) - la :], b[:lb]))
     return out, data.special

@@ -630,6 +630,3 @@ def _jsonish(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_jsonish(v) for v in x]
     return x
-
-
-_truncated_lengths = fmt.truncated_pair_lengths  # the name the tests and benches use
