@@ -408,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.append and args.json and Path(args.json).is_file():
         old = json.loads(Path(args.json).read_text())
         again = {(s, v, seed) for s in args.settings for v in args.variants for seed in args.seeds}
+        if args.data_only:  # runs nothing: every run stays
+            again = set()
         results["invocations"] = [*old.get("invocations", [old.get("args")]), vars(args)]
         results["data"] = old.get("data", {})
         results["runs"] = [
