@@ -26,7 +26,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from model.encoder import Encoder
+from model.encoder import Encoder, key_mask
 from model.orthogonal import orthogonal_cache, orthogonal_modules, orthogonality_error
 
 
@@ -117,9 +117,9 @@ def family_state_diagnostics(
     hook = getattr(enc.family_state, "diagnostics", None)
     if hook is None:
         return {}
-    steps = enc.trace(input_ids, attention_mask)
-    x0_BND, ctx = steps[0]
-    return hook(x0_BND, ctx.mask_BN)
+    with orthogonal_cache():  # the state needs only the embeddings, not the layers
+        x0_BND = enc.embeddings(input_ids, None)
+    return hook(x0_BND, key_mask(input_ids, attention_mask))
 
 
 @torch.no_grad()

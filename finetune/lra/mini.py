@@ -265,14 +265,6 @@ def baselines(out: Path, task: str, data: Path, scale: Scale) -> dict[str, float
     return got
 
 
-def shortcut(got: dict[str, float]) -> tuple[str, float]:
-    """The best baseline that sees only what a model sees (majority, first-operator rule,
-    bag-of-tokens): (name, test accuracy)."""
-    from finetune.lra.baselines import shortcut as best
-
-    return best(got)
-
-
 def eval_steps(task: str, scale: Scale) -> list[int]:
     """The fine-tuning steps evaluated: every `steps // curve_points` steps, and the last."""
     steps = scale.steps(task)
@@ -440,6 +432,8 @@ def table(rows: list[dict[str, Any]], found: dict[str, dict[str, float]] | None 
     """Markdown: the baselines, then each family and init: test accuracy after the last step
     (median over seeds ± half the spread), its distance to the task's best shortcut baseline,
     and the self-pretraining gain (self-pretrained - scratch medians)."""
+    from finetune.lra.baselines import shortcut
+
     found = found or {}
     by = {(r["task"], r["family"], r["init"]): r for r in rows}
     tasks = list(dict.fromkeys([*found, *(r["task"] for r in rows)]))
@@ -498,6 +492,8 @@ def write_results(
     seeds: Sequence[int],
     minutes: float,
 ) -> None:
+    from finetune.lra.baselines import shortcut
+
     tasks = list(dict.fromkeys([*found, *(r["task"] for r in rows)]))
     budget = ", ".join(
         f"{t}: {scale.steps(t)} fine-tuning steps of 32 (self-pretraining "
