@@ -9,8 +9,9 @@ On-disk layout::
 
 A checkpoint is a directory named by its tag (``step_%08d``). It is written under a staging
 name (``<tag>.partial``) by every rank, sealed by rank 0 with ``COMPLETE.json`` (the step, the
-world size, the caller's ``meta`` and the size of every file in the directory), and only then
-renamed to its tag; ``latest`` is replaced atomically after that. The protocol, on every rank::
+world size, the caller's ``meta``, the size and content checksum of every file in the
+directory), and only then renamed to its tag; ``latest`` is replaced atomically after that. The
+protocol, on every rank::
 
     staging = store.begin(step)                       # rank 0 makes an empty staging dir
     engine.save_checkpoint(store.root, tag=store.staging_tag(step), save_latest=False)
@@ -30,9 +31,27 @@ candidate (and is removed by the next ``begin`` of that step or a later ``commit
 between the rename and the update of ``latest`` leaves a complete checkpoint that ``latest`` does
 not name yet; it is still found (the other complete checkpoints follow ``latest``, newest first).
 Every file is fsynced before ``COMPLETE.json`` is written, and ``COMPLETE.json`` before the
-rename, so a complete-looking checkpoint never has missing data after a power loss. Files are
-checked against their recorded sizes when loaded, so a truncated file makes a checkpoint
-unusable and ``resolve`` falls back to the previous one with a warning.
+rename, so a complete-looking checkpoint never has missing data after a power loss.
+
+Checksums. The seal records every file's size (``files``) and, by default, a content checksum
+(``checksums``: ``{"algorithm": "sha256", "digests": {path: hex digest}}``), computed by rank 0
+while it fsyncs each file (it reads every byte once, in 8 MiB chunks). Loading checks the sizes
+first (a ``stat`` per file: a truncated or missing file), then re-reads and hashes every file:
+a file changed without a change of size (flipped bytes, a bad disk block, a copy that went
+wrong) raises ``CheckpointError`` naming that file, e.g. ``step_00000100/rank_00000.pt: content
+checksum mismatch (sha256 ... recorded, ... found): the file was modified or corrupted after it
+was saved``, and ``resolve`` falls back to the previous checkpoint with a warning. sha256 was
+chosen by measurement (``bench/bench_checkpoint_checksums.py``): with SHA extensions (AMD Zen,
+Intel Ice Lake and later) it is the fastest cryptographic hash in hashlib (about twice
+blake2b), and ``sha256sum`` checks a file by hand; ``CheckpointStore(checksum="blake2b")``
+suits CPUs without them, ``checksum=None`` seals with sizes only. The algorithm is recorded in
+each seal, so checkpoints sealed with another one (or none: seals written before checksums
+existed, which are checked by size only) keep loading. Hashing costs a read of the whole
+checkpoint at each save (rank 0, while the other ranks wait in the barrier) and at each
+verified load; ``verify(tag, checksums=False)`` / ``read_complete(tag, checksums=False)``
+check the sizes only (a cheap metadata read), e.g. on every rank but the one that verifies
+content. ``CheckpointStore(verify_checksums=False)`` makes that the store's default. The
+checksums detect corruption, not tampering: whoever can rewrite a file can rewrite the seal.
 
 Saving a step that already has a complete checkpoint replaces it (``begin(step, replace=True)``,
 the default). This happens after a resume from an older checkpoint (a fallback, or an explicit
@@ -54,6 +73,7 @@ itself is cheap to import from tools and subprocesses that never touch tensors.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -70,9 +90,11 @@ import numpy as np
 __all__ = [
     "CHECKPOINT_DIR_PATTERN",
     "COMPLETE_FILE",
+    "DEFAULT_CHECKSUM",
     "LATEST_FILE",
     "CheckpointError",
     "CheckpointStore",
+    "file_checksum",
     "load_rank_state",
     "rank_state_path",
     "rng_state",
@@ -89,12 +111,20 @@ STAGING_SUFFIX = ".partial"
 REMOVING_SUFFIX = ".removing"
 """Suffix of a checkpoint directory that is being deleted (replaced or pruned)."""
 COMPLETE_FILE = "COMPLETE.json"
-"""The seal written last into a checkpoint directory; lists every other file and its size."""
+"""The seal written last into a checkpoint directory; lists every other file, its size and
+(unless the store seals without them) its content checksum."""
 LATEST_FILE = "latest"
 """Text file under the root holding the tag of the newest complete checkpoint (DeepSpeed reads
 the same name and format when ``load_checkpoint`` gets no tag)."""
 RANK_STATE_PATTERN = "rank_%05d.pt"
 """``%``-format of the per-rank state file inside a checkpoint directory."""
+
+DEFAULT_CHECKSUM = "sha256"
+"""The hashlib algorithm a store seals checkpoints with unless told otherwise (see the module
+docstring for why)."""
+HASH_CHUNK_BYTES = 8 << 20
+"""Files are read in chunks of this size when hashed (large enough that the per-call overhead
+vanishes, small enough to stay in the CPU's caches)."""
 
 _TAG_RE = re.compile(r"step_(\d{8,})")
 _RECORD_KEYS = ("step", "tag", "world_size", "time", "meta", "files")
@@ -156,6 +186,45 @@ def _fsync_dir(path: Path) -> None:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
+
+
+def _check_algorithm(algorithm: str) -> str:
+    """``algorithm`` when hashlib has it (on every platform), else ``ValueError``."""
+    if algorithm not in hashlib.algorithms_guaranteed or algorithm.startswith("shake_"):
+        valid = sorted(a for a in hashlib.algorithms_guaranteed if not a.startswith("shake_"))
+        raise ValueError(f"checksum={algorithm!r} is invalid; valid: None or one of {valid}")
+    return algorithm
+
+
+def _hash_file(f: BinaryIO, algorithm: str) -> tuple[int, str]:
+    """``(bytes read, hex digest)`` of an open file from its current position to its end."""
+    digest = hashlib.new(algorithm)
+    buffer = bytearray(HASH_CHUNK_BYTES)
+    view = memoryview(buffer)
+    size = 0
+    while n := f.readinto(buffer):
+        digest.update(view[:n])
+        size += n
+    return size, digest.hexdigest()
+
+
+def _file_digest(path: str | os.PathLike[str], algorithm: str) -> str:
+    with open(path, "rb", buffering=0) as f:
+        return _hash_file(f, algorithm)[1]
+
+
+def file_checksum(path: str | os.PathLike[str], algorithm: str = DEFAULT_CHECKSUM) -> str:
+    """The hex digest of a file's content (what ``COMPLETE.json`` records; for sha256 the same
+    as ``sha256sum`` prints)."""
+    return _file_digest(path, _check_algorithm(algorithm))
+
+
+def _hash_and_fsync_file(path: Path, algorithm: str) -> tuple[int, str]:
+    """Hash a file and fsync it through one open: ``(size, hex digest)``."""
+    with open(path, "rb", buffering=0) as f:
+        result = _hash_file(f, algorithm)
+        os.fsync(f.fileno())
+    return result
 
 
 def _write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
@@ -224,6 +293,11 @@ class CheckpointStore:
     ``keep_last`` complete checkpoints are kept (newest steps; the one ``latest`` names is never
     deleted); 0 keeps all. ``barrier`` is called by ``begin`` and ``commit`` on every rank, e.g.
     ``torch.distributed.barrier``; the default does nothing (single process).
+
+    ``checksum`` is the hashlib algorithm rank 0 records each file's content checksum with when
+    it seals a checkpoint (``"sha256"``; None: sizes only). ``verify_checksums`` is the default
+    of ``verify``/``read_complete``/``resolve``'s ``checksums`` keyword: True re-hashes every
+    file of a checkpoint whose seal has checksums; False checks sizes only.
     """
 
     def __init__(
@@ -234,6 +308,8 @@ class CheckpointStore:
         world_size: int = 1,
         keep_last: int = 3,
         barrier: Callable[[], object] = _no_barrier,
+        checksum: str | None = DEFAULT_CHECKSUM,
+        verify_checksums: bool = True,
     ) -> None:
         for name, value, minimum in (("world_size", world_size, 1), ("keep_last", keep_last, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -242,16 +318,25 @@ class CheckpointStore:
             raise ValueError(f"rank={rank!r} is invalid; valid: an integer in [0, {world_size})")
         if not callable(barrier):
             raise ValueError(f"barrier must be callable, got {type(barrier).__name__}")
+        if checksum is not None:
+            _check_algorithm(checksum)
+        if not isinstance(verify_checksums, bool):
+            raise ValueError(
+                f"verify_checksums={verify_checksums!r} is invalid; valid: True, False"
+            )
         self.root = Path(root)
         self.rank = rank
         self.world_size = world_size
         self.keep_last = keep_last
         self._barrier = barrier
+        self.checksum = checksum
+        self.verify_checksums = verify_checksums
 
     def __repr__(self) -> str:
         return (
             f"CheckpointStore({str(self.root)!r}, rank={self.rank}, "
-            f"world_size={self.world_size}, keep_last={self.keep_last})"
+            f"world_size={self.world_size}, keep_last={self.keep_last}, "
+            f"checksum={self.checksum!r}, verify_checksums={self.verify_checksums})"
         )
 
     # ---------------------------------------------------------------------------- saving
@@ -286,8 +371,8 @@ class CheckpointStore:
         """Finish saving ``step`` (collective, after every rank wrote its files): returns the
         checkpoint directory ``root/<tag>``.
 
-        After the barrier, rank 0 seals the staging directory with ``COMPLETE.json`` (fsyncing
-        every file first), renames it to its tag (an old checkpoint of the same step is moved
+        After the barrier, rank 0 seals the staging directory with ``COMPLETE.json`` (hashing and
+        fsyncing every file first), renames it to its tag (an old checkpoint of the same step is moved
         aside first and deleted after), replaces ``latest``, prunes beyond ``keep_last`` and
         deletes stale staging directories of older steps. ``meta`` (JSON-serializable) is stored
         in ``COMPLETE.json`` and comes back from ``read_complete``.
@@ -309,9 +394,20 @@ class CheckpointStore:
 
     def _seal(self, staging: Path, step: int, meta: dict[str, Any]) -> None:
         files = _file_sizes(staging)
-        for rel in files:
-            _fsync_file(staging / rel)
-        record = {
+        digests: dict[str, str] = {}
+        for rel, size in files.items():
+            if self.checksum is None:
+                _fsync_file(staging / rel)
+                continue
+            # One read per file, through the open that fsyncs it; the size is what was hashed.
+            hashed, digests[rel] = _hash_and_fsync_file(staging / rel, self.checksum)
+            if hashed != size:
+                raise CheckpointError(
+                    staging / rel,
+                    f"changed while the checkpoint was sealed ({size} bytes listed, {hashed} "
+                    "hashed): is a rank still writing?",
+                )
+        record: dict[str, Any] = {
             "step": step,
             "tag": tag_for(step),
             "world_size": self.world_size,
@@ -319,6 +415,8 @@ class CheckpointStore:
             "meta": meta,
             "files": files,
         }
+        if self.checksum is not None:
+            record["checksums"] = {"algorithm": self.checksum, "digests": digests}
         data = json.dumps(record, indent=2).encode()
         for dirpath, _, _ in os.walk(staging):  # entries of nested directories are durable too
             _fsync_dir(Path(dirpath))
@@ -381,8 +479,11 @@ class CheckpointStore:
             raise ValueError(f"{tag!r} is not a checkpoint tag; valid: like {tag_for(100)!r}")
         return self.root / tag
 
-    def _checked_record(self, tag: str) -> dict[str, Any]:
-        """The parsed ``COMPLETE.json`` of ``tag`` after checking it and the files it lists."""
+    def _checked_record(self, tag: str, checksums: bool | None) -> dict[str, Any]:
+        """The parsed ``COMPLETE.json`` of ``tag`` after checking it and the files it lists:
+        their sizes, then (``checksums``, None: the store's default) their content."""
+        if checksums is None:
+            checksums = self.verify_checksums
         directory = self._directory(tag)
         seal = directory / COMPLETE_FILE
         try:
@@ -408,18 +509,41 @@ class CheckpointStore:
         if problems:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
             raise CheckpointError(directory, "is damaged: " + "; ".join(problems[:3]) + more)
+        digests = _recorded_digests(directory, record)  # checked even when not compared
+        if checksums and digests is not None:
+            algorithm, expected = digests
+            try:
+                hashlib.new(algorithm).hexdigest()
+            except (ValueError, TypeError):  # unknown here, or a variable-length shake_*
+                raise CheckpointError(
+                    directory,
+                    f"{COMPLETE_FILE} records {algorithm} checksums, which this Python's hashlib "
+                    "cannot compute (verify with checksums=False to check sizes only)",
+                ) from None
+            for rel in sorted(expected):  # stops at the first mismatch: the checkpoint is unusable
+                found = _file_digest(directory / rel, algorithm)
+                if found != expected[rel]:
+                    raise CheckpointError(
+                        directory / rel,
+                        f"content checksum mismatch ({algorithm} {expected[rel]} recorded, "
+                        f"{found} found): the file was modified or corrupted after it was saved",
+                    )
         return record
 
-    def verify(self, tag: str) -> None:
-        """Raise ``CheckpointError`` (naming the directory and why) unless checkpoint ``tag`` is
-        sealed and every file listed in ``COMPLETE.json`` exists with its recorded size. The
-        world size is not compared: it is in ``read_complete(tag)["world_size"]``."""
-        self._checked_record(tag)
+    def verify(self, tag: str, *, checksums: bool | None = None) -> None:
+        """Raise ``CheckpointError`` (naming the directory, or the damaged file, and why) unless
+        checkpoint ``tag`` is sealed, every file listed in ``COMPLETE.json`` exists with its
+        recorded size and, with ``checksums`` (None: the store's ``verify_checksums``), has the
+        recorded content checksum (re-reads every file; seals without checksums are checked by
+        size only). The world size is not compared: it is in ``read_complete(tag)``."""
+        self._checked_record(tag, checksums)
 
-    def read_complete(self, tag: str) -> dict[str, Any]:
+    def read_complete(self, tag: str, *, checksums: bool | None = None) -> dict[str, Any]:
         """The ``COMPLETE.json`` of checkpoint ``tag`` (``step``, ``tag``, ``world_size``,
-        ``time``, ``meta``, ``files``), after ``verify``."""
-        return self._checked_record(tag)
+        ``time``, ``meta``, ``files`` and, when sealed with them, ``checksums``), after
+        ``verify(tag, checksums=checksums)``. ``checksums=False`` makes it a cheap metadata
+        read (sizes are still checked)."""
+        return self._checked_record(tag, checksums)
 
     def candidates(self, step: int | None = None) -> list[str]:
         """Tags to try loading, best first.
@@ -461,11 +585,16 @@ class CheckpointStore:
         return usable
 
     def resolve(
-        self, step: int | None = None, loader: Callable[[Path], T] | None = None
+        self,
+        step: int | None = None,
+        loader: Callable[[Path], T] | None = None,
+        *,
+        checksums: bool | None = None,
     ) -> tuple[Path, T | None] | None:
         """The checkpoint to resume from: ``(directory, loader(directory) or None)``.
 
-        Candidates are tried in order (``candidates``): ``verify``, then ``loader`` if given.
+        Candidates are tried in order (``candidates``): ``verify(tag, checksums=checksums)``,
+        then ``loader`` if given.
         When one fails, a warning names it and the reason and the next one is tried; ``loader``
         must therefore fully overwrite whatever a failed attempt loaded. Returns None when there
         is no checkpoint directory at all (a fresh run); raises ``CheckpointError`` listing every
@@ -479,9 +608,9 @@ class CheckpointStore:
         if step is not None:
             tag = self.candidates(step)[0]
             try:
-                return self.root / tag, self._attempt(tag, loader)
+                return self.root / tag, self._attempt(tag, loader, checksums)
             except Exception as exc:
-                raise CheckpointError(self.root / tag, _reason(exc)) from exc
+                raise CheckpointError(self.root / tag, _reason(exc, self.root / tag)) from exc
         tags = self.candidates()
         if not tags:
             if any(True for _ in self._tag_dirs()):
@@ -490,9 +619,9 @@ class CheckpointStore:
         reasons = []
         for i, tag in enumerate(tags):
             try:
-                return self.root / tag, self._attempt(tag, loader)
+                return self.root / tag, self._attempt(tag, loader, checksums)
             except Exception as exc:
-                reason = _reason(exc)
+                reason = _reason(exc, self.root / tag)
                 reasons.append(f"{tag}: {reason}")
                 if i + 1 < len(tags):
                     warnings.warn(
@@ -502,8 +631,10 @@ class CheckpointStore:
                     )
         raise CheckpointError(self.root, "no usable checkpoint: " + "; ".join(reasons))
 
-    def _attempt(self, tag: str, loader: Callable[[Path], T] | None) -> T | None:
-        self.verify(tag)
+    def _attempt(
+        self, tag: str, loader: Callable[[Path], T] | None, checksums: bool | None
+    ) -> T | None:
+        self.verify(tag, checksums=checksums)
         return None if loader is None else loader(self.root / tag)
 
 
@@ -520,8 +651,34 @@ def _file_problem(directory: Path, rel: object, size: object) -> str | None:
     return None
 
 
-def _reason(exc: BaseException) -> str:
+def _recorded_digests(directory: Path, record: dict[str, Any]) -> tuple[str, dict] | None:
+    """``(algorithm, {path: hex digest})`` of a seal, None for a seal without checksums (written
+    before they existed, or with ``checksum=None``); ``CheckpointError`` when malformed."""
+    if "checksums" not in record:
+        return None
+    section = record["checksums"]
+    files = record["files"]
+    if not (
+        isinstance(section, dict)
+        and isinstance(section.get("algorithm"), str)
+        and isinstance(section.get("digests"), dict)
+        and all(isinstance(d, str) for d in section["digests"].values())
+        and set(section["digests"]) == set(files)
+    ):
+        raise CheckpointError(
+            directory,
+            f"{COMPLETE_FILE} is malformed ('checksums' must be {{'algorithm': name, "
+            "'digests': {path: hex digest}} for exactly the listed files)",
+        )
+    return section["algorithm"], section["digests"]
+
+
+def _reason(exc: BaseException, directory: Path | None = None) -> str:
+    """Why a candidate failed, for a warning about ``directory``: a ``CheckpointError`` about a
+    file inside it keeps that file's relative path."""
     if isinstance(exc, CheckpointError):
+        if directory is not None and directory in exc.path.parents:
+            return f"{exc.path.relative_to(directory).as_posix()}: {exc.reason}"
         return exc.reason
     return f"{type(exc).__name__}: {exc}"
 

@@ -6,10 +6,13 @@ and skipping torch keeps them starting in a fraction of a second.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
 import random
+import shutil
+import subprocess
 import sys
 import time
 import warnings
@@ -22,6 +25,7 @@ from engine.checkpoint import (
     CHECKPOINT_DIR_PATTERN,
     CheckpointError,
     CheckpointStore,
+    file_checksum,
     load_rank_state,
     rng_state,
     save_rank_state,
@@ -294,6 +298,164 @@ def test_verify_reports_world_size_but_does_not_check_it(tmp_path):
         store.verify("step_00000100")
 
 
+# ------------------------------------------------------------------------------------ checksums
+
+BIG = 3 * (1 << 20) + 12345  # > HASH_CHUNK_BYTES / 2: the middle byte is in the first chunk
+
+
+def save_big(store: CheckpointStore, step: int) -> Path:
+    """A checkpoint whose weights file is a few MiB of random bytes (several hash chunks)."""
+    payload = np.random.default_rng(step).integers(0, 256, BIG, dtype=np.uint8).tobytes()
+    return save(store, step, payload=payload)
+
+
+def flip_middle_byte(path: Path) -> None:
+    """Corrupt a file without changing its size (what a size-only seal cannot see)."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert path.stat().st_size == size
+
+
+MISMATCH = (
+    r"step_00000200/mp_rank_00_model_states.pt: content checksum mismatch "
+    r"\(sha256 [0-9a-f]{64} recorded, [0-9a-f]{64} found\): "
+    r"the file was modified or corrupted after it was saved"
+)
+
+
+def test_seal_records_the_content_checksum_of_every_file(tmp_path):
+    store = CheckpointStore(tmp_path)
+    final = save_big(store, 100)
+    record = json.loads((final / "COMPLETE.json").read_text())
+    assert record["files"]["mp_rank_00_model_states.pt"] == BIG + 3  # sizes are still there
+    assert record["checksums"] == {
+        "algorithm": "sha256",
+        "digests": {
+            rel: hashlib.sha256((final / rel).read_bytes()).hexdigest() for rel in record["files"]
+        },
+    }
+    weights = final / "mp_rank_00_model_states.pt"
+    assert file_checksum(weights) == record["checksums"]["digests"][weights.name]
+    if shutil.which("sha256sum"):  # the recorded digest is checkable by hand
+        out = subprocess.run(["sha256sum", weights], capture_output=True, text=True, check=True)
+        assert out.stdout.split()[0] == record["checksums"]["digests"][weights.name]
+
+
+def test_flipped_byte_of_the_same_size_is_caught_and_resolve_falls_back(tmp_path):
+    store = CheckpointStore(tmp_path)
+    save_big(store, 100)
+    save_big(store, 200)
+    flip_middle_byte(tmp_path / "step_00000200" / "mp_rank_00_model_states.pt")
+
+    with pytest.raises(CheckpointError, match=MISMATCH) as caught:
+        store.verify("step_00000200")
+    assert caught.value.path == tmp_path / "step_00000200" / "mp_rank_00_model_states.pt"
+    with pytest.raises(CheckpointError, match=MISMATCH):
+        store.read_complete("step_00000200")
+    with pytest.warns(
+        UserWarning,
+        match=r"step_00000200 is unusable \(mp_rank_00_model_states.pt: content checksum "
+        r"mismatch .*falling back to .*step_00000100",
+    ):
+        path, payload = store.resolve(loader=read_payload)
+    assert path == tmp_path / "step_00000100"
+    assert payload[-3:] == b"100"
+    with pytest.raises(
+        CheckpointError, match=r"step_00000200: mp_rank_00_model_states.pt: content checksum"
+    ):
+        store.resolve(step=200)  # an explicit step has no fallback
+
+
+def test_checksums_false_checks_sizes_only(tmp_path):
+    store = CheckpointStore(tmp_path)
+    save_big(store, 100)
+    save_big(store, 200)
+    flip_middle_byte(tmp_path / "step_00000200" / "mp_rank_00_model_states.pt")
+
+    store.verify("step_00000200", checksums=False)
+    record = store.read_complete("step_00000200", checksums=False)  # the cheap metadata read
+    assert record["meta"] == {"step_seen": 200} and record["checksums"]["algorithm"] == "sha256"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert store.resolve(checksums=False) == (tmp_path / "step_00000200", None)
+        lax = CheckpointStore(tmp_path, verify_checksums=False)  # the store-level default
+        lax.verify("step_00000200")
+        assert lax.resolve() == (tmp_path / "step_00000200", None)
+    with pytest.raises(CheckpointError, match="content checksum mismatch"):
+        lax.verify("step_00000200", checksums=True)  # the keyword overrides the default
+    truncate_file(tmp_path / "step_00000200")
+    with pytest.raises(CheckpointError, match=r"optim_states\.pt has 3 bytes"):
+        store.verify("step_00000200", checksums=False)  # sizes are always checked
+
+
+def test_old_seal_without_checksums_still_verifies_by_size(tmp_path):
+    store = CheckpointStore(tmp_path)
+    final = save_big(store, 100)
+    seal = final / "COMPLETE.json"
+    record = json.loads(seal.read_text())
+    del record["checksums"]  # exactly what a seal written before checksums existed holds
+    seal.write_text(json.dumps(record, indent=2))
+
+    store.verify("step_00000100")  # checksums=True by default: nothing to compare, sizes pass
+    assert store.read_complete("step_00000100") == record
+    flip_middle_byte(final / "mp_rank_00_model_states.pt")
+    store.verify("step_00000100")  # undetectable without checksums: why they were added
+    assert store.resolve() == (final, None)
+    truncate_file(final)
+    with pytest.raises(CheckpointError, match=r"optim_states\.pt has 3 bytes"):
+        store.verify("step_00000100")
+
+
+def test_store_checksum_algorithm_and_none(tmp_path):
+    blake = CheckpointStore(tmp_path / "blake", checksum="blake2b")
+    final = save_big(blake, 100)
+    record = blake.read_complete("step_00000100")
+    assert record["checksums"]["algorithm"] == "blake2b"
+    weights = final / "mp_rank_00_model_states.pt"
+    assert record["checksums"]["digests"][weights.name] == (
+        hashlib.blake2b(weights.read_bytes()).hexdigest()
+    )
+    flip_middle_byte(weights)
+    # the algorithm comes from the seal, not from the reading store's own setting
+    with pytest.raises(CheckpointError, match=r"content checksum mismatch \(blake2b "):
+        CheckpointStore(tmp_path / "blake").verify("step_00000100")
+
+    plain = CheckpointStore(tmp_path / "plain", checksum=None)
+    final = save_big(plain, 100)
+    assert "checksums" not in plain.read_complete("step_00000100")
+    assert "checksum=None" in repr(plain)
+    for bad in ("crc32", "shake_128", "", 256):
+        with pytest.raises(ValueError, match="checksum"):
+            CheckpointStore(tmp_path, checksum=bad)
+    with pytest.raises(ValueError, match="verify_checksums"):
+        CheckpointStore(tmp_path, verify_checksums="yes")
+
+
+def test_malformed_or_unknown_checksums_in_a_seal(tmp_path):
+    store = CheckpointStore(tmp_path)
+    final = save(store, 100)
+    seal = final / "COMPLETE.json"
+    good = json.loads(seal.read_text())
+
+    record = json.loads(json.dumps(good))
+    del record["checksums"]["digests"]["rank_00000.pt"]
+    seal.write_text(json.dumps(record))
+    for checksums in (True, False):  # the section's shape is checked either way (cheap)
+        with pytest.raises(CheckpointError, match=r"malformed \('checksums'"):
+            store.verify("step_00000100", checksums=checksums)
+
+    record = json.loads(json.dumps(good))
+    record["checksums"]["algorithm"] = "sha3_1024"
+    seal.write_text(json.dumps(record))
+    with pytest.raises(CheckpointError, match="sha3_1024 checksums, which this Python"):
+        store.verify("step_00000100")
+    store.verify("step_00000100", checksums=False)
+
+
 # ------------------------------------------------------------------------------------ replace
 
 
@@ -390,6 +552,11 @@ def test_two_ranks_share_one_checkpoint(tmp_path):
         "zero_pp_rank_1_optim_states.pt": 11,
     }
     assert record["world_size"] == 2 and record["meta"] == {"by": "two ranks"}
+    # rank 0 hashed the files of both ranks when it sealed
+    assert record["checksums"]["digests"] == {
+        rel: hashlib.sha256((tmp_path / "step_00000010" / rel).read_bytes()).hexdigest()
+        for rel in record["files"]
+    }
     assert (tmp_path / "latest").read_text() == "step_00000010"
     assert not (tmp_path / "step_00000010.partial").exists()
 
