@@ -83,12 +83,18 @@ class MetricsWriter:
 
     Pass ``enabled=(rank == 0)``: on the other ranks, or with ``log_dir=None``, every method
     returns at once and nothing is imported or created. Tags are used as given (``"loss/mlm"``,
-    ``"time/data"``). Also a context manager; `close` is idempotent, writing after it is a
-    ``ValueError``.
+    ``"time/data"``). ``purge_step``: the first step of a resumed run; TensorBoard drops the
+    events an interrupted attempt wrote from that step on. Also a context manager; `close` is
+    idempotent, writing after it is a ``ValueError``.
     """
 
     def __init__(
-        self, log_dir: str | os.PathLike | None, *, enabled: bool = True, flush_secs: int = 30
+        self,
+        log_dir: str | os.PathLike | None,
+        *,
+        enabled: bool = True,
+        flush_secs: int = 30,
+        purge_step: int | None = None,
     ):
         if isinstance(flush_secs, bool) or not isinstance(flush_secs, int) or flush_secs < 1:
             raise ValueError(f"flush_secs={flush_secs!r} is invalid; valid: an integer >= 1")
@@ -107,7 +113,11 @@ class MetricsWriter:
                 "MetricsWriter needs the tensorboard package: pip install tensorboard"
             ) from e
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._writer = SummaryWriter(str(self.log_dir), flush_secs=flush_secs)
+        # purge_step: a resumed run rewrites the steps after its checkpoint; TensorBoard hides
+        # the earlier attempt's events from that step on (so a curve has one value per step).
+        self._writer = SummaryWriter(
+            str(self.log_dir), flush_secs=flush_secs, purge_step=purge_step
+        )
         self._jsonl = open(self.log_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
 
     def _ready(self) -> bool:

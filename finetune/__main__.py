@@ -2,7 +2,9 @@
 ``lra-summary`` (every LRA run below a directory, beside the published numbers),
 ``lra-shards ...`` (an LRA task's inputs as pretraining shards, for self-pretraining).
 
-Exit codes: 0 done, 2 bad arguments, config or data (nothing was trained).
+Exit codes: 0 done, 2 bad arguments, config or data (nothing was trained), 75 stopped by a
+signal (SIGTERM, SIGUSR1, SIGUSR2) or ``train.time_budget_minutes`` with a checkpoint saved: run
+the same command again to resume (runs of a sweep that finished are skipped).
 """
 
 from __future__ import annotations

@@ -13,15 +13,33 @@ release.
 * Every rank evaluates the whole evaluation set (evaluation sets are small; under ZeRO-3 the
   forward is collective anyway); rank 0 writes TensorBoard, ``results.json`` and the releases.
 
-Fine-tuning runs are short, so they do not checkpoint for resumption; a stopped run is re-run.
+Preemption and resumption follow pretraining's protocol (``engine/checkpoint.py``): a checkpoint
+every ``checkpoint_every`` steps, and one when a stop signal arrives (SIGTERM, SIGUSR1, SIGUSR2)
+or ``time_budget_minutes`` runs out; the run then returns ``state == "stopped"``. Running the
+same run again (same ``run_dir``, same identity) resumes from the newest usable checkpoint with
+the same batches, dropout and evaluation history, so the result equals an uninterrupted run's
+(to 1e-6 in fp32 on CPU). A checkpoint holds:
+
+    run_dir/checkpoints/step_00000400/
+      engine state (DeepSpeed's files or engine.pt), rank_0000r.pt (step, data position, RNG,
+      evaluation history, best metrics and predictions), best/ (the best release so far, hard
+      links), COMPLETE.json (sizes and checksums, written last)
+
+A run directory belongs to one run: ``identity`` (the caller's description: task, learning
+rate, seed, config, the init's content) is written to ``run.json`` on the first start and a
+different one is refused. :func:`finished_run` tells a sweep which runs are done.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
+import os
+import shutil
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,11 +50,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
+from data_prep.format import sha256_file
 from data_prep.transport import loader_batches
+from engine import checkpoint as ckpt
 from engine.distributed import detect
 from engine.engine import Engine, EngineConfig
 from engine.metrics import MetricsWriter, Progress
 from engine.optim import OptimizerConfig, ScheduleConfig
+from engine.recipe import diff_keys
+from engine.signals import StopWatch
 from model.release import save_release
 
 ScoreFn = Callable[[np.ndarray, np.ndarray], dict[str, float]]
@@ -72,11 +94,28 @@ class FinetuneConfig:
     pad to similar lengths), and the batches are shuffled. Deterministic by ``seed`` and
     epoch. Lengths are ``len(input_ids)`` (+ ``len(input_ids_b)`` for pairs), or the training
     set's ``lengths`` attribute when it has one. Evaluation order is unchanged."""
+    checkpoint_every: int = 1000
+    """Steps between checkpoints for resumption (0: only when stopped by a signal or the time
+    budget). A checkpoint holds the optimizer state too: about 3x the weights."""
+    keep_last: int = 1
+    """Complete checkpoints kept on disk while the run goes on."""
+    keep_checkpoints: bool = False
+    """Keep ``run_dir/checkpoints`` once the run has finished (False: deleted; the best
+    release, results and predictions stay)."""
+    time_budget_minutes: float | None = None
+    """Stop with a checkpoint after this much wall-clock time (None: no budget); re-run the
+    same command to go on."""
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"train.steps={self.steps} is invalid; valid: >= 1")
-        for name in ("eval_every", "log_every", "num_workers"):
+        if self.keep_last < 1:
+            raise ValueError(f"train.keep_last={self.keep_last} is invalid; valid: >= 1")
+        if self.time_budget_minutes is not None and self.time_budget_minutes <= 0:
+            raise ValueError(
+                f"train.time_budget_minutes={self.time_budget_minutes} is invalid; valid: > 0"
+            )
+        for name in ("eval_every", "log_every", "num_workers", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name}={getattr(self, name)} is invalid; valid: >= 0")
 
@@ -91,6 +130,132 @@ class FinetuneResult:
     best_release: Path | None = None
     predictions: dict[str, np.ndarray] = field(default_factory=dict)
     """Predictions of every evaluation set at the best step (class ids or floats)."""
+    state: str = "completed"
+    """``"completed"``, or ``"stopped"`` (a signal or the time budget; a checkpoint was saved:
+    run it again to resume)."""
+    reason: str = ""
+    step: int = 0
+    """Optimizer steps done."""
+    resumed_from: Path | None = None
+
+
+EXIT_STOPPED = 75
+"""Exit code of ``python -m finetune`` when a signal or the time budget stopped a run and a
+checkpoint was saved (EX_TEMPFAIL): run the same command again to resume; the batch scripts
+requeue on it."""
+RUN_FILE = "run.json"
+"""The run's identity, written on its first start (see :func:`check_run_identity`)."""
+RESULTS_FILE = "results.json"
+CHECKPOINTS = "checkpoints"
+BEST = "best"
+
+
+RESUMABLE_KEYS = (
+    "run_dir",
+    "seeds",
+    "lrs",
+    "train.log_every",
+    "train.num_workers",
+    "train.checkpoint_every",
+    "train.keep_last",
+    "train.keep_checkpoints",
+    "train.time_budget_minutes",
+    "engine.dist_timeout_minutes",
+)
+"""Config keys that are not part of a run's identity: where it is, the sweep around it, and
+settings that do not change what it computes (a resumed run may change them)."""
+
+
+def run_identity(config: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+    """A run's identity for :func:`check_run_identity`: its config without ``RESUMABLE_KEYS``,
+    plus ``extra`` (the task, learning rate, seed, the init's content digest)."""
+    out = json.loads(json.dumps(dict(config)))
+    for key in RESUMABLE_KEYS:
+        *parents, last = key.split(".")
+        node = out
+        for part in parents:
+            node = node.get(part, {})
+        if isinstance(node, dict):
+            node.pop(last, None)
+    return {**out, **extra}
+
+
+def content_digest(path: str | Path | None) -> str | None:
+    """sha256 over every file below ``path`` (names and contents): what an ``--init``
+    directory holds, wherever it is. None for None."""
+    if path is None:
+        return None
+    root = Path(path)
+    h = hashlib.sha256()
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(f"{file.relative_to(root).as_posix()}\0{sha256_file(file)}\n".encode())
+    return h.hexdigest()
+
+
+def check_run_identity(run_dir: str | Path, identity: Mapping[str, Any]) -> bool:
+    """True when ``run_dir`` was started with this identity (a resume or a finished run), False
+    when it holds no run. ValueError naming the differing keys when it holds another run, so
+    a changed config never resumes or reuses another run's checkpoints and results."""
+    path = Path(run_dir) / RUN_FILE
+    if not path.is_file():
+        return False
+    try:
+        saved = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is unreadable ({e}); move the run directory aside") from None
+    current = json.loads(json.dumps(dict(identity)))  # the form it is saved in
+    changed = diff_keys(saved, current)
+    if changed:
+        raise ValueError(
+            f"{run_dir} holds a fine-tuning run with another config ({path}); differing keys: "
+            f"{changed}. Use another run_dir, or restore those values to resume or reuse it."
+        )
+    return True
+
+
+def finished_run(run_dir: str | Path, identity: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The results a finished run left (``results.json`` with ``"finished": true``, written by
+    :func:`write_finished`), or None when the run has not finished. ValueError when the run
+    directory holds a run with another identity."""
+    run_dir = Path(run_dir)
+    if not check_run_identity(run_dir, identity):
+        return None
+    path = run_dir / RESULTS_FILE
+    if not path.is_file():
+        return None
+    try:
+        results = json.loads(path.read_text())
+    except ValueError:
+        return None  # a results file cut short by a kill: the run is not finished
+    return results if results.get("finished") is True else None
+
+
+def write_finished(run_dir: str | Path, results: Mapping[str, Any]) -> Path:
+    """Writes ``results.json`` with ``"finished": true``, atomically: the last file a run
+    writes (after its predictions), so a sweep that finds it may skip the run."""
+    path = Path(run_dir) / RESULTS_FILE
+    _write_json(path, {**results, "finished": True})
+    return path
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _link_tree(source: Path, target: Path) -> None:
+    """A copy of ``source`` at ``target`` made of hard links where the file system allows
+    (releases are written to a new directory and renamed, never modified in place)."""
+    target.mkdir(parents=True)
+    for item in sorted(source.iterdir()):
+        if item.is_dir():
+            _link_tree(item, target / item.name)
+        else:
+            try:
+                os.link(item, target / item.name)
+            except OSError:
+                shutil.copy2(item, target / item.name)
 
 
 def collate(
@@ -239,6 +404,7 @@ class Finetuner:
         tokenizer_file: str | Path | None = None,
         collate_fn: Callable[..., dict[str, torch.Tensor]] | None = None,
         inputs_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+        identity: Mapping[str, Any] | None = None,
     ):
         if cfg.select_split not in eval_sets:
             raise ValueError(
@@ -261,6 +427,8 @@ class Finetuner:
                 "engine.micro_batch_size or use more training data"
             )
         self.is_main = self.dist.rank == 0
+        self.identity = dict(identity) if identity is not None else {}
+        check_run_identity(self.run_dir, self.identity)  # before any work
         self.train_set, self.eval_sets = train_set, eval_sets
         self.score_fn = score_fn
         self.pad_id = pad_id
@@ -270,38 +438,68 @@ class Finetuner:
         self.engine = Engine(model, engine, optimizer, schedule, self.dist)
         self.total_steps = cfg.steps if cfg.steps is not None else schedule.total_steps
         self.micro_batch = engine.micro_batch_size
+        self.store = ckpt.CheckpointStore(
+            self.run_dir / CHECKPOINTS,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            keep_last=cfg.keep_last,
+            barrier=self.engine.barrier,
+        )
         self.step = 0
-
-    def _train_batches(self):
-        """Endless training batches: epoch after epoch of this rank's share, shuffled by seed
-        and epoch (grouped by length with ``group_by_length``)."""
-        sampler: LengthGroupedBatchSampler | DistributedSampler
-        if self.cfg.group_by_length:
-            sampler = LengthGroupedBatchSampler(
-                example_lengths(self.train_set),
+        self.epoch = 0
+        """The training epoch the next batch comes from."""
+        self.position = 0
+        """Batches of ``epoch`` this rank has consumed (the resume point)."""
+        self.sampler: LengthGroupedBatchSampler | DistributedSampler
+        if cfg.group_by_length:
+            self.sampler = LengthGroupedBatchSampler(
+                example_lengths(train_set),
                 self.micro_batch,
                 rank=self.dist.rank,
                 world_size=self.dist.world_size,
-                seed=self.cfg.seed,
+                seed=cfg.seed,
             )
-            batching: dict[str, Any] = {"batch_sampler": sampler}
         else:
-            sampler = DistributedSampler(
-                self.train_set,  # type: ignore[arg-type]
+            self.sampler = DistributedSampler(
+                train_set,  # type: ignore[arg-type]
                 num_replicas=self.dist.world_size,
                 rank=self.dist.rank,
                 shuffle=True,
-                seed=self.cfg.seed,
+                seed=cfg.seed,
                 drop_last=True,
             )
-            batching = {"batch_size": self.micro_batch, "sampler": sampler, "drop_last": True}
-        epoch = 0
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """This rank's micro-batches (example indices) of ``epoch``, in training order: a
+        seeded shuffle per epoch (grouped by length with ``group_by_length``); the last
+        partial batch is dropped."""
+        self.sampler.set_epoch(epoch)
+        if isinstance(self.sampler, LengthGroupedBatchSampler):
+            return list(self.sampler)
+        order = list(self.sampler)
+        size = self.micro_batch
+        return [order[i : i + size] for i in range(0, len(order) - size + 1, size)]
+
+    def _train_batches(self):
+        """Endless training batches from ``(epoch, position)`` on: the rest of that epoch, then
+        epoch after epoch. ``position`` counts the batches handed out, so a checkpoint taken
+        between steps records exactly where a resumed run must go on."""
         while True:
-            sampler.set_epoch(epoch)
-            yield from loader_batches(
-                self.train_set, self.collate, self.cfg.num_workers, **batching
-            )
-            epoch += 1
+            rest = self.epoch_batches(self.epoch)[self.position :]
+            # The loader's own generator, so creating it never draws from the global RNG (the
+            # dropout stream must not depend on where an epoch was entered).
+            generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.epoch)
+            for batch in loader_batches(
+                self.train_set,
+                self.collate,
+                self.cfg.num_workers,
+                batch_sampler=rest,
+                generator=generator,
+            ):
+                self.position += 1
+                yield batch
+            self.epoch += 1
+            self.position = 0
 
     @torch.no_grad()
     def predict(self, examples: Sequence[Mapping[str, Any]]) -> np.ndarray:
@@ -331,7 +529,7 @@ class Finetuner:
         if not self.is_main:
             return None
         return save_release(
-            self.run_dir / "best",
+            self.run_dir / BEST,
             self.engine.module,
             tokenizer_file=self.tokenizer_file,
             state_dict=weights,
@@ -339,14 +537,117 @@ class Finetuner:
             extra={"step": self.step},
         )
 
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self, reason: str, result: FinetuneResult, progress: dict[str, Any]
+    ) -> Path:
+        """Collective: the engine, every rank's position and RNG, the evaluation history and
+        the best release so far; then the seal. ``progress`` holds the loss window."""
+        staging = self.store.begin(self.step)
+        self.engine.save(staging)
+        state: dict[str, Any] = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "position": self.position,
+            "rng": ckpt.rng_state(),
+            "window": json.dumps(progress),
+            "best_step": result.best_step,
+            "best": json.dumps(result.best),
+            "history": json.dumps(result.history),
+            "predictions": {
+                k: torch.from_numpy(np.asarray(v)) for k, v in result.predictions.items()
+            },
+        }
+        ckpt.save_rank_state(staging, self.dist.rank, state)
+        if self.is_main and result.best_release is not None:
+            _link_tree(result.best_release, staging / BEST)
+        return self.store.commit(self.step, {"reason": reason, "world_size": self.dist.world_size})
+
+    def _restore(self, path: Path, result: FinetuneResult) -> dict[str, Any]:
+        self.engine.load(path)
+        state = ckpt.load_rank_state(path, self.dist.rank)
+        ckpt.set_rng_state(state["rng"])
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.position = int(state["position"])
+        result.best_step = state["best_step"]
+        result.best = json.loads(state["best"])
+        result.history = json.loads(state["history"])
+        result.predictions = {k: v.numpy() for k, v in state["predictions"].items()}
+        result.best_release = None
+        if self.is_main:
+            # The best release as it was at the checkpoint (a later best written before the
+            # interruption is not this run's any more: the resumed run writes it again).
+            _remove_tree(self.run_dir / BEST)
+            if (path / BEST).is_dir():
+                tmp = self.run_dir / (BEST + ".restoring")
+                _remove_tree(tmp)
+                _link_tree(path / BEST, tmp)
+                os.replace(tmp, self.run_dir / BEST)
+        if result.best_step is not None and self.cfg.save_best:
+            result.best_release = self.run_dir / BEST
+        return json.loads(state["window"])
+
+    def resume(self, result: FinetuneResult) -> Path | None:
+        """Collective. The newest usable checkpoint (a damaged one is reported and the next
+        older one tried, on all ranks together); None for a fresh start."""
+        tags = self.store.candidates()
+        reasons = []
+        for tag in tags:
+            path = self.store.root / tag
+            error: Exception | None = None
+            try:
+                record = self.store.read_complete(tag, checksums=self.is_main)
+                if record.get("world_size") != self.dist.world_size:
+                    raise ValueError(
+                        f"written by {record.get('world_size')} processes; this run has "
+                        f"{self.dist.world_size} (an exact resume needs the same number)"
+                    )
+                window = self._restore(path, result)
+            except Exception as e:
+                error = e
+            (failed,) = self.engine.all_reduce_max([float(error is not None)])
+            if not failed:
+                self._window = window
+                return path
+            reason = f"{path}: {error or 'failed on another rank'}"
+            reasons.append(reason)
+            warnings.warn(f"checkpoint unusable ({reason}); falling back", stacklevel=2)
+        if reasons:
+            raise ckpt.CheckpointError(
+                self.store.root, "no usable checkpoint: " + "; ".join(reasons)
+            )
+        return None
+
+    # -- the loop ------------------------------------------------------------------------------
+
     def run(self) -> FinetuneResult:
         cfg = self.cfg
-        writer = MetricsWriter(self.run_dir / "tensorboard", enabled=self.is_main)
-        progress = Progress(
-            self.total_steps, enabled=self.is_main, log_every=cfg.log_every, desc="finetune"
-        )
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if not (self.run_dir / RUN_FILE).is_file():
+                _write_json(self.run_dir / RUN_FILE, json.loads(json.dumps(self.identity)))
+        self.engine.barrier()
         result = FinetuneResult(best_step=None, best={})
+        self._window: dict[str, Any] = {"loss_sum": 0.0, "count": 0}
+        result.resumed_from = self.resume(result)
+        writer = MetricsWriter(
+            self.run_dir / "tensorboard",
+            enabled=self.is_main,
+            purge_step=self.step + 1 if result.resumed_from else None,
+        )
+        progress = Progress(
+            self.total_steps,
+            initial=min(self.step, self.total_steps),
+            enabled=self.is_main,
+            log_every=cfg.log_every,
+            desc="finetune",
+        )
+        if result.resumed_from is not None:
+            progress.write(f"finetune: resumed from {result.resumed_from} (step {self.step})")
         best_value = -math.inf
+        if result.best_step is not None:
+            best_value = result.best.get(cfg.select_split, {}).get(cfg.select, -math.inf)
 
         def evaluate_now() -> None:
             nonlocal best_value
@@ -368,10 +669,14 @@ class Finetuner:
                 )
             )
 
-        if cfg.eval_at_start:
+        stopwatch = StopWatch(
+            None if cfg.time_budget_minutes is None else cfg.time_budget_minutes * 60
+        )
+        if cfg.eval_at_start and result.resumed_from is None:
             evaluate_now()
         batches = self._train_batches()
-        loss_sum, count, start = 0.0, 0, time.perf_counter()
+        loss_sum, count = float(self._window["loss_sum"]), int(self._window["count"])
+        start = time.perf_counter()
         self.engine.train(True)
         try:
             while self.step < self.total_steps:
@@ -406,17 +711,57 @@ class Finetuner:
                     and self.step < self.total_steps
                 ):
                     evaluate_now()
-            evaluate_now()
+                window = {"loss_sum": loss_sum, "count": count}
+                signal_flag, budget_flag = self.engine.all_reduce_max(stopwatch.local_flags())
+                if self.step < self.total_steps and (signal_flag or budget_flag):
+                    result.state = "stopped"
+                    result.reason = (
+                        f"signal {stopwatch.received or 'received by another rank'}"
+                        if signal_flag
+                        else f"time budget of {cfg.time_budget_minutes} min"
+                    )
+                    self.save_checkpoint(result.reason, result, window)
+                    break
+                if (
+                    cfg.checkpoint_every
+                    and self.step % cfg.checkpoint_every == 0
+                    and self.step < self.total_steps
+                ):
+                    self.save_checkpoint("interval", result, window)
+            if result.state == "completed":
+                evaluate_now()
         finally:
             progress.close()
             writer.close()
+            stopwatch.restore()
+        result.step = self.step
+        if result.state == "stopped":
+            if self.is_main:
+                progress.write(
+                    f"finetune: stopped at step {self.step} ({result.reason}); a checkpoint is "
+                    f"in {self.store.root}: run the same command again to resume"
+                )
+            return result
         if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             summary = {
                 "best_step": result.best_step,
                 "best": result.best,
                 "history": result.history,
                 "best_release": None if result.best_release is None else str(result.best_release),
             }
-            (self.run_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+            _write_json(self.run_dir / RESULTS_FILE, summary)
         return result
+
+    def discard_checkpoints(self) -> None:
+        """Deletes ``run_dir/checkpoints`` unless ``keep_checkpoints`` (call once the caller has
+        written everything the run produces: the checkpoints are its only way back)."""
+        self.engine.barrier()
+        if self.is_main and not self.cfg.keep_checkpoints:
+            _remove_tree(self.store.root)
+
+
+def _remove_tree(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()

@@ -69,6 +69,12 @@ RESUMABLE_CHANGES = (
 )
 """Config keys a resumed run may change (they do not affect the training trajectory)."""
 
+LOCATION_KEYS = ("train.run_dir", "data.shards", "data.tokenizer")
+"""Config keys that say where things are, not what they are: a run directory or shard
+directory that was moved or copied still holds the same run. The content they point at is
+compared instead (``data_identity`` in the run's config.yaml: the shards' and the tokenizer's
+sha256s)."""
+
 
 @dataclass
 class TrainConfig:

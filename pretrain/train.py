@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from data_prep.format import TOKENIZER
+from data_prep.format import TOKENIZER, sha256_file
 from data_prep.loader import PretrainingData, PretrainingLoader
 from engine import checkpoint as ckpt
 from engine.distributed import detect
@@ -49,7 +49,7 @@ from model.config import EncoderConfig
 from model.flops import training_flops
 from model.heads import EncoderForPretraining
 from model.release import save_release
-from pretrain.config import RESUMABLE_CHANGES, PretrainConfig
+from pretrain.config import LOCATION_KEYS, RESUMABLE_CHANGES, PretrainConfig
 from pretrain.objective import model_inputs, pretraining_loss
 
 log = logging.getLogger("pretrain")
@@ -102,9 +102,24 @@ def open_data(cfg: PretrainConfig, rank: int) -> tuple[PretrainingData, Path]:
     return data, tokenizer
 
 
+def data_identity(data: PretrainingData, tokenizer: Path) -> dict[str, str]:
+    """What the run trains on, by content: a digest of the shards' sha256s (from the manifest)
+    and the tokenizer's sha256. A moved or copied shard directory keeps its identity."""
+    import hashlib
+
+    shards = [shard["sha256"] for shard in data.manifest["shards"]]
+    digest = hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()
+    return {"shards_sha256": digest, "tokenizer_sha256": sha256_file(tokenizer)}
+
+
 def check_run_dir(run_dir: Path, resolved: dict[str, Any]) -> bool:
     """True when ``run_dir`` already holds this run (resume); ValueError when it holds another
-    config (differences other than ``RESUMABLE_CHANGES``)."""
+    config (differences other than ``RESUMABLE_CHANGES``).
+
+    Locations (``LOCATION_KEYS``: the run directory, the shard directory, the tokenizer path)
+    are not compared, the content they name is (``data_identity``), so a run directory moved
+    or copied elsewhere, or shards moved to another file system, resume. Run directories
+    written before ``data_identity`` existed are compared without it."""
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         if run_dir.is_dir() and (run_dir / "checkpoints").exists():
@@ -113,11 +128,20 @@ def check_run_dir(run_dir: Path, resolved: dict[str, Any]) -> bool:
     from omegaconf import OmegaConf
 
     saved = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    changed = [k for k in diff_keys(saved, resolved) if k not in RESUMABLE_CHANGES]
+    assert isinstance(saved, dict)
+    if "data_identity" not in saved:
+        resolved = {k: v for k, v in resolved.items() if k != "data_identity"}
+    ignored = (*RESUMABLE_CHANGES, *LOCATION_KEYS)
+    changed = [k for k in diff_keys(saved, resolved) if k not in ignored]
     if changed:
+        what = (
+            " (the shards or the tokenizer have other content than the run was started with)"
+            if any(k.startswith("data_identity") for k in changed)
+            else ""
+        )
         raise ValueError(
             f"{run_dir} holds a run with a different config ({path}); differing keys: "
-            f"{changed}. Use another train.run_dir, or restore those values to resume it."
+            f"{changed}{what}. Use another train.run_dir, or restore those values to resume it."
         )
     return True
 
@@ -145,8 +169,11 @@ class Trainer:
         resolved = cfg.to_dict()
         resolved["model"] = {k: v for k, v in self.model_cfg.to_dict().items()}
         resolved["data"]["tokenizer"] = str(self.tokenizer)
+        resolved["data_identity"] = data_identity(self.data, self.tokenizer)
         self.resolved = resolved
         self.resuming = check_run_dir(self.run_dir, resolved)
+        if self.resuming:
+            self._check_resumable()
 
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
         model = EncoderForPretraining(self.model_cfg)
@@ -222,9 +249,39 @@ class Trainer:
         self.skipped = int(state["skipped"])
         self.nonfinite_in_a_row = int(state["nonfinite_in_a_row"])
 
+    def _check_resumable(self) -> None:
+        """Before the process group and the engine: the checkpoint a resume would start from
+        fits this run (its COMPLETE.json, sizes only; the content is checked when it loads).
+        Raises ValueError (the CLI's exit 2) for a different number of processes and for
+        ``train.steps`` below the checkpoint's step."""
+        store = ckpt.CheckpointStore(
+            self.run_dir / "checkpoints", rank=self.rank, world_size=self.dist.world_size
+        )
+        for tag in store.candidates():
+            try:
+                record = store.read_complete(tag, checksums=False)
+            except ckpt.CheckpointError:
+                continue  # resume() reports it and falls back
+            saved_world, step = record.get("world_size"), int(record["step"])
+            if saved_world != self.dist.world_size:
+                raise ValueError(
+                    f"checkpoint {store.root / tag} was written by {saved_world} processes; "
+                    f"this run has {self.dist.world_size}. An exact resume needs the same "
+                    f"number: launch {saved_world} processes, or start a new train.run_dir"
+                )
+            if step > self.cfg.total_steps:
+                raise ValueError(
+                    f"train.steps={self.cfg.total_steps} is below the step of the checkpoint "
+                    f"to resume ({store.root / tag}, step {step}): raise train.steps to "
+                    f"{step} or more, or start a new train.run_dir"
+                )
+            return
+
     def resume(self) -> Path | None:
         """Collective. Loads the newest usable checkpoint (``latest`` first); one that fails on
-        any rank is reported and the next older one is tried, on all ranks together."""
+        any rank (a damaged seal, a file whose size or checksum does not match, a load error)
+        is reported and the next older one is tried, on all ranks together. Rank 0 checks the
+        content checksums; every rank checks sizes."""
         tags = self.store.candidates()
         if not tags:
             if any(self.store.root.glob("step_*[0-9]")):
@@ -233,15 +290,15 @@ class Trainer:
         reasons = []
         for tag in tags:
             path = self.store.root / tag
-            saved_world = self.store.read_complete(tag).get("world_size")
-            if saved_world != self.dist.world_size:
-                raise ValueError(
-                    f"checkpoint {path} was written by {saved_world} processes; this run has "
-                    f"{self.dist.world_size} (exact resume needs the same number)"
-                )
             error: Exception | None = None
             try:
-                self.store.verify(tag)
+                record = self.store.read_complete(tag, checksums=self.is_main)
+                saved_world = record.get("world_size")
+                if saved_world != self.dist.world_size:
+                    raise ValueError(
+                        f"written by {saved_world} processes; this run has "
+                        f"{self.dist.world_size} (an exact resume needs the same number)"
+                    )
                 self._restore(path)
             except Exception as e:
                 error = e
@@ -301,13 +358,19 @@ class Trainer:
             tmp = self.run_dir / (CONFIG_FILE + ".tmp")
             tmp.write_text(to_yaml(self.resolved))
             os.replace(tmp, self.run_dir / CONFIG_FILE)
-        if self.is_main:  # a stale "stopped" from an earlier attempt must not survive a crash
-            status = {"state": "running", "step": None}
-            (self.run_dir / STATUS_FILE).write_text(json.dumps(status) + "\n")
         self.engine.barrier()
         resumed_from = self.resume()
+        # Only now: a resume that fails leaves the previous status (e.g. "completed") as it
+        # was; a stale "stopped" from an earlier attempt must not survive a later crash.
+        if self.is_main:
+            status = {"state": "running", "step": self.step}
+            _write_json_atomically(self.run_dir / STATUS_FILE, status)
         total = cfg.total_steps
-        writer = MetricsWriter(self.run_dir / "tensorboard", enabled=self.is_main)
+        writer = MetricsWriter(
+            self.run_dir / "tensorboard",
+            enabled=self.is_main,
+            purge_step=self.step + 1 if resumed_from else None,
+        )
         progress = Progress(
             total,
             initial=self.step,
@@ -434,7 +497,7 @@ class Trainer:
                 "last": last,
                 "release": None if release is None else str(release),
             }
-            (self.run_dir / STATUS_FILE).write_text(json.dumps(status, indent=2) + "\n")
+            _write_json_atomically(self.run_dir / STATUS_FILE, status)
         return RunResult(state, self.step, self.run_dir, release, last, reason)
 
     def _train_step(
@@ -526,6 +589,12 @@ class Trainer:
             values["throughput/mfu"] = achieved
         writer.scalars(self.step, values)
         return {k: float(v) for k, v in values.items() if v is not None}
+
+
+def _write_json_atomically(path: Path, value: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def _synchronizer(device: torch.device):

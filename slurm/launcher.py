@@ -15,8 +15,8 @@ Preemption and time limits (submitit's checkpoint protocol). The sbatch script a
 the same signal (``scancel --signal=USR2 JOBID``). submitit's own ``SIGUSR2`` handler would call
 ``checkpoint()`` from inside the signal handler, i.e. in the middle of a training step; so while
 the trainer runs, its ``StopWatch`` owns the signal: every rank finishes the step, all ranks
-save a checkpoint together and the trainer returns ``"stopped"`` (and restores submitit's
-handler). Then global rank 0 raises ``SIGUSR2`` again in its own process: submitit's handler now
+save a checkpoint together and the trainer returns ``"stopped"`` (fine-tuning: ``python -m
+finetune`` returns 75) and restores submitit's handler. Then global rank 0 raises ``SIGUSR2`` again in its own process: submitit's handler now
 runs at a safe point, calls ``StageJob.checkpoint()`` (the same call again), requeues the job
 and exits; the requeued job resumes from the run directory's ``latest`` checkpoint. A job that
 Slurm is already ending (``scancel``, a reached time limit) is not requeued: its checkpoint is
@@ -513,8 +513,9 @@ class StageJob(submitit.helpers.Checkpointable):
     """The callable every Slurm task of the job runs: ``python -m <stage> ARGS`` in-process.
 
     ``checkpoint()`` (inherited) returns the same call, so a requeued job runs it again; the
-    stage resumes by itself (pretrain: the run dir's ``latest`` checkpoint; data-prep shards:
-    shards already done are verified and skipped).
+    stage resumes by itself (pretrain: the run dir's ``latest`` checkpoint; finetune: the
+    stopped run's checkpoint, finished runs of a sweep skipped; data-prep shards: shards
+    already done are verified and skipped).
     """
 
     def __init__(self, stage: str, args: Sequence[str]):
@@ -581,8 +582,20 @@ class StageJob(submitit.helpers.Checkpointable):
         return {"stage": self.stage, "state": "completed", "args": self.args, "rank": rank}
 
     def _module_main(self) -> dict[str, Any]:
+        from finetune.trainer import EXIT_STOPPED
+
         module = importlib.import_module(STAGES[self.stage] + ".__main__")
-        _check_exit(module.main(self.args), STAGES[self.stage], self.args)
+        handler = signal.getsignal(signal.SIGUSR2)  # submitit's checkpoint-and-requeue handler
+        code = module.main(self.args)  # fine-tuning's StopWatch owns SIGUSR2 while it trains
+        if signal.getsignal(signal.SIGUSR2) is not handler:
+            signal.signal(signal.SIGUSR2, handler)
+        if code == EXIT_STOPPED:  # a checkpoint was saved; the requeued job resumes from it
+            from engine.distributed import detect
+
+            if detect().rank == 0:
+                request_requeue(handler)
+            return {"stage": self.stage, "state": "stopped", "args": self.args}
+        _check_exit(code, STAGES[self.stage], self.args)
         return {"stage": self.stage, "state": "completed", "args": self.args}
 
 

@@ -39,7 +39,15 @@ from finetune.glue.data import encode, load_glue_tokenizer, load_split, pad_toke
 from finetune.glue.metrics import compute_metrics, glue_average
 from finetune.glue.submission import write_predictions
 from finetune.glue.tasks import SCORED_TASKS, TASKS, GlueTask, get_task
-from finetune.trainer import FinetuneConfig, Finetuner
+from finetune.trainer import (
+    EXIT_STOPPED,
+    FinetuneConfig,
+    Finetuner,
+    content_digest,
+    finished_run,
+    run_identity,
+    write_finished,
+)
 from model.release import CONFIG_FILE, TOKENIZER_FILE, load_release, save_release
 
 log = logging.getLogger("finetune.glue")
@@ -142,9 +150,26 @@ def build_classifier(release: Path, task: GlueTask, cfg: GlueConfig) -> torch.nn
 
 
 def run_one(
-    task: GlueTask, release: Path, data_dir: Path, cfg: GlueConfig, lr: float, seed: int
+    task: GlueTask,
+    release: Path,
+    data_dir: Path,
+    cfg: GlueConfig,
+    lr: float,
+    seed: int,
+    init_digest: str | None = None,
 ) -> dict[str, Any]:
+    """One task x learning rate x seed. Returns its row; ``row["state"]`` is ``"stopped"``
+    when a signal or the time budget stopped it (a checkpoint was saved: run again to
+    resume). A run that finished before is not run again: its row is read back."""
     run_dir = Path(cfg.run_dir) / task.name / f"lr_{lr:g}" / f"seed_{seed}"
+    identity = run_identity(
+        config_dict(cfg), suite="glue", lr=lr, seed=seed, init_sha256=init_digest
+    )
+    done = finished_run(run_dir, identity)
+    if done is not None:
+        log.warning("%s: finished before; skipping it (delete it to run it again)", run_dir)
+        done.pop("history", None)
+        return done
     tokenizer = load_glue_tokenizer(release / TOKENIZER_FILE)
     train, train_stats = load_split(task, data_dir, "train")
     splits = {s: load_split(task, data_dir, s) for s in (*task.dev_splits, *task.test_splits)}
@@ -155,7 +180,7 @@ def run_one(
     torch.manual_seed(seed)
     model = build_classifier(release, task, cfg)
     opt = OptimizerConfig(**{**config_dict(cfg.optimizer), "lr": lr, "betas": cfg.optimizer.betas})
-    result = Finetuner(
+    trainer = Finetuner(
         model,
         encode(train, tokenizer, cfg.data.max_length),
         encoded,
@@ -167,8 +192,11 @@ def run_one(
         schedule=cfg.schedule,
         pad_id=pad_token_id(tokenizer),
         tokenizer_file=release / TOKENIZER_FILE,
-    ).run()
+        identity=identity,
+    )
+    result = trainer.run()
     row = {
+        "state": result.state,
         "task": task.name,
         "lr": lr,
         "seed": seed,
@@ -181,14 +209,21 @@ def run_one(
         },
         "run_dir": str(run_dir),
     }
-    if detect().rank != 0:  # every rank trained and evaluated; rank 0 writes
+    if result.state != "completed":
         return row
-    for split in task.test_splits:
-        indices = [encoded[split][i]["index"] for i in range(len(encoded[split]))]
-        write_predictions(
-            task, indices, result.predictions[split], run_dir / "predictions", split, overwrite=True
-        )
-    (run_dir / "results.json").write_text(json.dumps({**row, "history": result.history}, indent=2))
+    if detect().rank == 0:  # every rank trained and evaluated; rank 0 writes
+        for split in task.test_splits:
+            indices = [encoded[split][i]["index"] for i in range(len(encoded[split]))]
+            write_predictions(
+                task,
+                indices,
+                result.predictions[split],
+                run_dir / "predictions",
+                split,
+                overwrite=True,
+            )
+        write_finished(run_dir, {**row, "history": result.history})  # last: the run is done
+    trainer.discard_checkpoints()
     return row
 
 
@@ -240,6 +275,8 @@ def collect_rows(root: Path) -> list[dict[str, Any]]:
     rows = []
     for path in sorted(root.glob("*/lr_*/seed_*/results.json")):
         row = json.loads(path.read_text())
+        if row.get("finished") is False or "task" not in row:
+            continue  # interrupted between its last evaluation and its predictions
         row.pop("history", None)
         rows.append(row)
     return rows
@@ -279,10 +316,13 @@ def main(args, overrides: list[str]) -> int:
             if args.attention:
                 cfg.model.attention = args.attention
             release = prepare_init(Path(args.init), cfg, Path(work))
+            digest = content_digest(Path(args.init))
             task = get_task(name)
             for lr in cfg.lrs or [cfg.optimizer.lr]:
                 for seed in cfg.seeds:
-                    run_one(task, release, Path(args.data), cfg, lr, seed)
+                    row = run_one(task, release, Path(args.data), cfg, lr, seed, digest)
+                    if row["state"] == "stopped":
+                        return EXIT_STOPPED
             roots.add(Path(cfg.run_dir))
     if not args.no_summary and detect().rank == 0:
         for root in sorted(roots):

@@ -40,7 +40,15 @@ from engine.optim import OptimizerConfig, ScheduleConfig
 from engine.recipe import build_config, config_dict, load_recipe
 from finetune.lra.data import collate_pair, load_split
 from finetune.lra.tasks import PAD_ID, get_task
-from finetune.trainer import FinetuneConfig, Finetuner
+from finetune.trainer import (
+    EXIT_STOPPED,
+    FinetuneConfig,
+    Finetuner,
+    content_digest,
+    finished_run,
+    run_identity,
+    write_finished,
+)
 from model.config import EncoderConfig, deep_merge
 from model.heads import build_model
 from model.release import load_release, read_release_config
@@ -159,7 +167,18 @@ def _accuracy(predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
     return {"accuracy": float(accuracy_score(labels.astype(np.int64), predictions))}
 
 
-def run_seed(cfg: LraConfig, data_dir: Path, init: Path | None, seed: int) -> dict[str, Any]:
+def run_seed(
+    cfg: LraConfig, data_dir: Path, init: Path | None, seed: int, init_digest: str | None = None
+) -> dict[str, Any]:
+    """One seed. Returns its row; ``row["state"]`` is ``"stopped"`` when a signal or the time
+    budget stopped it (a checkpoint was saved: run again to resume). A seed that finished
+    before is not run again: its row is read back."""
+    run_dir = Path(cfg.run_dir) / f"seed_{seed}"
+    identity = run_identity(config_dict(cfg), suite="lra", seed=seed, init_sha256=init_digest)
+    done = finished_run(run_dir, identity)
+    if done is not None:
+        print(f"{run_dir}: finished before; skipping it (delete it to run it again)", flush=True)
+        return done["summary"]
     task = get_task(cfg.task)
     options: dict[str, Any] = {}
     if task.name in ("pathfinder", "pathx"):
@@ -171,9 +190,8 @@ def run_seed(cfg: LraConfig, data_dir: Path, init: Path | None, seed: int) -> di
     seq_len = task.sequence_length(cfg.data.max_length)
     torch.manual_seed(seed)
     model = build_lra_model(cfg, init, seq_len)
-    run_dir = Path(cfg.run_dir) / f"seed_{seed}"
     train_cfg = FinetuneConfig(**{**config_dict(cfg.train), "seed": seed})
-    result = Finetuner(
+    trainer = Finetuner(
         model,
         splits["train"],
         {"val": splits["val"], "test": splits["test"]},
@@ -186,8 +204,11 @@ def run_seed(cfg: LraConfig, data_dir: Path, init: Path | None, seed: int) -> di
         pad_id=PAD_ID,
         collate_fn=collate_pair if task.pair else None,
         inputs_fn=_dual_inputs if task.pair else None,
-    ).run()
+        identity=identity,
+    )
+    result = trainer.run()
     row = {
+        "state": result.state,
         "task": task.name,
         "family": _family(model),
         "seed": seed,
@@ -197,9 +218,12 @@ def run_seed(cfg: LraConfig, data_dir: Path, init: Path | None, seed: int) -> di
         "test_accuracy": result.best.get("test", {}).get("accuracy"),
         "run_dir": str(run_dir),
     }
+    if result.state != "completed":
+        return row
     if detect().rank == 0:  # the per-seed record lra-summary reads
         path = run_dir / "results.json"
-        path.write_text(json.dumps({**json.loads(path.read_text()), "summary": row}, indent=2))
+        write_finished(run_dir, {**json.loads(path.read_text()), "summary": row})
+    trainer.discard_checkpoints()
     return row
 
 
@@ -242,7 +266,8 @@ def summarise_dir(root: Path) -> str:
         run = json.loads(path.read_text())
         row = run.get("summary")
         if row is None:
-            raise ValueError(f"{path}: no 'summary' (not written by python -m finetune lra)")
+            print(f"{path}: no 'summary' (unfinished, or not written by python -m finetune lra)")
+            continue
         init = "scratch" if row["init"] is None else "pretrained"
         groups.setdefault((row["family"], init, row["task"]), []).append(row)
     ours: dict[str, dict[str, float]] = {}
@@ -295,7 +320,12 @@ def main(args, overrides: list[str]) -> int:
     init = Path(args.init) if args.init else None
     if init is not None and not init.is_dir():
         raise ValueError(f"--init {init}: no such directory")
-    rows = [run_seed(cfg, Path(args.data), init, seed) for seed in cfg.seeds]
+    digest = content_digest(init)
+    rows = []
+    for seed in cfg.seeds:
+        rows.append(run_seed(cfg, Path(args.data), init, seed, digest))
+        if rows[-1]["state"] == "stopped":
+            return EXIT_STOPPED
     if detect().rank == 0 and not args.no_summary:  # every rank trained; rank 0 writes
         print(summarise(rows, Path(cfg.run_dir)))
     return 0

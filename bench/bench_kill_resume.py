@@ -1,0 +1,176 @@
+"""SIGKILL a run again and again at random moments; after each kill, check that the run
+directory holds a loadable checkpoint; then let the run finish and compare it with an
+uninterrupted run of the same command.
+
+    python bench/bench_kill_resume.py --stage finetune --kills 20      # LRA ListOps, tiny
+    python bench/bench_kill_resume.py --stage pretrain --kills 20      # debug recipe, tiny
+
+A kill lands anywhere: during start-up, a training step, an evaluation, the writing of the best
+release or of a checkpoint. "loadable" means ``CheckpointStore.resolve()`` returns a checkpoint
+whose files pass their size and checksum checks and whose rank state loads; a kill before the
+first checkpoint leaves none (counted apart: the re-run starts fresh, which is correct).
+Writes bench/results/kill_resume_<stage>_cpu.json. A benchmark, not a test: it takes minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from engine.checkpoint import CheckpointStore, load_rank_state  # noqa: E402
+
+TINY = [
+    "model.hidden_size=32",
+    "model.embedding_size=32",
+    "model.num_attention_heads=2",
+    "model.intermediate_size=64",
+    "model.hidden_dropout_prob=0.1",
+    "engine.precision=fp32",
+    "engine.backend=torch",
+]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def finetune_setup(root: Path, steps: int) -> tuple[list[str], Path, Path]:
+    from data_prep.listops import write_splits
+
+    data = root / "listops"
+    write_splits(data, {"train": 256, "val": 48, "test": 48}, min_length=5, max_length=30, seed=0)
+
+    def command(run_dir: Path) -> list[str]:
+        return [
+            sys.executable, "-m", "finetune", "lra", "--task", "listops", "--data", str(data),
+            *TINY, "engine.micro_batch_size=8", f"schedule.total_steps={steps}",
+            "schedule.warmup_steps=5", "train.eval_every=10", "train.checkpoint_every=5",
+            "train.log_every=5", "data.max_length=40", f"run_dir={run_dir}",
+        ]  # fmt: skip
+
+    return command, Path("seed_0/checkpoints"), Path("seed_0/best/model.safetensors")
+
+
+def pretrain_setup(root: Path, steps: int):
+    sys.path.insert(0, str(REPO / "tests"))
+    from pretrain_support import base_overrides, make_shards
+
+    shards = make_shards(root / "data")
+
+    def command(run_dir: Path) -> list[str]:
+        return [
+            sys.executable, "-m", "pretrain", "--config", str(REPO / "configs/pretrain/debug.yaml"),
+            *base_overrides(shards, run_dir, steps), "engine.backend=torch", "engine.zero_stage=0",
+            "train.checkpoint_every=5", "train.log_every=5", "model.hidden_dropout_prob=0.1",
+        ]  # fmt: skip
+
+    return command, Path("checkpoints"), Path("release/model.safetensors")
+
+
+def loadable(store_root: Path) -> str:
+    """'yes' (with the step), 'none yet' or 'NO: reason'."""
+    store = CheckpointStore(store_root)
+    try:
+        found = store.resolve(loader=lambda path: load_rank_state(path, 0))
+    except Exception as e:  # reported: it is the measurement
+        return f"NO: {type(e).__name__}: {e}"
+    if found is None:
+        return "none yet"
+    return f"yes: {found[0].name}"
+
+
+def run(args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory(prefix="albatross-kill-") as tmp:
+        root = Path(tmp)
+        setup = finetune_setup if args.stage == "finetune" else pretrain_setup
+        command, store_rel, weights_rel = setup(root, args.steps)
+        reference = root / "reference"
+        t0 = time.monotonic()
+        proc = subprocess.run(command(reference), env=_env(), cwd=REPO, capture_output=True)
+        uninterrupted_s = time.monotonic() - t0
+        if proc.returncode != 0:
+            raise SystemExit(proc.stderr.decode()[-3000:])
+        killed = root / "killed"
+        outcomes = []
+        while len(outcomes) < args.kills:
+            p = subprocess.Popen(
+                command(killed), env=_env(), cwd=REPO,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            delay = rng.uniform(args.min_delay, args.max_delay)
+            try:
+                p.wait(timeout=delay)
+                break  # finished before the kill: enough kills happened
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            outcomes.append(
+                {"after_s": round(delay, 2), "checkpoint": loadable(killed / store_rel)}
+            )
+            print(f"kill {len(outcomes):2d} after {delay:5.2f} s: {outcomes[-1]['checkpoint']}")
+        final = subprocess.run(command(killed), env=_env(), cwd=REPO, capture_output=True)
+        if final.returncode != 0:
+            raise SystemExit(final.stderr.decode()[-3000:])
+        wa, wb = load_file(str(reference / weights_rel)), load_file(str(killed / weights_rel))
+        max_diff = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+        same = sorted(wa) == sorted(wb) and max_diff <= 1e-6
+        if args.stage == "finetune":
+            ra = json.loads((reference / "seed_0/results.json").read_text())
+            rb = json.loads((killed / "seed_0/results.json").read_text())
+            same = same and ra["history"] == rb["history"] and ra["best_step"] == rb["best_step"]
+    loaded = sum(o["checkpoint"].startswith("yes") for o in outcomes)
+    none_yet = sum(o["checkpoint"] == "none yet" for o in outcomes)
+    return {
+        "stage": args.stage,
+        "steps": args.steps,
+        "kills": len(outcomes),
+        "loadable_after_kill": loaded,
+        "no_checkpoint_yet": none_yet,
+        "unusable": len(outcomes) - loaded - none_yet,
+        "final_equals_uninterrupted": same,
+        "max_weight_difference": max_diff,
+        "uninterrupted_seconds": round(uninterrupted_s, 1),
+        "outcomes": outcomes,
+        "torch": torch.__version__,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", choices=("finetune", "pretrain"), default="finetune")
+    parser.add_argument("--kills", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--min-delay", type=float, default=1.0, help="seconds after a start")
+    parser.add_argument("--max-delay", type=float, default=8.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    report = run(args)
+    out = args.out or REPO / "bench" / "results" / f"kill_resume_{args.stage}_cpu.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(
+        f"{args.stage}: {report['kills']} SIGKILLs, {report['loadable_after_kill']} left a "
+        f"loadable checkpoint, {report['no_checkpoint_yet']} came before the first one, "
+        f"{report['unusable']} left none usable; final run equals the uninterrupted one: "
+        f"{report['final_equals_uninterrupted']} (max weight difference "
+        f"{report['max_weight_difference']:.2e}); {out}"
+    )
+
+
+if __name__ == "__main__":
+    main()
