@@ -154,12 +154,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage", choices=("finetune", "pretrain"), default="finetune")
     parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument(
+        "--steps", type=int, help="total steps (default: 3000, enough for 20 kills on 2 cores)"
+    )
     parser.add_argument("--min-delay", type=float, default=1.0, help="seconds after a start")
     parser.add_argument("--max-delay", type=float, default=8.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    args.steps = args.steps or 3000
     report = run(args)
     out = args.out or REPO / "bench" / "results" / f"kill_resume_{args.stage}_cpu.json"
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -318,6 +318,61 @@ def test_stop_signal_is_handed_to_submitits_handler_after_the_run(
 
 
 @pytest.mark.slow
+def test_finetune_stop_signal_is_handed_to_submitits_handler(tmp_path, job_env, monkeypatch):
+    """The same hand-over for fine-tuning: SIGUSR2 mid-run -> a checkpoint -> ``python -m
+    finetune`` returns 75 -> StageJob raises SIGUSR2 for submitit's handler once, after the
+    checkpoint; the requeued call (the same StageJob again) resumes and finishes."""
+    from data_prep.listops import write_splits
+
+    data = tmp_path / "listops"
+    write_splits(data, {"train": 96, "val": 24, "test": 24}, min_length=5, max_length=30, seed=0)
+    run_dir = tmp_path / "run"
+    args = ["lra", "--task", "listops", "--data", str(data), "model.hidden_size=32"]
+    args += ["model.embedding_size=32", "model.num_attention_heads=2", "data.max_length=40"]
+    args += ["model.intermediate_size=64", "engine.precision=fp32", "engine.backend=torch"]
+    args += ["engine.micro_batch_size=8", "schedule.total_steps=400", "schedule.warmup_steps=5"]
+    args += ["train.eval_every=100"]
+    args += ["train.log_every=1", "train.checkpoint_every=0", f"run_dir={run_dir}"]
+    metrics = run_dir / "seed_0" / "tensorboard"
+    checkpoints = run_dir / "seed_0" / "checkpoints"
+    calls: list[str | None] = []
+
+    def submitit_like_handler(signum, frame):
+        latest = checkpoints / "latest"
+        calls.append(latest.read_text().strip() if latest.is_file() else None)
+
+    previous = signal.signal(signal.SIGUSR2, submitit_like_handler)
+    stop = threading.Event()
+
+    def logged() -> int:
+        return len(read_jsonl(metrics)) if (metrics / "metrics.jsonl").is_file() else 0
+
+    def send_when_running():
+        _wait_until(lambda: logged() >= 3 or stop.is_set(), "3 steps", 120)
+        if not stop.is_set():
+            os.kill(os.getpid(), signal.SIGUSR2)
+
+    sender = threading.Thread(target=send_when_running, daemon=True)
+    sender.start()
+    with mock.patch.dict(os.environ, {"MASTER_PORT": str(free_port())}):
+        try:
+            first = launcher.StageJob("finetune", args)()
+        finally:
+            stop.set()
+            sender.join()
+            restored = signal.getsignal(signal.SIGUSR2)
+        try:
+            second = launcher.StageJob("finetune", args)()  # what the requeued job runs
+        finally:
+            signal.signal(signal.SIGUSR2, previous)
+    assert first["state"] == "stopped" and second["state"] == "completed"
+    assert restored is submitit_like_handler
+    assert len(calls) == 1 and calls[0] is not None and calls[0].startswith("step_")
+    results = json.loads((run_dir / "seed_0" / "results.json").read_text())
+    assert results["finished"] and results["history"][-1]["step"] == 400
+
+
+@pytest.mark.slow
 def test_local_pretrain_with_two_tasks_uses_torchrun(shards, tmp_path, job_env, capsys):
     run_dir = tmp_path / "run"
     argv = ["pretrain", "--gpus-per-node", "0", "--tasks-per-node", "2", "--local", "--"]
