@@ -7,7 +7,8 @@
     listops    generate the LRA ListOps TSV files
 
 User mistakes (missing input, existing output, a shard directory made with another config,
-a corrupt shard) print `error: ...` and exit with status 2.
+tokenizer or input content, a --vocab-size too small for the corpus, a corrupt shard) print
+`error: ...` and exit with status 2.
 """
 
 from __future__ import annotations
@@ -118,7 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_input_args(p, required=False)
     p.add_argument("--out", required=True, help="directory for tokenizer.json")
     p.add_argument("--kind", choices=["unigram", "wordpiece"], default="unigram")
-    p.add_argument("--vocab-size", type=int, default=30000)
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=30000,
+        help="vocabulary size; at least the 5 special tokens + the corpus's distinct characters "
+        "(a smaller one is refused, naming the minimum)",
+    )
     p.add_argument(
         "--max-sentences",
         type=int,
@@ -140,8 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tokenize documents and write ALBERT sentence-order examples (segments A "
         "and B) as numpy shards: document d goes to shard d % S. Output bytes do not depend "
         "on --workers / --job-index / --num-jobs. Re-running resumes (done shards are "
-        "verified and skipped); a directory made with another config is refused. A single-job "
-        "run writes manifest.json; after a multi-job run use `finalize`.",
+        "verified and skipped); a directory made with another config, tokenizer or input (an "
+        "input file whose content changed, by sha256, or a glob that now matches other files) "
+        "is refused. A single-job run writes manifest.json; after a multi-job run use "
+        "`finalize`.",
         formatter_class=defaults,
     )
     _add_input_args(p, required=True)

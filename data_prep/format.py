@@ -38,7 +38,11 @@ manifest.json:
      "shards": [{"name": "shard_00000", "examples": n, "tokens": t,
                  "sha256": {"shard_00000.tokens.npy": ..., "shard_00000.index.npy": ...}}, ...],
      "totals": {"examples": ..., "tokens": ..., "documents": ...},
-     "input": {"files": [...], "documents": ..., "replaced_characters": ..., "skipped": {...}}}
+     "input": {"files": [...], "documents": ..., "replaced_characters": ..., "skipped": {...}},
+     "input_files": [{"path": ..., "size": bytes, "mtime_ns": ..., "sha256": ...}, ...]}
+                      (what each input was when read, `readers.fingerprint_inputs`; absent in
+                      directories made before it was recorded. Done-records hold it too: a
+                      re-run of `data_prep shards` whose input differs in content is refused.)
 """
 
 from __future__ import annotations

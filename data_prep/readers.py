@@ -22,6 +22,10 @@ Bad input (the policy, all tested):
 * a missing file, a glob matching nothing, an empty list file -> FileNotFoundError naming it;
 * no documents at all -> ValueError;
 * undecodable UTF-8 bytes -> replaced by U+FFFD and counted (`replaced_characters`);
+* a file where more than `PROBLEM_WARN_FRACTION` (1%) of the lines (rows for Parquet / HF) are
+  undecodable or skipped (any of the reasons below) -> one warning naming the file, the share
+  and the reasons, when the file has been read: almost always the wrong encoding or format,
+  which the counts in the manifest alone would hide;
 * a line longer than `max_line_chars` characters -> skipped, counted (`skipped.long_lines`) and
   warned about; it is never held in memory whole (read in bounded pieces). For JSONL this
   applies to the lines of each record's text; the record itself (a physical line, which may
@@ -32,12 +36,16 @@ Bad input (the policy, all tested):
   an error naming the file, line and the fields present (almost always a wrong `--text-field`);
   a null text is skipped and counted (`skipped.null_text`);
 * corrupt gzip / zstd data -> ValueError naming the file and the line reached.
+
+`fingerprint_inputs` records what each input was (size, mtime, sha256 of its bytes), so that a
+shard directory can tell that an input changed under the same path.
 """
 
 from __future__ import annotations
 
 import glob
 import gzip
+import hashlib
 import io
 import json
 import logging
@@ -46,6 +54,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from data_prep import format as fmt
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +66,16 @@ DEFAULT_MAX_LINE_CHARS = 1_000_000
 JSONL_RECORD_FACTOR = 64
 _GLOB_CHARS = set("*?[")
 _WARN_LIMIT = 5  # warnings per kind and file; the counts in ReadStats are always complete
+PROBLEM_WARN_FRACTION = 0.01
+"""A file with a larger share of undecodable or skipped lines (rows) is warned about."""
+_UNITS = {
+    "text": "lines",
+    "jsonl": "lines",
+    "parquet": "rows",
+    "hf": "rows",
+    "embedded": "documents",
+}
+"""What `ReadStats.records` counts, per input kind."""
 
 
 @dataclass
@@ -75,6 +95,17 @@ class ReadStats:
             "null_text": 0,
         }
     )
+
+    records: int = 0
+    """Physical lines of text and JSONL files, rows of Parquet / HF inputs, documents of the
+    embedded corpus (the units a problem is counted in). Like `undecodable_lines`, for the console warnings only: not in
+    `to_dict`, so the manifests of older directories stay comparable."""
+    undecodable_lines: int = 0
+    """Lines of text / JSONL files with invalid UTF-8 (the bytes behind `replaced_characters`)."""
+
+    def problems(self) -> dict[str, int]:
+        """Undecodable lines and skipped units by reason (a snapshot: deltas give one file's)."""
+        return {"undecodable_lines": self.undecodable_lines, **self.skipped}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -193,6 +224,7 @@ def _decode(raw: bytes, stats: ReadStats) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
+        stats.undecodable_lines += 1
         text = raw.decode("utf-8", errors="replace")
         # Count only the replacements we made, not U+FFFD characters already in the input.
         stats.replaced_characters += text.count("\ufffd") - raw.count("\ufffd".encode())
@@ -232,6 +264,7 @@ def _iter_lines(
                 if not raw:
                     break
                 lineno += 1
+                stats.records += 1
                 if len(raw) == limit and not raw.endswith(b"\n"):
                     while True:  # drain the rest of the long line
                         more = f.readline(1 << 20)
@@ -348,6 +381,7 @@ def _texts_from_column(
     row0: int,
 ) -> Iterator[list[str]]:
     for i, text in enumerate(column):
+        stats.records += 1
         if text is None:
             stats.skipped["null_text"] += 1
             continue
@@ -407,13 +441,20 @@ def _read_hf(
 def _read_embedded(
     item: str, text_field: str, stats: ReadStats, max_line_chars: int, warn: _Warner
 ) -> Iterator[list[str]]:
+    for i, text in enumerate(_embedded_texts(item)):
+        stats.records += 1
+        yield _split_sentences(text, stats, max_line_chars, f"{item} document {i}", warn)
+
+
+def _embedded_texts(item: str) -> Iterator[str]:
+    """The documents of `embedded` / `embedded:N`."""
     from data_prep.corpus import embedded_documents
 
     limit = _embedded_limit(item)
     for i, text in enumerate(embedded_documents()):
         if limit is not None and i >= limit:
             break
-        yield _split_sentences(text, stats, max_line_chars, f"{item} document {i}", warn)
+        yield text
 
 
 _READERS = {
@@ -446,13 +487,93 @@ def iter_documents(
     stats.files = files
     warn = _Warner()
     for path in files:
-        read = _READERS[input_kind(path)]
-        for doc in read(path, text_field, stats, max_line_chars, warn):
+        kind = input_kind(path)
+        records, problems = stats.records, stats.problems()
+        for doc in _READERS[kind](path, text_field, stats, max_line_chars, warn):
             if not doc:
                 continue
             stats.documents += 1
             stats.sentences += len(doc)
             stats.characters += sum(len(s) for s in doc)
             yield doc
+        _warn_if_mostly_bad(path, kind, stats, records, problems)
     if stats.documents == 0:
         raise ValueError(f"no documents found in the input ({', '.join(files)}): it is empty")
+
+
+def _warn_if_mostly_bad(
+    path: str, kind: str, stats: ReadStats, records_before: int, problems_before: dict[str, int]
+) -> None:
+    """One warning if more than PROBLEM_WARN_FRACTION of the file's lines (rows) were
+    undecodable or skipped; `*_before` are the counts before the file was read."""
+    records = stats.records - records_before
+    found = {k: v - problems_before[k] for k, v in stats.problems().items()}
+    found = {k: v for k, v in found.items() if v}
+    # A line can have several problems (and a JSONL record several long lines): capped.
+    bad = min(sum(found.values()), records)
+    if records == 0 or bad <= PROBLEM_WARN_FRACTION * records:
+        return
+    reasons = {
+        "undecodable_lines": "with invalid UTF-8 (bytes replaced by U+FFFD)",
+        "long_lines": "longer than --max-line-chars (skipped)",
+        "long_records": f"records longer than {JSONL_RECORD_FACTOR} x --max-line-chars (skipped)",
+        "bad_json_lines": "not valid JSON (skipped)",
+        "null_text": "with a null text (skipped)",
+    }
+    log.warning(
+        "%s: %d of %d %s (%.1f%%) are undecodable or skipped: %s; check the file's encoding "
+        "(UTF-8 expected) and format",
+        path,
+        bad,
+        records,
+        _UNITS[kind],
+        100 * bad / records,
+        ", ".join(f"{v} {reasons.get(k, k)}" for k, v in found.items()),
+    )
+
+
+# ----------------------------------------------------------------------------- fingerprints
+
+
+def fingerprint_inputs(files: Iterable[str]) -> list[dict[str, Any]]:
+    """What each expanded input (`expand_inputs`) is now: {"path", "size", "mtime_ns",
+    "sha256"}. The sha256 is of the whole file (about 2 GB/s with SHA instructions, far less
+    than tokenizing it costs), so a change is seen whatever its size and mtime; `mtime_ns` is
+    informational (a copy or `touch` changes it, not the content). An HF directory is hashed
+    over its files (relative path and sha256 of each), with their total size and latest mtime;
+    the embedded corpus over its text (its `mtime_ns` is None)."""
+    out = []
+    for path in files:
+        if input_kind(path) == "embedded":
+            h = hashlib.sha256()
+            size = 0
+            for text in _embedded_texts(path):
+                data = text.encode("utf-8") + b"\0"
+                h.update(data)
+                size += len(data)
+            out.append({"path": path, "size": size, "mtime_ns": None, "sha256": h.hexdigest()})
+        elif os.path.isdir(path):
+            members = sorted(p for p in Path(path).rglob("*") if p.is_file())
+            h = hashlib.sha256()
+            for p in members:
+                h.update(f"{p.relative_to(path).as_posix()}\0{fmt.sha256_file(p)}\n".encode())
+            stats = [p.stat() for p in members]
+            out.append(
+                {
+                    "path": path,
+                    "size": sum(st.st_size for st in stats),
+                    "mtime_ns": max((st.st_mtime_ns for st in stats), default=0),
+                    "sha256": h.hexdigest(),
+                }
+            )
+        else:
+            st = os.stat(path)
+            out.append(
+                {
+                    "path": path,
+                    "size": st.st_size,
+                    "mtime_ns": st.st_mtime_ns,
+                    "sha256": fmt.sha256_file(path),
+                }
+            )
+    return out

@@ -11,6 +11,14 @@ Both trained kinds get the special tokens in `format.ALBERT_SPECIAL_TOKENS` orde
   accents, which loses accents: here NFKC keeps them, as the SentencePiece model does).
 * wordpiece: BERT uncased: BertNormalizer (clean text, CJK spacing, lowercase, strip accents),
   BertPreTokenizer, `##` continuation prefix, WordPiece decoder.
+
+Vocabulary size: both kinds keep every distinct character of the normalised corpus, so
+--vocab-size must be at least the 5 special tokens + that alphabet (unigram: + 1 learned piece;
+wordpiece: the alphabet counts each character also as a `##` continuation). The alphabet is
+known only once the corpus has been read, so a smaller size is refused (ValueError naming the
+minimum, exit status 2) right after the counting pass, before anything is written; the library
+would otherwise fail with a bare exception (unigram) or silently return a larger vocabulary
+than asked (wordpiece, and unigram just above the alphabet). A size <= 5 is refused up front.
 """
 
 from __future__ import annotations
@@ -88,17 +96,48 @@ def _wordpiece(vocab_size: int, show_progress: bool) -> tuple[Any, Any]:
 _BUILDERS = {"unigram": _unigram, "wordpiece": _wordpiece}
 
 
-def _sentences(documents: Iterable[list[str]], max_sentences: int | None) -> Iterator[list[str]]:
-    """Batches of sentences for `train_from_iterator`, at most `max_sentences` in all."""
+def _sentences(
+    documents: Iterable[list[str]], max_sentences: int | None, alphabet: set[str] | None = None
+) -> Iterator[list[str]]:
+    """Batches of sentences for `train_from_iterator`, at most `max_sentences` in all; the
+    distinct characters seen are added to `alphabet` (if given)."""
     n = 0
     for doc in documents:
         if max_sentences is not None and n + len(doc) > max_sentences:
             doc = doc[: max_sentences - n]
         n += len(doc)
         if doc:
+            if alphabet is not None:
+                alphabet.update(*doc)
             yield doc
         if max_sentences is not None and n >= max_sentences:
             return
+
+
+def _normalised_alphabet(tok: Any, raw: set[str]) -> int:
+    """How many distinct characters the tokenizer's normaliser and pre-tokenizer make of the
+    characters `raw` (each on its own: exact unless combining marks compose across them)."""
+    chars: set[str] = set()
+    for c in raw:
+        for word, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(c)):
+            chars.update(word)
+    return len(chars)
+
+
+def _vocab_too_small(kind: str, vocab_size: int, alphabet: int) -> ValueError:
+    """The error for a --vocab-size below what the corpus's `alphabet` needs."""
+    specials = len(fmt.ALBERT_SPECIAL_TOKENS)
+    if kind == "unigram":
+        minimum = specials + alphabet + 1
+        parts = f"the {alphabet} distinct characters of the normalised text and 1 learned piece"
+    else:
+        minimum = specials + alphabet
+        parts = f"{alphabet} entries for the characters of the text, alone and as ##-continuations"
+    return ValueError(
+        f"--vocab-size {vocab_size} is too small for this corpus: a {kind} vocabulary needs at "
+        f"least {minimum} entries (the {specials} special tokens, {parts}); ALBERT and BERT use "
+        "about 30000"
+    )
 
 
 def train_tokenizer(
@@ -111,12 +150,30 @@ def train_tokenizer(
     """A trained `tokenizers.Tokenizer` with the ALBERT special tokens at ids 0..4."""
     if kind not in _BUILDERS:
         raise ValueError(f"unknown tokenizer kind {kind!r}; choose one of {list(_BUILDERS)}")
-    if vocab_size <= len(fmt.ALBERT_SPECIAL_TOKENS):
+    specials = len(fmt.ALBERT_SPECIAL_TOKENS)
+    if vocab_size <= specials:
         raise ValueError(
-            f"vocab_size must exceed {len(fmt.ALBERT_SPECIAL_TOKENS)}, got {vocab_size}"
+            f"--vocab-size {vocab_size} is too small: the {specials} special tokens alone take "
+            f"{specials} ids, and every distinct character of the corpus needs one more"
         )
     tok, trainer = _BUILDERS[kind](vocab_size, show_progress)
-    tok.train_from_iterator(_sentences(documents, max_sentences), trainer=trainer)
+    # Unigram fails when the alphabet exceeds the vocabulary: the characters seen give the
+    # minimum to report then (collecting them runs at ~150 M characters/s, <1% of training).
+    raw_chars: set[str] | None = set() if kind == "unigram" else None
+    try:
+        tok.train_from_iterator(_sentences(documents, max_sentences, raw_chars), trainer=trainer)
+    except Exception as e:
+        if raw_chars is None or "not large enough to contain all chars" not in str(e):
+            raise
+        # The library's check is alphabet > vocab_size: the alphabet is at least vocab_size + 1.
+        alphabet = max(_normalised_alphabet(tok, raw_chars), vocab_size + 1)
+        raise _vocab_too_small(kind, vocab_size, alphabet) from None
+    if tok.get_vocab_size() > vocab_size:  # the library kept the whole alphabet regardless
+        if kind == "unigram":  # every single-character piece is a character of the alphabet
+            alphabet = sum(len(t) == 1 for t in tok.get_vocab())
+        else:
+            alphabet = tok.get_vocab_size() - specials
+        raise _vocab_too_small(kind, vocab_size, alphabet)
     tok.post_processor = _post_processor()
     for i, token in enumerate(fmt.ALBERT_SPECIAL_TOKENS):
         assert tok.token_to_id(token) == i, (token, tok.token_to_id(token))
