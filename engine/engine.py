@@ -32,6 +32,44 @@ not, the micro-batch is backpropagated as ``0 * loss`` (DeepSpeed needs the back
 keep its state consistent), and at the accumulation boundary the optimizer update is skipped:
 the weights, the optimizer state and the schedule stay as they were and ``StepResult.skipped``
 says so. The caller counts skips and decides when to give up.
+
+Checkpoint files and pickles. ``save``/``load`` with ``backend="torch"`` write and read
+``engine.pt`` (model, optimizer and loss-scaler state dicts, plus an ``"albatross"`` dict of the
+schedule's state and the micro-step counter: tensors, numbers, strings, lists, tuples, dicts,
+None). It is loaded with ``torch.load(weights_only=True)``, which unpickles only those types, so
+a tampered or foreign file cannot run code; anything else is refused with a ``CheckpointError``
+naming the file (``save`` checks that the small ``"albatross"`` dict round-trips that way, so a
+schedule whose state is not plain data fails at the first save, not at the resume). With
+``backend="deepspeed"`` the files are DeepSpeed's own (``mp_rank_*_model_states.pt``,
+``*_optim_states.pt``), read by ``engine.load_checkpoint``: DeepSpeed (checked in 0.19.8) loads
+them in ``TorchCheckpointEngine.load`` with ``torch.load(..., weights_only=False)`` (its ZeRO-3
+and universal-checkpoint paths likewise), i.e. a full unpickle that can run code, because its
+files hold more than plain data (its config, version and optimizer objects). Load DeepSpeed
+checkpoints only from run directories you trust; the store's checksums (engine.checkpoint)
+catch corruption, not tampering. The per-rank state files (``engine.checkpoint.
+load_rank_state``) are loaded with ``weights_only=True``.
+
+Torch-extension locks. DeepSpeed builds its C++/CUDA ops at start-up, on CPU the shared-memory
+collectives (``deepspeed_shm_comm``, in ``deepspeed.init_distributed``), on CUDA the fused LAMB,
+with ``torch.utils.cpp_extension.load``, which serializes builds through a ``lock`` file in the
+op's build directory (``$TORCH_EXTENSIONS_DIR/<op>/lock``; torch's ``FileBaton``). A process
+killed mid-build leaves the file behind, and every later start waits on it forever, silently.
+Before DeepSpeed starts, ``Engine`` therefore calls ``check_extension_locks``: it waits while a
+lock is younger than ``ALBATROSS_EXTENSION_LOCK_MINUTES`` (default 10) or held open by a live
+process on this host, and raises ``StaleExtensionLockError`` (a ``ValueError``: the CLIs exit
+2) naming the file once a lock is older than that and no process here holds it. The file is not
+deleted automatically: ``FileBaton`` records no owner, so on a shared home directory a lock of
+that age may belong to a slow build on another host, and deleting it there would crash that
+build (its release fails) or let this run import a half-built library; the error says to delete
+it when no other build is running. Ten minutes is many times the build of
+``deepspeed_shm_comm`` (40 s measured on 2 CPU cores) and several times a typical CUDA op build
+(a few minutes; not measured here); set the variable higher for slower builds (many CUDA
+architectures, a loaded login node), or to 0 to turn the check off. Also before DeepSpeed starts, when
+``TORCH_EXTENSIONS_DIR`` is unset and Python runs in a virtual environment it can write to,
+``use_environment_extensions_dir`` sets it to ``<venv>/torch_extensions/<py/cuda tag>``: builds
+of two environments (other torch or DeepSpeed versions, which torch's default
+``~/.cache/torch_extensions/py311_cu121`` does not tell apart) then never share a directory or a
+lock. The cost is one build per new environment; an explicit ``TORCH_EXTENSIONS_DIR`` is kept.
 """
 
 from __future__ import annotations
@@ -39,9 +77,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import io
+import logging
 import math
 import os
+import pickle
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -53,6 +95,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
+from engine.checkpoint import CheckpointError
 from engine.distributed import DistEnv, detect, export_torch_env
 from engine.optim import OptimizerConfig, ScheduleConfig, build_optimizer, build_scheduler
 from model.config import deep_merge
@@ -60,6 +103,8 @@ from model.config import deep_merge
 BACKENDS = ("deepspeed", "torch")
 PRECISIONS = ("fp32", "bf16-mixed", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -276,6 +321,168 @@ def compile_encoder(model: nn.Module, backend: str = "inductor") -> nn.Module:
     return target
 
 
+# ---------------------------------------------------------------------------- torch extensions
+
+EXTENSION_LOCK_MINUTES_ENV = "ALBATROSS_EXTENSION_LOCK_MINUTES"
+"""Environment variable: the age (minutes) at which a torch-extensions build lock that no
+process on this host holds is taken as stale; 0 turns the check off."""
+DEFAULT_EXTENSION_LOCK_MINUTES = 10.0
+
+
+class StaleExtensionLockError(ValueError):
+    """A torch-extensions build lock left by a killed build (see the module docstring)."""
+
+    def __init__(self, lock: Path, age_s: float, max_age_s: float) -> None:
+        self.lock = Path(lock)
+        self.age_s = age_s
+        super().__init__(
+            f"{self.lock}: a torch-extensions build lock {age_s / 60:.1f} minutes old that no "
+            f"process on this host holds open (the limit is {max_age_s / 60:g} minutes, "
+            f"{EXTENSION_LOCK_MINUTES_ENV}). A build of the '{self.lock.parent.name}' op was "
+            "probably killed; torch would wait on this file forever. If no other build of it "
+            f"is running (on any host sharing this directory), delete it: rm {self.lock}"
+        )
+
+
+def _extension_lock_max_age_s() -> float:
+    raw = os.environ.get(EXTENSION_LOCK_MINUTES_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_EXTENSION_LOCK_MINUTES * 60
+    try:
+        minutes = float(raw)
+    except ValueError:
+        minutes = float("nan")
+    if not math.isfinite(minutes) or minutes < 0:
+        raise ValueError(
+            f"{EXTENSION_LOCK_MINUTES_ENV}={raw!r} is invalid; valid: minutes >= 0 (0: no check)"
+        )
+    return minutes * 60
+
+
+def _build_folder() -> str:
+    """The per-Python, per-accelerator folder torch puts under its default extensions root
+    (``torch.utils.cpp_extension._get_build_directory``): ``py311_cpu``, ``py311_cu128``, ..."""
+    if torch.version.hip is not None:
+        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        accelerator = "cpu"
+    return f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{accelerator}"
+
+
+def torch_extensions_root() -> Path:
+    """The directory under which ``torch.utils.cpp_extension`` builds JIT extensions (one
+    sub-directory per op, e.g. DeepSpeed's): ``$TORCH_EXTENSIONS_DIR``, else torch's default
+    (``torch.utils.cpp_extension.get_default_build_root()/<py/accelerator tag>``)."""
+    explicit = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if explicit is not None:
+        return Path(explicit)
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root()) / _build_folder()
+
+
+def use_environment_extensions_dir(
+    prefix: str | os.PathLike[str] | None = None,
+    base_prefix: str | os.PathLike[str] | None = None,
+) -> Path | None:
+    """Point ``TORCH_EXTENSIONS_DIR`` into the virtual environment, ``<prefix>/torch_extensions/
+    <py/accelerator tag>``, when it is unset, Python runs in a virtual environment (``prefix``,
+    default ``sys.prefix``, differs from ``base_prefix``, default ``sys.base_prefix``) and that
+    environment is writable. Returns the directory set, or None when nothing was changed (an
+    explicit ``TORCH_EXTENSIONS_DIR``, no virtual environment, a read-only one)."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR") is not None:
+        return None
+    prefix = Path(sys.prefix if prefix is None else prefix)
+    base = Path(sys.base_prefix if base_prefix is None else base_prefix)
+    if prefix.resolve() == base.resolve() or not os.access(prefix, os.W_OK | os.X_OK):
+        return None
+    directory = prefix / "torch_extensions" / _build_folder()
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(directory)
+    return directory
+
+
+def _lock_holders(lock: Path) -> list[int]:
+    """PIDs of the processes on this host that have ``lock`` open (torch's FileBaton keeps its
+    lock file open while it builds). Linux only, and only processes whose ``/proc/<pid>/fd``
+    this user may read (the same user's); elsewhere []."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return []
+    try:
+        target = os.path.realpath(lock)
+    except OSError:
+        return []
+    holders = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = list((entry / "fd").iterdir())
+        except OSError:  # gone, or another user's
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd) == target:
+                    holders.append(int(entry.name))
+                    break
+            except OSError:
+                continue
+    return holders
+
+
+def check_extension_locks(
+    root: str | os.PathLike[str] | None = None,
+    max_age_s: float | None = None,
+    poll_s: float = 1.0,
+) -> None:
+    """Wait while the ``<op>/lock`` files under ``root`` (default ``torch_extensions_root()``)
+    belong to builds in progress; raise ``StaleExtensionLockError`` for one older than
+    ``max_age_s`` (default ``$ALBATROSS_EXTENSION_LOCK_MINUTES`` or 10 minutes; 0 turns the
+    check off) that no process on this host holds open. A lock held open here is never stale,
+    however old. Returns at once when there are no locks (the usual case); see the module
+    docstring for why the lock is not deleted."""
+    max_age = _extension_lock_max_age_s() if max_age_s is None else float(max_age_s)
+    if max_age <= 0:
+        return
+    root = torch_extensions_root() if root is None else Path(root)
+    announced: set[Path] = set()
+    while True:
+        locks = sorted(root.glob("*/lock")) if root.is_dir() else []
+        if not locks:
+            return
+        now = time.time()
+        for lock in locks:
+            try:
+                age = now - lock.stat().st_mtime
+            except FileNotFoundError:  # released since the listing
+                continue
+            holders = _lock_holders(lock)
+            if age >= max_age and not holders:
+                raise StaleExtensionLockError(lock, age, max_age)
+            if lock not in announced:
+                announced.add(lock)
+                by = f"process {holders}" if holders else "no process on this host"
+                log.warning(
+                    "waiting for the torch-extensions build lock %s (%.0f s old, held by %s); "
+                    "it is taken as stale once it is %g minutes old and no process here "
+                    "holds it",
+                    lock,
+                    age,
+                    by,
+                    max_age / 60,
+                )
+        time.sleep(poll_s)
+
+
+def prepare_extensions() -> None:
+    """Before DeepSpeed builds or loads its ops: a per-environment extensions directory
+    (``use_environment_extensions_dir``), then ``check_extension_locks``."""
+    use_environment_extensions_dir()
+    check_extension_locks()
+
+
 def init_distributed(dist: DistEnv, cfg: EngineConfig, device: torch.device) -> None:
     """Joins the process group once (gloo on CPU, NCCL on CUDA); a no-op for one process
     with the torch backend. DeepSpeed always wants a group, even of one."""
@@ -322,6 +529,10 @@ class Engine:
         self.dist = detect() if dist is None else dist
         self.device = resolve_device(cfg, self.dist)
         check_compatible(cfg, optimizer, self.device)
+        if cfg.backend == "deepspeed" or self.device.type == "cuda":
+            # DeepSpeed JIT-builds ops in init_distributed (CPU: shm collectives) and
+            # build_optimizer (CUDA: fused LAMB): never wait forever on a killed build's lock.
+            prepare_extensions()
         init_distributed(self.dist, cfg, self.device)
         self.module = model
         if cfg.activation_checkpointing:
@@ -610,7 +821,7 @@ class Engine:
         """Collective. Writes the engine state (model, optimizer, loss scaler; schedule) into
         ``directory`` (an existing, empty staging directory shared by all ranks)."""
         directory = Path(directory)
-        extra = {"scheduler": self.scheduler.state_dict(), "micro_step": self.micro_step}
+        extra = {"scheduler": self.scheduler.state_dict(), "micro_step": int(self.micro_step)}
         if self._ds is not None:
             self._ds.save_checkpoint(
                 str(directory.parent),
@@ -620,6 +831,7 @@ class Engine:
             )
             return
         if self.rank == 0:
+            _check_weights_only(extra, "the engine's 'albatross' state (schedule, counters)")
             state = {
                 "model": self.module.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
@@ -631,7 +843,10 @@ class Engine:
             os.replace(tmp, directory / "engine.pt")
 
     def load(self, directory: Path) -> None:
-        """Collective. Restores what ``save`` wrote; raises when it cannot."""
+        """Collective. Restores what ``save`` wrote; raises when it cannot. ``engine.pt``
+        (``backend="torch"``) is loaded with ``weights_only=True``: a file holding anything but
+        tensors and plain data raises ``CheckpointError`` naming it. DeepSpeed loads its own
+        files with ``weights_only=False`` (see the module docstring)."""
         directory = Path(directory)
         if self._ds is not None:
             path, client = self._ds.load_checkpoint(
@@ -644,8 +859,7 @@ class Engine:
                 raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory}")
             extra = client["albatross"]
         else:
-            file = directory / "engine.pt"
-            state = torch.load(file, map_location=self.device, weights_only=False)
+            state = load_engine_file(directory / "engine.pt", self.device)
             self.module.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             if self._scaler is not None and state.get("scaler") is not None:
@@ -680,6 +894,62 @@ class Engine:
             torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
             t = t / self.world_size
         return t.cpu()
+
+
+ENGINE_STATE_KEYS = ("model", "optimizer", "scaler", "albatross")
+"""The keys of ``engine.pt`` (``backend="torch"``)."""
+
+
+def _weights_only_detail(exc: BaseException) -> str:
+    """The informative line of torch's weights_only error (it also explains the default)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in lines:
+        if "GLOBAL" in line or "Unsupported" in line:
+            return line
+    return lines[-1] if lines else type(exc).__name__
+
+
+def load_engine_file(file: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, Any]:
+    """The state in an ``engine.pt``, loaded with ``torch.load(weights_only=True)``. Raises
+    ``CheckpointError`` naming the file when it is missing, unreadable, holds objects that
+    ``weights_only`` refuses (a pickle that could run code when loaded) or is not an engine
+    state."""
+    file = Path(file)
+    if not file.is_file():
+        raise CheckpointError(file, "is missing (was the checkpoint saved with backend='torch'?)")
+    try:
+        state = torch.load(file, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        detail = _weights_only_detail(exc)
+        if "GLOBAL" not in detail:  # not a pickle of objects: a damaged or foreign file
+            raise CheckpointError(file, f"cannot be read ({detail})") from exc
+        raise CheckpointError(
+            file,
+            "refused: it holds objects that torch.load(weights_only=True) does not load "
+            f"(unpickling them could run arbitrary code): {detail}",
+        ) from exc
+    except Exception as exc:
+        raise CheckpointError(file, f"cannot be read ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(state, dict) or any(key not in state for key in ENGINE_STATE_KEYS):
+        raise CheckpointError(
+            file, f"is not an engine state (needs keys {list(ENGINE_STATE_KEYS)})"
+        )
+    return state
+
+
+def _check_weights_only(obj: Any, what: str) -> None:
+    """Raise ``TypeError`` unless ``obj`` round-trips through ``torch.load(weights_only=True)``
+    (for small objects: it is serialized in memory)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise TypeError(
+            f"{what} would not load with torch.load(weights_only=True): "
+            f"{_weights_only_detail(exc)}; keep it to tensors and plain Python data"
+        ) from exc
 
 
 def shutdown() -> None:

@@ -368,6 +368,9 @@ def test_flipped_byte_of_the_same_size_is_caught_and_resolve_falls_back(tmp_path
         CheckpointError, match=r"step_00000200: mp_rank_00_model_states.pt: content checksum"
     ):
         store.resolve(step=200)  # an explicit step has no fallback
+    flip_middle_byte(tmp_path / "step_00000200" / "zero" / "optim_states.pt")
+    with pytest.raises(CheckpointError, match=MISMATCH + r"; 1 more differ: zero/optim_states.pt"):
+        store.verify("step_00000200")  # every file is hashed (in parallel); all are reported
 
 
 def test_checksums_false_checks_sizes_only(tmp_path):

@@ -2,25 +2,40 @@
 
 No process group is created here: the torch backend with a world size of 1 skips
 ``init_distributed``. The DeepSpeed backend is exercised by the multi-process tests in
-tests/multiproc; here only its config dict and start-up checks are tested.
+tests/multiproc; here only its config dict and start-up checks are tested (one DeepSpeed
+engine starts in a subprocess, against a stale torch-extensions lock).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import os
+import re
 import signal
+import subprocess
 import sys
+import threading
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import engine.engine as engine_module
+from engine.checkpoint import CheckpointError
 from engine.distributed import DistEnv
-from engine.engine import Engine, EngineConfig, check_compatible
+from engine.engine import (
+    Engine,
+    EngineConfig,
+    StaleExtensionLockError,
+    check_compatible,
+    check_extension_locks,
+    torch_extensions_root,
+    use_environment_extensions_dir,
+)
 from engine.optim import OptimizerConfig, ScheduleConfig
 from engine.signals import StopWatch
 from model.config import EncoderConfig
@@ -495,6 +510,203 @@ def test_load_restores_the_lr_from_the_schedule(tmp_path):
     other.load(tmp_path)
     assert other.lr == pytest.approx(1e-2 * 0.9)
     assert [g["lr"] for g in other.optimizer.param_groups] == other.scheduler.get_last_lr()
+
+
+class RunsCodeWhenUnpickled:
+    """What a tampered checkpoint could hold: unpickling it calls os.mkdir(path)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.path),))
+
+
+def test_load_refuses_a_pickle_that_would_run_code(tmp_path):
+    x, y = data(4)
+    engine = make_engine(mlp(), micro_batch_size=4)
+    train_step(engine, x, y)
+    engine.save(tmp_path)
+    state = torch.load(tmp_path / "engine.pt", weights_only=True)  # what save wrote is plain
+    marker = tmp_path / "code_ran"
+    state["albatross"]["micro_step"] = RunsCodeWhenUnpickled(marker)
+    torch.save(state, tmp_path / "engine.pt")
+
+    other = make_engine(mlp(), micro_batch_size=4)
+    before = params(other.module)
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(str(tmp_path / "engine.pt"))
+        + r": refused: .*weights_only=True.*arbitrary code.*posix\.mkdir",
+    ):
+        other.load(tmp_path)
+    assert not marker.exists()  # nothing ran
+    assert_same(params(other.module), before)  # and nothing was loaded
+
+    (tmp_path / "engine.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"engine\.pt: is missing"):
+        other.load(tmp_path)
+    (tmp_path / "engine.pt").write_bytes(b"not a torch file")
+    with pytest.raises(CheckpointError, match=r"engine\.pt: cannot be read"):
+        other.load(tmp_path)
+
+
+class ScheduleWithAPath:
+    """A schedule multiplier object: LambdaLR saves its __dict__, here a Path (not plain)."""
+
+    def __init__(self) -> None:
+        self.where = Path("schedules") / "linear.yaml"
+
+    def __call__(self, step: int) -> float:
+        return 1.0
+
+
+def test_save_refuses_state_that_would_not_load_weights_only(tmp_path):
+    engine = make_engine(mlp(), micro_batch_size=4)
+    engine.scheduler.lr_lambdas = [ScheduleWithAPath() for _ in engine.optimizer.param_groups]
+    with pytest.raises(TypeError, match=r"'albatross' state .*weights_only=True.*PosixPath"):
+        engine.save(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # failed at the save, not at the resume
+
+
+# ----------------------------------------------------------------------------- extension locks
+
+
+def make_lock(root: Path, op: str = "deepspeed_shm_comm", age_s: float = 0.0) -> Path:
+    """A torch FileBaton lock file as a build of ``op`` leaves it, ``age_s`` seconds old."""
+    lock = root / op / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    then = time.time() - age_s
+    os.utime(lock, (then, then))
+    return lock
+
+
+def test_stale_extension_lock_fails_fast_naming_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("ALBATROSS_EXTENSION_LOCK_MINUTES", raising=False)
+    (tmp_path / "cpu_adam").mkdir()  # a finished build: no lock
+    lock = make_lock(tmp_path, age_s=3600)
+    start = time.monotonic()
+    with pytest.raises(StaleExtensionLockError) as caught:
+        check_extension_locks()
+    assert time.monotonic() - start < 5
+    assert isinstance(caught.value, ValueError)  # the CLIs exit 2
+    message = str(caught.value)
+    assert message.startswith(f"{lock}: a torch-extensions build lock 60.0 minutes old")
+    assert "'deepspeed_shm_comm' op" in message and f"rm {lock}" in message
+    assert lock.exists()  # never deleted for the user
+
+    monkeypatch.setenv("ALBATROSS_EXTENSION_LOCK_MINUTES", "90")
+    with pytest.raises(StaleExtensionLockError):
+        check_extension_locks(max_age_s=60)  # the argument wins over the variable
+    threading.Timer(0.3, lock.unlink).start()
+    check_extension_locks(poll_s=0.05)  # younger than 90 minutes: waited for, then gone
+    make_lock(tmp_path, age_s=3600)
+    monkeypatch.setenv("ALBATROSS_EXTENSION_LOCK_MINUTES", "0")
+    check_extension_locks()  # turned off
+    monkeypatch.setenv("ALBATROSS_EXTENSION_LOCK_MINUTES", "soon")
+    with pytest.raises(ValueError, match="ALBATROSS_EXTENSION_LOCK_MINUTES='soon'"):
+        check_extension_locks()
+
+
+def test_young_lock_is_waited_for_and_goes_stale_at_the_limit(tmp_path, caplog):
+    lock = make_lock(tmp_path, age_s=0)
+    threading.Timer(0.3, lock.unlink).start()  # a build that finishes
+    with caplog.at_level(logging.WARNING, logger="engine.engine"):
+        check_extension_locks(tmp_path, max_age_s=60, poll_s=0.05)
+    assert f"waiting for the torch-extensions build lock {lock}" in caplog.text
+    assert not lock.exists()
+
+    make_lock(tmp_path, age_s=0)  # a build killed a moment ago: bounded wait, then the error
+    start = time.monotonic()
+    with pytest.raises(StaleExtensionLockError):
+        check_extension_locks(tmp_path, max_age_s=0.5, poll_s=0.05)
+    assert 0.4 < time.monotonic() - start < 5
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="finds holders through /proc")
+def test_old_lock_held_open_by_a_live_process_is_not_stale(tmp_path):
+    lock = make_lock(tmp_path, age_s=3600)
+    fd = os.open(lock, os.O_RDONLY)  # as torch's FileBaton holds it while it builds
+
+    def release() -> None:
+        os.close(fd)
+        lock.unlink()
+
+    assert engine_module._lock_holders(lock) == [os.getpid()]
+    threading.Timer(0.5, release).start()
+    check_extension_locks(tmp_path, max_age_s=60, poll_s=0.05)  # waits, does not raise
+    assert not lock.exists()
+    assert engine_module._lock_holders(tmp_path / "nothing") == []
+
+
+def test_deepspeed_engine_start_up_fails_fast_on_a_stale_lock(tmp_path):
+    """Before: DeepSpeed's start-up (building its shm op on CPU) waited on the lock forever."""
+    pytest.importorskip("deepspeed")
+    lock = make_lock(tmp_path / "extensions", age_s=3600)
+    code = (
+        "from torch import nn\n"
+        "from engine.distributed import DistEnv\n"
+        "from engine.engine import Engine, EngineConfig\n"
+        "from engine.optim import OptimizerConfig, ScheduleConfig\n"
+        "dist = DistEnv(0, 0, 1, 1, 0, '127.0.0.1', 29500, 'single')\n"
+        "cfg = EngineConfig(backend='deepspeed', device='cpu', precision='fp32')\n"
+        "Engine(nn.Linear(2, 2), cfg, OptimizerConfig(name='adamw'), ScheduleConfig(), dist)\n"
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
+    env.pop("ALBATROSS_EXTENSION_LOCK_MINUTES", None)
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    assert f"StaleExtensionLockError: {lock}: a torch-extensions build lock" in done.stderr
+    assert time.monotonic() - start < 120
+
+
+def test_torch_extensions_root_is_where_torch_builds(tmp_path, monkeypatch):
+    from torch.utils import cpp_extension
+
+    if not hasattr(cpp_extension, "_get_build_directory"):
+        pytest.skip("this torch has no _get_build_directory to compare with")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # torch's default root
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "unset below")
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    assert torch_extensions_root() / "some_op" == Path(
+        cpp_extension._get_build_directory("some_op", False)
+    )
+    assert str(torch_extensions_root()).startswith(os.path.realpath(tmp_path / "cache"))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "explicit"))
+    assert torch_extensions_root() / "some_op" == Path(
+        cpp_extension._get_build_directory("some_op", False)
+    )
+
+
+def test_extensions_dir_defaults_into_the_virtual_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "explicit"))
+    assert use_environment_extensions_dir(tmp_path / "venv", tmp_path / "base") is None
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "explicit")  # kept
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    (tmp_path / "venv").mkdir()
+    assert use_environment_extensions_dir(tmp_path / "base", tmp_path / "base") is None
+    assert "TORCH_EXTENSIONS_DIR" not in os.environ  # not a virtual environment
+    chosen = use_environment_extensions_dir(tmp_path / "venv", tmp_path / "base")
+    assert chosen is not None and chosen.parent == tmp_path / "venv" / "torch_extensions"
+    accelerator = (
+        "cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}"
+    )
+    if torch.version.hip is None:
+        tag = f"py{sys.version_info.major}{sys.version_info.minor}{sys.abiflags}_{accelerator}"
+        assert chosen.name == tag  # torch's own per-Python, per-accelerator folder name
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(chosen)
+    assert torch_extensions_root() == chosen  # where the lock check looks, too
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):  # this test run's venv
+        assert use_environment_extensions_dir() == torch_extensions_root()
+        assert torch_extensions_root().parent == Path(sys.prefix) / "torch_extensions"
 
 
 # ----------------------------------------------------------------------------- StopWatch
