@@ -14,7 +14,6 @@ import dataclasses
 import difflib
 import types
 import typing
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
@@ -296,35 +295,9 @@ class EncoderConfig:
         # Imported lazily: the registry imports the families, which import this module.
         from model.attention import ATTENTION_REGISTRY
 
-        ATTENTION_REGISTRY.get(self.attention)  # raises ValueError naming the valid ones
-        if self.attention == "transject":
-            ignored = [
-                f"{name}={getattr(self, name)!r}"
-                for name, default in (("residual", "post_ln"), ("position_embedding", "absolute"))
-                if getattr(self, name) != default
-            ]
-            if ignored:
-                warnings.warn(
-                    f"attention='transject' ignores {', '.join(ignored)}: TransJect layers use their "
-                    "injective residual and a concatenated sinusoidal position encoding",
-                    stacklevel=2,
-                )
-            if self.hidden_size % 2:
-                raise ValueError("transject needs an even hidden_size (token ; position halves)")
-            if (
-                self.transject.token_embedding == "orthogonal"
-                and self.vocab_size > self.hidden_size // 2
-            ):
-                raise ValueError(
-                    f"transject.token_embedding='orthogonal' needs vocab_size <= hidden_size/2 "
-                    f"({self.vocab_size} > {self.hidden_size // 2}); use 'auto' or 'plain'"
-                )
-        aoglu = self.attention == "kernel" and self.kernel.feature_map == "aoglu"
-        if aoglu and self.head_dim // self.kernel.gate_rank_divisor < 1:
-            raise ValueError(
-                f"kernel.gate_rank_divisor={self.kernel.gate_rank_divisor} leaves rank 0 "
-                f"for head_dim={self.head_dim}"
-            )
+        family = ATTENTION_REGISTRY.get(self.attention)  # ValueError naming the valid ones
+        if family.validate is not None:
+            family.validate(self)
 
     @property
     def head_dim(self) -> int:

@@ -8,12 +8,12 @@ Legend: B batch, N tokens, d hidden width, L layer applications, E experts, H he
 * `differential_entropy`: per-layer differential entropy of the real-token hidden states under a
   Gaussian estimator, H = 1/2 logdet(2 pi e Sigma) with Sigma the sample covariance (+ a small
   ridge); a maximum-entropy upper bound for the given covariance. In nats.
-* `expert_weights`: TransJect's per-sample mixture weights (L, B, E).
-* `residual_weights`: the residual scalars per application (TransJect alpha_l = tanh(r_l)/L,
-  ReZero alpha_l).
-* `tisa_curves`: TISA's f(k) per scorer and head on an offset axis.
-* `family_state_diagnostics`: whatever scalars the family's once-per-forward state reports
-  through its optional `diagnostics(x0, mask)` method (TransJect: the eigenbasis error).
+* `residual_weights`: the residual scalars per application, as the family reads its gates
+  (TransJect alpha_l = tanh(r_l)/L, ReZero alpha_l).
+* `family_diagnostics` / `family_figures`: whatever the attention family reports through its
+  `AttentionFamily.diagnostics` / `figures` hooks (TransJect: expert weights, the eigenbasis
+  error; TISA: its f(k) curves). Family-specific functions live in the family's file
+  (`model.attention.transject.expert_weights`, `model.attention.tisa.tisa_curves`).
 * `orthogonality_errors`: max |W^T W - I| of every orthogonally parameterised weight.
 * `toeplitzness`: share of the variance of P = E_P E_P^T explained by its projection onto
   Toeplitz matrices (averages along each diagonal); the project's definition (METHODS.md 2).
@@ -22,12 +22,15 @@ Legend: B batch, N tokens, d hidden width, L layer applications, E experts, H he
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from model.encoder import Encoder, key_mask
-from model.orthogonal import orthogonal_cache, orthogonal_modules, orthogonality_error
+from model.attention import ATTENTION_REGISTRY
+from model.attention.base import key_mask
+from model.encoder import Encoder
+from model.orthogonal import orthogonal_modules, orthogonality_error
 
 
 def _encoder(model: nn.Module) -> Encoder:
@@ -79,58 +82,34 @@ def gaussian_entropy(x_TD: Tensor, ridge: float = 1e-6) -> Tensor:
 
 
 @torch.no_grad()
-def expert_weights(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None
-) -> Tensor:
-    """(L, B, E) TransJect mixture weights per layer application; ValueError for other families."""
-    enc = _encoder(model)
-    if enc.config.attention != "transject":
-        raise ValueError(f"expert weights exist for transject only, not {enc.config.attention!r}")
-    steps = enc.trace(input_ids, attention_mask)
-    layers = [layer for _, layer in enc.layer_applications()]
-    with orthogonal_cache():
-        weights = [
-            layer.attention.expert_weights(states, ctx)
-            for layer, (states, ctx) in zip(layers, steps[:-1])
-        ]
-    return torch.stack(weights)
-
-
-@torch.no_grad()
 def residual_weights(model: nn.Module) -> Tensor | None:
-    """(L,) residual scalar per application: tanh(r)/L for TransJect, alpha for ReZero; else None."""
+    """(L,) residual weight per application (the family's reading of its gates: tanh(r)/L for
+    TransJect, alpha for ReZero); None without residual gates."""
     enc = _encoder(model)
     if enc.residual_gates is None:
         return None
     gates = enc.residual_gates.detach().float()
-    if enc.config.attention == "transject":
-        return torch.tanh(gates) / enc.config.num_layer_applications
-    return gates
+    read = ATTENTION_REGISTRY.get(enc.config.attention).residual_weights
+    return gates if read is None else read(gates, enc.config)
 
 
 @torch.no_grad()
-def family_state_diagnostics(
+def family_diagnostics(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None
 ) -> dict[str, float]:
-    """{name: value} from the family state's `diagnostics(x0_BND, mask_BN)` hook, if it has one."""
+    """{tag: value} from the attention family's ``diagnostics`` hook ({} without one)."""
     enc = _encoder(model)
-    hook = getattr(enc.family_state, "diagnostics", None)
+    hook = ATTENTION_REGISTRY.get(enc.config.attention).diagnostics
     if hook is None:
         return {}
-    with orthogonal_cache():  # the state needs only the embeddings, not the layers
-        x0_BND = enc.embeddings(input_ids, None)
-    return hook(x0_BND, key_mask(input_ids, attention_mask))
+    return hook(enc, input_ids, key_mask(input_ids, attention_mask))
 
 
-@torch.no_grad()
-def tisa_curves(model: nn.Module, max_offset: int = 64) -> tuple[Tensor, Tensor]:
-    """(offsets (K,), f values (num_scorers, H, K)) with k = j - i from -max_offset to max_offset."""
+def family_figures(model: nn.Module) -> dict[str, Any]:
+    """{tag: matplotlib figure} from the attention family's ``figures`` hook ({} without one)."""
     enc = _encoder(model)
-    if enc.config.attention != "tisa":
-        raise ValueError(f"TISA curves exist for tisa only, not {enc.config.attention!r}")
-    offsets = torch.arange(-max_offset, max_offset + 1, dtype=torch.float32)
-    curves = torch.stack([scorer.score(offsets) for scorer in enc.family_state.scorers])
-    return offsets, curves.float()
+    hook = ATTENTION_REGISTRY.get(enc.config.attention).figures
+    return {} if hook is None else hook(enc)
 
 
 def orthogonality_errors(model: nn.Module) -> dict[str, float]:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from model.attention import ATTENTION_REGISTRY, LayerContext, MultiHeadAttention
-from model.attention.base import AuxLosses, make_linear
+from model.attention.base import AuxLosses, key_mask, make_linear
 from model.config import EncoderConfig
 from model.embeddings import AlbertEmbeddings
 from model.norm import LayerNorm
@@ -42,13 +42,6 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": F.relu,
     "silu": F.silu,
 }
-
-
-def key_mask(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
-    """Bool (B, N), True at real tokens; all True when no mask is given."""
-    if attention_mask is None:
-        return torch.ones_like(input_ids, dtype=torch.bool)
-    return attention_mask.to(torch.bool)
 
 
 def add_aux(total: AuxLosses, new: AuxLosses) -> None:

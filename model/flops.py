@@ -18,7 +18,11 @@ matrix products count, 2 m n k FLOPs for an (m, k) x (k, n) product. Ignored:
 Everything is per sequence; multiply by the number of sequences in a step. Padding tokens are
 computed like real ones, so `seq_len` is the padded length.
 
-Per family, one layer application (the mixing step, without the Q/K/V/O projections):
+Each family gives its own count through its `AttentionFamily` entry (`mixing_flops`, or
+`layer_flops` and `embedding_flops` for a family with its own layer and embeddings, in its own
+file). A family registered without them is not counted (`counts_flops` is False; training then
+logs no MFU). The built-in families, one layer application (the mixing step, without the
+Q/K/V/O projections):
 
     softmax, tisa   Q K^T and A V:                            4 N^2 d
     kernel          phi on q and k (per unit, per head):      2 x units x 2 N h (h [+ h | + 2 r])
@@ -37,45 +41,35 @@ Example: ALBERT-base at N = 512 with a sparse MLM head over 77 positions (15 %):
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from model.attention import ATTENTION_REGISTRY
+from model.attention.base import AttentionFamily, matmul_flops
 from model.config import EncoderConfig
 
 
-def matmul_flops(m: int, k: int, n: int) -> int:
-    """FLOPs of an (m, k) x (k, n) product: one multiply and one add per term."""
-    return 2 * m * k * n
+class FlopsNotCounted(ValueError):
+    """The config's attention family gives no FLOP count (a family registered without
+    ``mixing_flops`` / ``layer_flops``): training goes on without an MFU figure."""
 
 
-# ----------------------------------------------------------------------------- mixing steps
+def _family(cfg: EncoderConfig) -> AttentionFamily:
+    return ATTENTION_REGISTRY.get(cfg.attention)
 
 
-def softmax_mixing_flops(cfg: EncoderConfig, seq_len: int) -> int:
-    """Q K^T and softmax(.) V over all heads: 2 x 2 N N d (TISA's bias is elementwise)."""
-    return 2 * matmul_flops(seq_len, cfg.hidden_size, seq_len)
+def counts_flops(cfg: EncoderConfig) -> bool:
+    """Whether `forward_flops` / `training_flops` can count this config's family."""
+    family = _family(cfg)
+    if family.layer is not None and family.layer_flops is None:
+        return False
+    if family.kernel is not None and family.mixing_flops is None:
+        return False
+    return family.embeddings is None or family.embedding_flops is not None
 
 
-def _feature_map_unit_flops(cfg: EncoderConfig, seq_len: int) -> int:
-    """One unit of the kernel feature map phi on one (N, h) input, summed over heads."""
-    h, fm = cfg.head_dim, cfg.kernel.feature_map
-    if fm == "elu":
-        return 0
-    per_head = matmul_flops(seq_len, h, h)  # x W
-    if fm in ("glu", "oglu"):
-        per_head += matmul_flops(seq_len, h, h)  # the gate x V
-    elif fm == "aoglu":
-        rank = h // cfg.kernel.gate_rank_divisor
-        per_head += matmul_flops(seq_len, h, rank) + matmul_flops(seq_len, rank, h)  # x A B
-    return cfg.num_attention_heads * per_head
-
-
-def kernel_mixing_flops(cfg: EncoderConfig, seq_len: int) -> int:
-    """phi(q), phi(k) (`num_stacked` units each; none for elu), then phi(K)^T V and phi(Q) KV."""
-    units = 0 if cfg.kernel.feature_map == "elu" else cfg.kernel.num_stacked
-    phi = 2 * units * _feature_map_unit_flops(cfg, seq_len)  # queries and keys
-    h = cfg.head_dim
-    linear = cfg.num_attention_heads * 2 * matmul_flops(h, seq_len, h)  # (h, N) x (N, h), twice
-    return phi + linear
+def _not_counted(cfg: EncoderConfig, hook: str) -> FlopsNotCounted:
+    return FlopsNotCounted(
+        f"no FLOP count for attention={cfg.attention!r}: its AttentionFamily gives no "
+        f"{hook}= (register it with one to get MFU)"
+    )
 
 
 # ----------------------------------------------------------------------------- layers
@@ -83,65 +77,44 @@ def kernel_mixing_flops(cfg: EncoderConfig, seq_len: int) -> int:
 
 def standard_layer_flops(cfg: EncoderConfig, seq_len: int) -> int:
     """One `EncoderLayer` application: Q/K/V/O projections, the family's mixing step, FFN."""
+    mixing = _family(cfg).mixing_flops
+    if mixing is None:
+        raise _not_counted(cfg, "mixing_flops")
     d, n = cfg.hidden_size, seq_len
     projections = 4 * matmul_flops(n, d, d)
     ffn = matmul_flops(n, d, cfg.intermediate_size) + matmul_flops(n, cfg.intermediate_size, d)
-    return projections + _MIXING_FLOPS[cfg.attention](cfg, n) + ffn
-
-
-def transject_layer_flops(cfg: EncoderConfig, seq_len: int) -> int:
-    """One `TransJectLayer` application: E experts X U_e Lambda V_e^T (two d x d products each),
-    the gate g on the E pooled vectors, the mixture over experts, the orthogonal d x d FFN."""
-    d, n, E = cfg.hidden_size, seq_len, cfg.transject.num_experts
-    experts = E * 2 * matmul_flops(n, d, d)
-    gate = matmul_flops(E, d, 1)
-    mixture = matmul_flops(1, E, n * d)  # sum_e w_e A_e, a contraction over experts
-    ffn = 2 * matmul_flops(n, d, d)
-    return experts + gate + mixture + ffn
-
-
-_MIXING_FLOPS: dict[str, Callable[[EncoderConfig, int], int]] = {
-    "softmax": softmax_mixing_flops,
-    "tisa": softmax_mixing_flops,
-    "kernel": kernel_mixing_flops,
-}
-"""Mixing-step FLOPs of the families that use the standard layer (`MultiHeadAttention`)."""
-
-_LAYER_FLOPS: dict[str, Callable[[EncoderConfig, int], int]] = {
-    **dict.fromkeys(_MIXING_FLOPS, standard_layer_flops),
-    "transject": transject_layer_flops,
-}
-"""FLOPs of one layer application, per attention family."""
+    return projections + mixing(cfg, n) + ffn
 
 
 def layer_flops(cfg: EncoderConfig, seq_len: int) -> int:
-    """Matmul FLOPs of one layer application on one sequence of `seq_len` tokens."""
-    if cfg.attention not in _LAYER_FLOPS:
-        raise ValueError(
-            f"no FLOP count for attention={cfg.attention!r}; counted families: "
-            f"{sorted(_LAYER_FLOPS)}"
-        )
-    return _LAYER_FLOPS[cfg.attention](cfg, seq_len)
+    """Matmul FLOPs of one layer application on one sequence of `seq_len` tokens: the standard
+    layer around the family's mixing step, or the family's own layer."""
+    family = _family(cfg)
+    if family.layer is None:
+        return standard_layer_flops(cfg, seq_len)
+    if family.layer_flops is None:
+        raise _not_counted(cfg, "layer_flops")
+    return family.layer_flops(cfg, seq_len)
 
 
 # ----------------------------------------------------------------------------- the model
 
 
 def embedding_flops(cfg: EncoderConfig, seq_len: int) -> int:
-    """ALBERT's e -> d projection (TransJect's concatenated embedding has no matmul), plus
-    TransJect's once-per-forward eigen-state with `eigenvalues="approx"`."""
-    d = cfg.hidden_size
-    if cfg.attention != "transject":
-        return matmul_flops(seq_len, cfg.embedding_size, d)
-    if cfg.transject.eigenvalues == "random":
-        return 0
-    # M = X^T X, M U, (U diag(lambda)) U^T: see `approximate_eigenvalues`.
-    return matmul_flops(d, seq_len, d) + 2 * matmul_flops(d, d, d)
+    """ALBERT's e -> d projection, or the family's own embeddings and once-per-forward state
+    (TransJect: no matmul in the embedding, the eigen-state with ``eigenvalues="approx"``)."""
+    family = _family(cfg)
+    if family.embeddings is None:
+        return matmul_flops(seq_len, cfg.embedding_size, cfg.hidden_size)
+    if family.embedding_flops is None:
+        raise _not_counted(cfg, "embedding_flops")
+    return family.embedding_flops(cfg, seq_len)
 
 
 def mlm_width(cfg: EncoderConfig) -> int:
     """e: width of the token embedding the MLM decoder is tied to."""
-    return cfg.hidden_size // 2 if cfg.attention == "transject" else cfg.embedding_size
+    width = _family(cfg).token_embedding_width
+    return cfg.embedding_size if width is None else width(cfg)
 
 
 def head_flops(cfg: EncoderConfig, seq_len: int, masked_tokens: int | None = None) -> int:
@@ -200,15 +173,14 @@ def training_flops(cfg: EncoderConfig, seq_len: int, *, masked_tokens: int | Non
 
 
 __all__ = [
+    "FlopsNotCounted",
+    "counts_flops",
     "embedding_flops",
     "forward_flops",
     "head_flops",
-    "kernel_mixing_flops",
     "layer_flops",
     "matmul_flops",
     "mlm_width",
-    "softmax_mixing_flops",
     "standard_layer_flops",
     "training_flops",
-    "transject_layer_flops",
 ]

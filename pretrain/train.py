@@ -46,7 +46,7 @@ from engine.recipe import diff_keys, to_yaml
 from engine.signals import StopWatch
 from model import diagnostics
 from model.config import EncoderConfig
-from model.flops import training_flops
+from model.flops import counts_flops, training_flops
 from model.heads import EncoderForPretraining
 from model.release import save_release
 from pretrain.config import LOCATION_KEYS, RESUMABLE_CHANGES, PretrainConfig
@@ -201,6 +201,14 @@ class Trainer:
         self.nonfinite_in_a_row = 0
         self.diag_model: EncoderForPretraining | None = None
         self.is_main = self.rank == 0
+        self.count_flops = counts_flops(self.model_cfg)
+        if not self.count_flops and self.is_main:
+            warnings.warn(
+                f"attention={self.model_cfg.attention!r} gives no FLOP count (its "
+                "AttentionFamily has no mixing_flops / layer_flops): throughput/mfu is not "
+                "logged",
+                stacklevel=2,
+            )
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -319,7 +327,11 @@ class Trainer:
         if not self.is_main:
             return
         if self.diag_model is None:
-            self.diag_model = EncoderForPretraining(self.model_cfg).eval()
+            # Built under a forked RNG: its initialisation must not draw from the global
+            # stream, or dropout after the first diagnostics would depend on whether the run
+            # was resumed since (the copy is built anew after a resume).
+            with torch.random.fork_rng(devices=[]):
+                self.diag_model = EncoderForPretraining(self.model_cfg).eval()
         model = self.diag_model
         model.load_state_dict(weights)
         ids = batch["input_ids"][:8].cpu()
@@ -331,23 +343,18 @@ class Trainer:
         entropy = diagnostics.differential_entropy(model, ids, mask)  # (L + 1,): h_0 .. h_L
         for layer, h in enumerate(entropy[1:].tolist()):
             values[f"diagnostics/entropy/layer_{layer:02d}"] = h
-        if self.model_cfg.attention == "transject":
-            weights_LBE = diagnostics.expert_weights(model, ids, mask)
-            for layer, row in enumerate(weights_LBE.mean(1).tolist()):
-                for e, w in enumerate(row):
-                    values[f"diagnostics/expert_weight/layer_{layer:02d}/expert_{e}"] = w
         residual = diagnostics.residual_weights(model)
         if residual is not None:
             for layer, r in enumerate(residual.tolist()):
                 values[f"diagnostics/residual/layer_{layer:02d}"] = r
-        for name, value in diagnostics.family_state_diagnostics(model, ids, mask).items():
+        for name, value in diagnostics.family_diagnostics(model, ids, mask).items():
             values[f"diagnostics/{name}"] = value
         errors = diagnostics.orthogonality_errors(model)
         if errors:
             values["diagnostics/orthogonality_error_max"] = max(errors.values())
         writer.scalars(self.step, values)
-        if self.model_cfg.attention == "tisa":
-            writer.figure("diagnostics/tisa_curves", _tisa_figure(model), self.step)
+        for tag, figure in diagnostics.family_figures(model).items():
+            writer.figure(tag, figure, self.step)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -529,7 +536,8 @@ class Trainer:
             masked = int((cpu_batch["mlm_labels"] != -100).sum())
             tokens += int(cpu_batch["attention_mask"].sum())
             samples += b
-            flops += training_flops(self.model_cfg, n, masked_tokens=max(1, masked // b)) * b
+            if self.count_flops:
+                flops += training_flops(self.model_cfg, n, masked_tokens=max(1, masked // b)) * b
             timers["data"] += t1 - t0
             timers["forward"] += t2 - t1
             timers["backward"] += t3 - t2
@@ -584,7 +592,7 @@ class Trainer:
         if self.engine.device.type == "cuda":
             values["memory/cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
             values["memory/cuda_max_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
-        achieved = mfu(flops / elapsed / self.engine.world_size, peak)
+        achieved = mfu(flops / elapsed / self.engine.world_size, peak) if self.count_flops else None
         if achieved is not None:
             values["throughput/mfu"] = achieved
         writer.scalars(self.step, values)
@@ -605,26 +613,6 @@ def _synchronizer(device: torch.device):
 
 def _compute_dtype(cfg: PretrainConfig) -> torch.dtype:
     return {"fp32": torch.float32, "fp16": torch.float16}.get(cfg.engine.precision, torch.bfloat16)
-
-
-def _tisa_figure(model: EncoderForPretraining):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    offsets, curves = diagnostics.tisa_curves(model)
-    scorers, heads = curves.shape[0], curves.shape[1]
-    fig, axes = plt.subplots(1, scorers, figsize=(4 * scorers, 3), squeeze=False)
-    for s in range(scorers):
-        ax = axes[0][s]
-        for h in range(heads):
-            ax.plot(offsets.numpy(), curves[s, h].numpy(), label=f"head {h}")
-        ax.set_title(f"TISA f(k), scorer {s}")
-        ax.set_xlabel("k = j - i")
-    axes[0][0].legend(fontsize=6)
-    fig.tight_layout()
-    return fig
 
 
 # ---------------------------------------------------------------------------- export

@@ -9,6 +9,8 @@ import torch
 
 from model import EncoderConfig, EncoderForPretraining
 from model import diagnostics as diag
+from model.attention.tisa import tisa_curves
+from model.attention.transject import expert_weights
 
 
 def make(attention="softmax", **kw):
@@ -61,18 +63,21 @@ def test_expert_and_residual_weights():
     model = make("transject", transject={"num_experts": 3})
     torch.nn.init.constant_(model.encoder.residual_gates, 0.5)
     ids, mask = batch()
-    w = diag.expert_weights(model, ids, mask)
+    w = expert_weights(model.encoder, ids, mask)
     assert w.shape == (3, 2, 3)
     torch.testing.assert_close(w.sum(-1), torch.ones(3, 2))
     torch.testing.assert_close(diag.residual_weights(model), torch.full((3,), math.tanh(0.5) / 3))
     assert diag.residual_weights(make()) is None
-    with pytest.raises(ValueError, match="transject only"):
-        diag.expert_weights(make(), ids, mask)
+    # The family's diagnostics hook reports the same weights (batch means) and its eigen-state.
+    values = diag.family_diagnostics(model, ids, mask)
+    assert values["expert_weight/layer_02/expert_1"] == pytest.approx(float(w[2, :, 1].mean()))
+    assert "transject/eigenbasis_error" in values
+    assert diag.family_diagnostics(make(), ids, mask) == {}  # softmax reports nothing of its own
 
 
 def test_tisa_curves_follow_the_formula():
     model = make("tisa", tisa={"scope": "per_layer"})
-    offsets, curves = diag.tisa_curves(model, max_offset=10)
+    offsets, curves = tisa_curves(model.encoder, max_offset=10)
     assert offsets.shape == (21,) and curves.shape == (3, 4, 21)
     scorer = model.encoder.family_state.scorers[1]
     a, b, c = scorer.a.detach(), scorer.b.detach(), scorer.c.detach()  # (S, H)

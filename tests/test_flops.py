@@ -7,8 +7,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from model.attention.softmax import softmax_mixing_flops
 from model.config import EncoderConfig
-from model.flops import forward_flops, layer_flops, softmax_mixing_flops, training_flops
+from model.flops import forward_flops, layer_flops, training_flops
 from model.heads import EncoderForPretraining
 
 TINY = dict(
@@ -130,6 +131,6 @@ def test_bad_arguments_raise() -> None:
         forward_flops(cfg, 0)
     with pytest.raises(ValueError, match="masked_tokens"):
         forward_flops(cfg, 10, masked_tokens=11)
-    cfg.attention = "mystery"  # e.g. a user-registered family without a FLOP count
-    with pytest.raises(ValueError, match="counted families"):
+    cfg.attention = "mystery"  # not registered at all
+    with pytest.raises(ValueError, match="unknown attention 'mystery'"):
         forward_flops(cfg, 10)

@@ -16,6 +16,7 @@ import pytest
 from pretrain_support import REPO, base_overrides, env, make_shards, torchrun_cmd
 
 from data_prep.format import sha256_file
+from engine.metrics import read_jsonl
 
 CONFIG = str(REPO / "configs/pretrain/debug.yaml")
 
@@ -127,3 +128,17 @@ def test_another_number_of_processes_is_a_clear_error(shards, finished):
     # Each worker exited 2 (a config/input error) with that one line; torchrun reports it.
     assert "exitcode  : 2" in proc.stderr or "exitcode: 2" in proc.stderr, proc.stderr[-3000:]
     assert _status(finished)["state"] == "completed"
+
+
+def test_resume_after_the_first_diagnostics_is_exact(shards, tmp_path):
+    """The diagnostics' model copy was initialised from the global RNG when first needed, so
+    a resumed run (which builds it again) drew dropout from another stream afterwards: the
+    losses left the uninterrupted run's a few steps after the next diagnostics. Found by
+    bench/bench_kill_resume.py."""
+    extra = ("train.diagnostics_every=4", "model.hidden_dropout_prob=0.1")
+    whole, halves = tmp_path / "whole", tmp_path / "halves"
+    for run_dir, steps in ((whole, 12), (halves, 6), (halves, 12)):
+        proc = _pretrain(shards, run_dir, steps, *extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = read_jsonl(whole / "tensorboard"), read_jsonl(halves / "tensorboard")
+    assert [a[s]["loss/mlm"] for s in range(1, 13)] == [b[s]["loss/mlm"] for s in range(1, 13)]

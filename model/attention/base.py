@@ -18,6 +18,14 @@ layer and embeddings) because it mixes over features, not tokens.
 A family may also need state computed **once per forward** and shared by all layer
 applications (TISA's positional score f, TransJect's eigenvalues): that is a `FamilyState`
 module held by the encoder; what it returns reaches every layer in `LayerContext.extras`.
+
+A family owns everything else about itself too, through the hooks of its `AttentionFamily`
+entry: the checks of its config section (`validate`), its FLOP count (`mixing_flops`, or
+`layer_flops` / `embedding_flops` for a family with its own layer and embeddings), its
+diagnostics (`diagnostics`: scalars; `figures`: plots) and how its residual gates read
+(`residual_weights`). Code outside `model/attention/` never tests a family's name: a family
+registered from outside the package (`register_attention`) trains, logs and exports like the
+built-in ones; without a FLOP count it trains without an MFU figure.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -33,7 +41,22 @@ from torch import Tensor, nn
 from model.config import EncoderConfig
 from model.orthogonal import Linear, make_orthogonal
 
+if TYPE_CHECKING:  # annotations only: the encoder imports this module
+    from model.encoder import Encoder
+
 AuxLosses = dict[str, Tensor]
+
+FlopsFn = Callable[[EncoderConfig, int], int]
+"""(config, sequence length N) -> matmul FLOPs on one sequence (see `model/flops.py`)."""
+DiagnosticsFn = Callable[["Encoder", Tensor, Tensor], dict[str, float]]
+"""(encoder in eval mode, input_ids (B, N), attention_mask (B, N)) -> {tag: value}."""
+FiguresFn = Callable[["Encoder"], dict[str, Any]]
+"""encoder -> {tag: matplotlib figure}."""
+
+
+def matmul_flops(m: int, k: int, n: int) -> int:
+    """FLOPs of an (m, k) x (k, n) product: one multiply and one add per term."""
+    return 2 * m * k * n
 
 
 @dataclass
@@ -144,6 +167,27 @@ class AttentionFamily:
     """Builds the embeddings (replaces ALBERT's factorised embeddings): cfg -> module."""
     state: Callable[[EncoderConfig], FamilyState] | None = None
     """Builds the per-forward FamilyState, if the family needs one."""
+    validate: Callable[[EncoderConfig], None] | None = None
+    """Checks the family's settings in a config (raises ValueError, may warn); run by
+    `EncoderConfig` after the generic checks."""
+    mixing_flops: FlopsFn | None = None
+    """With ``kernel``: FLOPs of the mixing step (without the Q/K/V/O projections) on one
+    sequence. None: not counted (MFU is not logged for this family)."""
+    layer_flops: FlopsFn | None = None
+    """With ``layer``: FLOPs of one application of the family's own layer."""
+    embedding_flops: FlopsFn | None = None
+    """With ``embeddings``: FLOPs of the family's embeddings and once-per-forward state.
+    None with standard embeddings: ALBERT's e -> d projection."""
+    token_embedding_width: Callable[[EncoderConfig], int] | None = None
+    """With ``embeddings``: the width e of the token embedding the MLM decoder is tied to.
+    None: ``cfg.embedding_size``."""
+    diagnostics: DiagnosticsFn | None = None
+    """Family-specific scalars for TensorBoard, logged as ``diagnostics/<tag>``."""
+    figures: FiguresFn | None = None
+    """Family-specific plots for TensorBoard, logged as images under their tags."""
+    residual_weights: Callable[[Tensor, EncoderConfig], Tensor] | None = None
+    """(raw residual gates (L,), config) -> the weights the layers apply (L,); None: as they
+    are (ReZero's alpha)."""
 
 
 class AttentionRegistry:
@@ -170,6 +214,13 @@ class AttentionRegistry:
 
     def __contains__(self, name: object) -> bool:
         return name in self._families
+
+
+def key_mask(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """Bool (B, N), True at real tokens; all True when no mask is given."""
+    if attention_mask is None:
+        return torch.ones_like(input_ids, dtype=torch.bool)
+    return attention_mask.to(torch.bool)
 
 
 def masked_fill_padding(x_BND: Tensor, mask_BN: Tensor) -> Tensor:

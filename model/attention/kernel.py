@@ -47,7 +47,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.attention.base import AttentionFamily, AuxLosses, LayerContext, ScoreKernel
+from model.attention.base import (
+    AttentionFamily,
+    AuxLosses,
+    LayerContext,
+    ScoreKernel,
+    matmul_flops,
+)
 from model.config import EncoderConfig
 
 ORTHOGONAL_MAPS = ("ffn", "oglu", "aoglu")
@@ -232,10 +238,45 @@ class KernelAttention(ScoreKernel):
         return out_BHNh, aux
 
 
+def _feature_map_unit_flops(cfg: EncoderConfig, seq_len: int) -> int:
+    """One unit of the feature map phi on one (N, h) input, summed over heads."""
+    h, fm = cfg.head_dim, cfg.kernel.feature_map
+    if fm == "elu":
+        return 0
+    per_head = matmul_flops(seq_len, h, h)  # x W
+    if fm in ("glu", "oglu"):
+        per_head += matmul_flops(seq_len, h, h)  # the gate x V
+    elif fm == "aoglu":
+        rank = h // cfg.kernel.gate_rank_divisor
+        per_head += matmul_flops(seq_len, h, rank) + matmul_flops(seq_len, rank, h)  # x A B
+    return cfg.num_attention_heads * per_head
+
+
+def kernel_mixing_flops(cfg: EncoderConfig, seq_len: int) -> int:
+    """phi(q), phi(k) (`num_stacked` units each; none for elu), then phi(K)^T V and phi(Q) KV:
+    2 x units x 2 N h (h [+ h | + 2 r]) + 4 N h d."""
+    units = 0 if cfg.kernel.feature_map == "elu" else cfg.kernel.num_stacked
+    phi = 2 * units * _feature_map_unit_flops(cfg, seq_len)  # queries and keys
+    h = cfg.head_dim
+    linear = cfg.num_attention_heads * 2 * matmul_flops(h, seq_len, h)  # (h, N) x (N, h), twice
+    return phi + linear
+
+
+def validate(cfg: EncoderConfig) -> None:
+    """The aoglu gate needs a rank of at least 1."""
+    if cfg.kernel.feature_map == "aoglu" and cfg.head_dim // cfg.kernel.gate_rank_divisor < 1:
+        raise ValueError(
+            f"kernel.gate_rank_divisor={cfg.kernel.gate_rank_divisor} leaves rank 0 "
+            f"for head_dim={cfg.head_dim}"
+        )
+
+
 FAMILY = AttentionFamily(
     name="kernel",
     description="linear attention with trainable feed-forward kernels (Yorsh & Kovalenko 2022)",
     kernel=KernelAttention,
+    validate=validate,
+    mixing_flops=kernel_mixing_flops,
 )
 
 __all__ = [
@@ -245,5 +286,6 @@ __all__ = [
     "FeatureMapUnit",
     "FeedForwardFeatureMap",
     "KernelAttention",
+    "kernel_mixing_flops",
     "naive_kernel_attention",
 ]

@@ -18,6 +18,7 @@ from model.attention.base import (
     LayerContext,
     ScoreKernel,
     key_padding_bias,
+    matmul_flops,
 )
 from model.config import EncoderConfig
 
@@ -54,10 +55,17 @@ class SoftmaxKernel(ScoreKernel):
         return out_BHNh, {}
 
 
+def softmax_mixing_flops(cfg: EncoderConfig, seq_len: int) -> int:
+    """Q K^T and softmax(.) V over all heads: 2 x 2 N N d (a bias added to the logits, as
+    TISA's, is elementwise and not counted)."""
+    return 2 * matmul_flops(seq_len, cfg.hidden_size, seq_len)
+
+
 FAMILY = AttentionFamily(
     name="softmax",
     description="softmax attention (PyTorch SDPA) with a key-padding mask",
     kernel=SoftmaxKernel,
+    mixing_flops=softmax_mixing_flops,
 )
 
-__all__ = ["FAMILY", "SoftmaxKernel", "naive_softmax_attention"]
+__all__ = ["FAMILY", "SoftmaxKernel", "naive_softmax_attention", "softmax_mixing_flops"]

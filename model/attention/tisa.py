@@ -37,6 +37,7 @@ from model.attention.base import (
     ScoreKernel,
     key_padding_bias,
 )
+from model.attention.softmax import softmax_mixing_flops
 from model.config import EncoderConfig
 
 
@@ -231,11 +232,43 @@ class TISAKernel(ScoreKernel):
         return out, {}
 
 
+@torch.no_grad()
+def tisa_curves(encoder: nn.Module, max_offset: int = 64) -> tuple[Tensor, Tensor]:
+    """(offsets (K,), f values (num_scorers, H, K)) with k = j - i from -max_offset to
+    max_offset, for an encoder of this family (its ``family_state`` is a `TISAState`)."""
+    offsets = torch.arange(-max_offset, max_offset + 1, dtype=torch.float32)
+    curves = torch.stack([scorer.score(offsets) for scorer in encoder.family_state.scorers])
+    return offsets, curves.float()
+
+
+def tisa_figures(encoder: nn.Module) -> dict[str, Any]:
+    """TensorBoard's ``diagnostics/tisa_curves``: f(k) of every head, one panel per scorer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    offsets, curves = tisa_curves(encoder)
+    scorers, heads = curves.shape[0], curves.shape[1]
+    fig, axes = plt.subplots(1, scorers, figsize=(4 * scorers, 3), squeeze=False)
+    for s in range(scorers):
+        ax = axes[0][s]
+        for h in range(heads):
+            ax.plot(offsets.numpy(), curves[s, h].numpy(), label=f"head {h}")
+        ax.set_title(f"TISA f(k), scorer {s}")
+        ax.set_xlabel("k = j - i")
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    return {"diagnostics/tisa_curves": fig}
+
+
 FAMILY = AttentionFamily(
     name="tisa",
     description="translation-invariant self-attention: softmax with a learned f(j - i) per head",
     kernel=TISAKernel,
     state=TISAState,
+    mixing_flops=softmax_mixing_flops,
+    figures=tisa_figures,
 )
 
 __all__ = [
@@ -244,6 +277,8 @@ __all__ = [
     "TISAKernel",
     "TISAState",
     "select_backend",
+    "tisa_curves",
+    "tisa_figures",
     "tisa_flex_attention",
     "tisa_score_mod",
     "toeplitz_bias",

@@ -72,6 +72,7 @@ Project readings where the paper is silent:
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -85,9 +86,11 @@ from model.attention.base import (
     AuxLosses,
     FamilyState,
     LayerContext,
+    key_mask,
+    matmul_flops,
 )
 from model.config import EncoderConfig
-from model.orthogonal import Linear, make_orthogonal
+from model.orthogonal import Linear, make_orthogonal, orthogonal_cache
 
 LAMBDA_KEY = "transject_lambda"
 """Key of the eigenvalues (B, d) or (1, d) in `LayerContext.extras`."""
@@ -454,6 +457,87 @@ class TransJectLayer(nn.Module):
         return x_BND, attn.aux_losses
 
 
+# ---------------------------------------------------------------------------------------------
+# What the family owns besides its modules: config checks, FLOPs, diagnostics
+# ---------------------------------------------------------------------------------------------
+
+
+def validate(cfg: EncoderConfig) -> None:
+    """Settings TransJect ignores (a warning), and what its embeddings need."""
+    ignored = [
+        f"{name}={getattr(cfg, name)!r}"
+        for name, default in (("residual", "post_ln"), ("position_embedding", "absolute"))
+        if getattr(cfg, name) != default
+    ]
+    if ignored:
+        warnings.warn(
+            f"attention='transject' ignores {', '.join(ignored)}: TransJect layers use their "
+            "injective residual and a concatenated sinusoidal position encoding",
+            stacklevel=4,
+        )
+    if cfg.hidden_size % 2:
+        raise ValueError("transject needs an even hidden_size (token ; position halves)")
+    if cfg.transject.token_embedding == "orthogonal" and cfg.vocab_size > cfg.hidden_size // 2:
+        raise ValueError(
+            f"transject.token_embedding='orthogonal' needs vocab_size <= hidden_size/2 "
+            f"({cfg.vocab_size} > {cfg.hidden_size // 2}); use 'auto' or 'plain'"
+        )
+
+
+def transject_layer_flops(cfg: EncoderConfig, seq_len: int) -> int:
+    """One `TransJectLayer` application: E experts X U_e Lambda V_e^T (two d x d products each),
+    the gate g on the E pooled vectors, the mixture over experts, the orthogonal d x d FFN."""
+    d, n, E = cfg.hidden_size, seq_len, cfg.transject.num_experts
+    experts = E * 2 * matmul_flops(n, d, d)
+    gate = matmul_flops(E, d, 1)
+    mixture = matmul_flops(1, E, n * d)  # sum_e w_e A_e, a contraction over experts
+    ffn = 2 * matmul_flops(n, d, d)
+    return experts + gate + mixture + ffn
+
+
+def transject_embedding_flops(cfg: EncoderConfig, seq_len: int) -> int:
+    """The concatenated embedding has no matmul; the eigen-state with ``eigenvalues="approx"``
+    computes M = X^T X, M U and (U diag(lambda)) U^T (see `approximate_eigenvalues`)."""
+    if cfg.transject.eigenvalues == "random":
+        return 0
+    d = cfg.hidden_size
+    return matmul_flops(d, seq_len, d) + 2 * matmul_flops(d, d, d)
+
+
+@torch.no_grad()
+def expert_weights(encoder: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """(L, B, E) mixture weights of every layer application, for an encoder of this family."""
+    steps = encoder.trace(input_ids, attention_mask)
+    layers = [layer for _, layer in encoder.layer_applications()]
+    with orthogonal_cache():
+        weights = [
+            layer.attention.expert_weights(states, ctx)
+            for layer, (states, ctx) in zip(layers, steps[:-1])
+        ]
+    return torch.stack(weights)
+
+
+@torch.no_grad()
+def transject_diagnostics(
+    encoder: nn.Module, input_ids: Tensor, attention_mask: Tensor
+) -> dict[str, float]:
+    """``expert_weight/layer_LL/expert_E`` (batch means) and, from the eigen-state, the
+    eigenbasis error and the unweighted reconstruction loss."""
+    values: dict[str, float] = {}
+    for layer, row in enumerate(expert_weights(encoder, input_ids, attention_mask).mean(1)):
+        for e, w in enumerate(row.tolist()):
+            values[f"expert_weight/layer_{layer:02d}/expert_{e}"] = w
+    with orthogonal_cache():  # the state needs only the embeddings, not the layers
+        x0_BND = encoder.embeddings(input_ids, None)
+    values.update(encoder.family_state.diagnostics(x0_BND, key_mask(input_ids, attention_mask)))
+    return values
+
+
+def transject_residual_weights(gates_L: Tensor, cfg: EncoderConfig) -> Tensor:
+    """alpha_l = tanh(r_l) / L_app (`residual_alpha`)."""
+    return torch.tanh(gates_L) / cfg.num_layer_applications
+
+
 FAMILY = AttentionFamily(
     name="transject",
     description=(
@@ -463,6 +547,12 @@ FAMILY = AttentionFamily(
     layer=TransJectLayer,
     embeddings=TransJectEmbeddings,
     state=EigenState,
+    validate=validate,
+    layer_flops=transject_layer_flops,
+    embedding_flops=transject_embedding_flops,
+    token_embedding_width=lambda cfg: cfg.hidden_size // 2,
+    diagnostics=transject_diagnostics,
+    residual_weights=transject_residual_weights,
 )
 
 __all__ = [
@@ -476,6 +566,10 @@ __all__ = [
     "TransJectLayer",
     "approximate_eigenvalues",
     "eigenbasis_error",
+    "expert_weights",
     "residual_alpha",
     "sinusoidal_encoding",
+    "transject_diagnostics",
+    "transject_embedding_flops",
+    "transject_layer_flops",
 ]
