@@ -2,7 +2,7 @@
 
 1. Data: a tokenizer and ALBERT shards made from the embedded corpus by the real CLI
    (``python -m data_prep tokenizer`` / ``python -m data_prep shards``, as scripts/main.sh and
-   pretrain/pipeline.py do), one shard directory per sequence length.
+   main_job/pipeline.py do), one shard directory per sequence length.
 2. Loader throughput, alone: ``data_prep.loader.PretrainingLoader`` (dynamic MLM + SOP masking,
    collation, dynamic padding) at the config's batch size with ``num_workers`` in ``--workers``;
    the first ``--skip`` batches (worker start-up) are not timed, then batches/s over

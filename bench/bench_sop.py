@@ -1,6 +1,6 @@
 """Is sentence-order prediction (SOP) learned on the embedded corpus? Held-out accuracy vs steps.
 
-1. Data, as the main job makes it (pretrain/pipeline.py): a SentencePiece-unigram tokenizer
+1. Data, as the main job makes it (main_job/pipeline.py): a SentencePiece-unigram tokenizer
    (vocab 2000) trained on the whole embedded corpus (``data_prep.tokenizer.write_tokenizer``;
    unsupervised, it carries no order information), and ALBERT sentence-pair shards
    (``data_prep.shards.build_shards``: 2 shards, seed 0, the run's sequence length). The

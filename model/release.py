@@ -114,6 +114,24 @@ def save_release(
     return out
 
 
+def export_release(
+    source: str | os.PathLike, out: str | os.PathLike, overwrite: bool = True
+) -> Path:
+    """Copies the release ``source`` (e.g. a checkpoint's consolidated one) to ``out`` after
+    loading it once, so a broken release is never published; atomic like ``save_release``."""
+    source = Path(source)
+    config = read_release_config(source)
+    model = load_release(source)
+    tok = source / TOKENIZER_FILE
+    return save_release(
+        out,
+        model,
+        tokenizer_file=tok if tok.is_file() else None,
+        overwrite=overwrite,
+        extra=config.get("extra"),
+    )
+
+
 def read_release_config(release_dir: str | os.PathLike) -> dict[str, Any]:
     """The release's config.json, checked to be a release config of this format version
     (`ReleaseError` naming the file if not; FileNotFoundError if there is none)."""

@@ -1,3 +1,3 @@
 """Pretraining: ``python -m pretrain --config configs/pretrain/<recipe>.yaml [key=value ...]``
-(the loop: ``pretrain.train``), ``python -m pretrain.export`` (a release from a checkpoint) and
-``python -m pretrain.pipeline`` (the README's main job)."""
+(the loop: ``pretrain.train``) and ``python -m pretrain.export`` (a release from a checkpoint).
+The README's main job, which runs every stage, is ``python -m main_job``."""

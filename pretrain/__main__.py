@@ -11,7 +11,6 @@ import argparse
 import logging
 import sys
 
-from data_prep.format import ShardError
 from engine.recipe import load_recipe
 from pretrain.config import pretrain_config
 
@@ -60,18 +59,13 @@ def main(argv: list[str] | None = None) -> int:
 
         print(to_yaml(cfg.to_dict()))
         return 0
-    from engine.engine import shutdown
-    from pretrain.train import Trainer
+    from pretrain.train import SetupError, run
 
     try:
-        try:
-            trainer = Trainer(cfg)  # checks data, run dir and config before any training
-        except (ValueError, ShardError) as e:
-            print(f"python -m pretrain: {e}", file=sys.stderr)
-            return 2
-        result = trainer.run()
-    finally:
-        shutdown()
+        result = run(cfg)
+    except SetupError as e:
+        print(f"python -m pretrain: {e}", file=sys.stderr)
+        return 2
     return 0 if result.state in ("completed", "stopped") else 1
 
 

@@ -69,6 +69,9 @@ RESUMABLE_CHANGES = (
 )
 """Config keys a resumed run may change (they do not affect the training trajectory)."""
 
+RELEASE_DIR = "release"
+"""The release inside every checkpoint directory and, exported at the end, in the run directory."""
+
 LOCATION_KEYS = ("train.run_dir", "data.shards", "data.tokenizer")
 """Config keys that say where things are, not what they are: a run directory or shard
 directory that was moved or copied still holds the same run. The content they point at is

@@ -16,7 +16,8 @@ import warnings
 from pathlib import Path
 
 from engine.checkpoint import CheckpointError, CheckpointStore
-from pretrain.train import RELEASE_DIR, export_release
+from model.release import export_release
+from pretrain.config import RELEASE_DIR
 
 
 def export(

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from data_prep.format import TOKENIZER, sha256_file
+from data_prep.format import TOKENIZER, ShardError, sha256_file
 from data_prep.loader import PretrainingData, PretrainingLoader
 from engine import checkpoint as ckpt
 from engine.distributed import detect
@@ -48,15 +48,14 @@ from model import diagnostics
 from model.config import EncoderConfig
 from model.flops import counts_flops, training_flops
 from model.heads import EncoderForPretraining
-from model.release import save_release
-from pretrain.config import LOCATION_KEYS, RESUMABLE_CHANGES, PretrainConfig
+from model.release import export_release, save_release
+from pretrain.config import LOCATION_KEYS, RELEASE_DIR, RESUMABLE_CHANGES, PretrainConfig
 from pretrain.objective import model_inputs, pretraining_loss
 
 log = logging.getLogger("pretrain")
 
 CONFIG_FILE = "config.yaml"
 STATUS_FILE = "status.json"
-RELEASE_DIR = "release"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -615,29 +614,20 @@ def _compute_dtype(cfg: PretrainConfig) -> torch.dtype:
     return {"fp32": torch.float32, "fp16": torch.float16}.get(cfg.engine.precision, torch.bfloat16)
 
 
-# ---------------------------------------------------------------------------- export
-
-
-def export_release(source: Path, out: Path, overwrite: bool = True) -> Path:
-    """Copies a checkpoint's consolidated release to ``out`` after loading it once (so a broken
-    one is never published); atomic like ``save_release``."""
-    from model.release import load_release, read_release_config
-
-    read_release_config(source)
-    model = load_release(source)
-    tok = source / TOKENIZER
-    return save_release(
-        out,
-        model,
-        tokenizer_file=tok if tok.is_file() else None,
-        overwrite=overwrite,
-        extra=read_release_config(source).get("extra"),
-    )
+class SetupError(ValueError):
+    """Bad config or input, found before any training work (the CLI's exit 2)."""
 
 
 def run(cfg: PretrainConfig) -> RunResult:
-    """Runs pretraining on this process (one rank of the job) and leaves the process group."""
+    """Pretraining on this process (one rank of the job), the one entry every launcher uses
+    (``python -m pretrain``, the Slurm launcher): checks, trains, leaves the process group.
+    Raises ``SetupError`` when the config, the data or the run directory are wrong (nothing
+    was trained or written)."""
     try:
-        return Trainer(cfg).run()
+        try:
+            trainer = Trainer(cfg)  # checks data, run dir and config before any training
+        except (ValueError, ShardError) as e:
+            raise SetupError(str(e)) from e
+        return trainer.run()
     finally:
         shutdown()

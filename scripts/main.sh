@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-python -m pretrain.pipeline --out "${OUT:-runs/main}" "$@"
+python -m main_job --out "${OUT:-runs/main}" "$@"

@@ -542,20 +542,16 @@ class StageJob(submitit.helpers.Checkpointable):
 
     def _pretrain(self) -> dict[str, Any]:
         from engine.distributed import detect
-        from engine.engine import shutdown
         from engine.recipe import load_recipe
         from pretrain.__main__ import parse_args
         from pretrain.config import pretrain_config
-        from pretrain.train import Trainer
+        from pretrain.train import run
 
         args = parse_args(self.args)
         cfg = pretrain_config(load_recipe(args.config, args.overrides))
         rank = detect().rank
         handler = signal.getsignal(signal.SIGUSR2)  # submitit's checkpoint-and-requeue handler
-        try:
-            result = Trainer(cfg).run()  # its StopWatch owns SIGUSR2 while it runs
-        finally:
-            shutdown()
+        result = run(cfg)  # the trainer's StopWatch owns SIGUSR2 while it runs
         if signal.getsignal(signal.SIGUSR2) is not handler:
             signal.signal(signal.SIGUSR2, handler)  # someone did not restore it: do it here
         out = {

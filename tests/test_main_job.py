@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
+from main_job import pipeline
 from model.release import load_release
-from pretrain import pipeline
 
 
 def test_main_job_end_to_end(tmp_path):

@@ -59,7 +59,7 @@ def test_preset_key_with_a_typo_fails():
         "pretrain",
         "pretrain.train",
         "pretrain.export",
-        "pretrain.pipeline",
+        "main_job.pipeline",
         "engine.engine",
         "engine.checkpoint",
         "engine.metrics",

@@ -153,7 +153,7 @@ SCALES = {
             "model.intermediate_size=512",
         ),
     ),
-    # The main job's LRA stage (pretrain/pipeline.py), as before: the LRA generator's shape,
+    # The main job's LRA stage (main_job/pipeline.py), as before: the LRA generator's shape,
     # evaluated once, after the last step.
     "main": Scale(
         listops=(3000, 300, 300),

@@ -13,7 +13,7 @@
        lra-shards`` + ``python -m pretrain``), then fine-tuning from that release and from
        scratch, side by side (`finetune.lra.mini`, the CPU mini-LRA at a smaller scale).
 
-    python -m pretrain.pipeline --out runs/main [--families softmax tisa] [--nproc 2]
+    python -m main_job --out runs/main [--families softmax tisa] [--nproc 2]
         [--lra-scale main|tiny|none] [-- key=value ...]
 
 Re-running reuses the tokenizer, the shards and finished runs (a finished run resumes at its
@@ -129,7 +129,7 @@ def lra_stage(out: Path, scale: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pretrain.pipeline",
+        prog="python -m main_job",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
