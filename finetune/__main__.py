@@ -52,7 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     glue.add_argument(
         "--task", required=True, help="cola|sst2|mrpc|stsb|qqp|mnli|qnli|rte|wnli|all"
     )
-    glue.add_argument("--data", required=True, help="GLUE root (original TSVs) or HF datasets dir")
+    glue.add_argument(
+        "--data",
+        required=True,
+        help="GLUE data (the root, or one task's folder) in any of three layouts: the original "
+        "TSVs (glue_data/<Task>/*.tsv, AX in diagnostic/diagnostic.tsv), HF "
+        "DatasetDict.save_to_disk dirs (<config>/dataset_dict.json), or a Hub snapshot of "
+        "nyu-mll/glue (<config>/<split>-00000-of-00001.parquet)",
+    )
     glue.add_argument("--init", required=True, help="release dir, or a local HF ALBERT dir")
     glue.add_argument("--config", help="recipe (default: configs/finetune/glue/<task>.yaml)")
     glue.add_argument("--attention", choices=("softmax", "tisa"), help="HF import: attention")

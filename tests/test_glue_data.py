@@ -249,9 +249,10 @@ def _file_text(header, builder, rows) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_glue_tsv(root) -> None:
-    """The GLUE TSV distribution of SPEC under `root` (one folder per task)."""
-    for name, splits in SPEC.items():
+def write_glue_tsv(root, spec=SPEC) -> None:
+    """The GLUE TSV distribution of `spec` (SPEC's form) under `root` (one folder per task;
+    QQP's train file gets the broken rows)."""
+    for name, splits in spec.items():
         task = get_task(name)
         folder = root / task.dir_name
         folder.mkdir(parents=True)
@@ -454,8 +455,9 @@ def test_tsv_errors(tmp_path, glue_root):
 # ----------------------------------------------------------------------------- HF datasets
 
 
-def _hf_dataset_dict(name: str):
-    """SPEC's rows of a task as HF's `glue` config would hold them (HF names, order, splits)."""
+def hf_dataset_dict(name: str, spec=SPEC):
+    """`spec`'s (SPEC's form) rows of a task as the Hub's `nyu-mll/glue` config holds them: its
+    columns, ClassLabel names in HF's order, `idx`, split names, -1 for test labels."""
     import datasets
 
     task = get_task(name)
@@ -471,7 +473,7 @@ def _hf_dataset_dict(name: str):
     features["idx"] = datasets.Value("int32")
     ours_to_hf = {ours: i for i, (_, ours) in enumerate(task.hf_labels)}
     splits = {}
-    for split, (_, _, rows) in SPEC[name].items():
+    for split, (_, _, rows) in spec[name].items():
         data = {col_a: [a for a, _, _ in rows], "idx": list(range(len(rows)))}
         if col_b:
             data[col_b] = [b for _, b, _ in rows]
@@ -488,7 +490,7 @@ def _hf_dataset_dict(name: str):
 def hf_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_glue")
     for name in ("cola", "stsb", "mnli", "wnli", "qnli"):
-        _hf_dataset_dict(name).save_to_disk(str(root / name))
+        hf_dataset_dict(name).save_to_disk(str(root / name))
     return root
 
 
@@ -532,7 +534,11 @@ def test_hf_errors(tmp_path, hf_root):
         features=datasets.Features({"sentence": datasets.Value("string"), "label": bad_names}),
     )
     datasets.DatasetDict({"train": ds}).save_to_disk(str(tmp_path / "bad"))
-    with pytest.raises(ValueError, match=r"label name 'no' is neither one of HF glue/sst2's"):
+    with pytest.raises(
+        ValueError,
+        match=r"bad:train: the label's ClassLabel names \['no', 'yes'\] are not glue/sst2's: "
+        r"HF's \['negative', 'positive'\] \(in that order\) or GLUE's \['0', '1'\]",
+    ):
         read_hf_split("sst2", tmp_path / "bad", "train")
     unlabelled = datasets.Dataset.from_dict(
         {"sentence": ["a"], "label": [-1]},

@@ -1,7 +1,7 @@
-"""GLUE examples from the original TSV distribution or a local HF `datasets` directory, and their
-tokenisation and batching.
+"""GLUE examples from the original TSV distribution, a local HF `datasets` DatasetDict or a Hub
+snapshot of `nyu-mll/glue` (Parquet), and their tokenisation and batching.
 
-Two input formats, detected by `load_split` (split names as in tasks.py: train, dev, test;
+Three layouts, detected by `load_split` (split names as in tasks.py: train, dev, test;
 MNLI dev_matched, dev_mismatched, test_matched, test_mismatched; AX test):
 
 * TSV: the original GLUE distribution (`download_glue_data.py`): one folder per task (CoLA,
@@ -11,9 +11,22 @@ MNLI dev_matched, dev_mismatched, test_matched, test_mismatched; AX test):
   and dev files have no header; every other file does, and columns are found by header name.
 * HF: a `DatasetDict.save_to_disk` directory of HF's `glue` config for the task (columns
   sentence / sentence1, sentence2 / question1, question2 / premise, hypothesis / question,
-  sentence; `label` a ClassLabel; `idx`). HF's split names (validation, validation_matched, ...)
-  are mapped from ours, and HF's label ids are mapped to ours BY NAME (HF's MNLI is entailment,
-  neutral, contradiction; ours is run_glue's contradiction, entailment, neutral).
+  sentence; `label` a ClassLabel; `idx`). A single split's `Dataset.save_to_disk` (state.json,
+  no dataset_dict.json) is refused: save the DatasetDict, so every split is there.
+* Parquet: a snapshot of the Hub's `nyu-mll/glue` (`huggingface_hub.snapshot_download(...,
+  repo_type="dataset")`): `<config>/<split>-00000-of-00001.parquet` (any number of
+  `-NNNNN-of-NNNNN` shards), e.g. mnli/validation_matched-00000-of-00001.parquet,
+  ax/test-00000-of-00001.parquet. Read with `datasets.load_dataset("parquet", ...)`, which
+  restores the features (the ClassLabel and its names) from the files' "huggingface" schema
+  metadata.
+
+In the two HF layouts HF's split names (validation, validation_matched, ...) are mapped from
+ours, and HF's label ids are mapped to ours BY NAME (HF's MNLI is entailment, neutral,
+contradiction; ours is run_glue's contradiction, entailment, neutral). The label column must be
+the task's: float scores for STS-B, class ids for the rest, and a ClassLabel's names exactly
+HF glue's for the task, in HF's order (or exactly our labels, in our order), so another task's
+data with matching columns is refused (RTE's names are entailment, not_entailment; WNLI's the
+reverse; MRPC's 0/1 classes are no STS-B scores).
 
 Either way a split becomes a list of `Example`s whose `label` is an id into `task.labels`
 (a float for STS-B, None for test splits) and whose `index` is the GLUE test index for test
@@ -23,7 +36,10 @@ splits (the server matches predictions by it) and the 0-based data-row number ot
 Bad input (all tested):
 * a missing file or directory -> FileNotFoundError naming what was looked for;
 * a header without a needed column -> ValueError naming the file, the column and the columns
-  present (usually the wrong file or task);
+  present (usually the wrong file or task); the same for a HF split without a needed column;
+* another task's labels (a ClassLabel with other names or order, an int column for STS-B, a
+  float column for a classification task) -> ValueError naming the task, the data and the
+  names or type found (and the tasks whose labels they are);
 * a row with too few columns -> skipped, counted in `SplitStats` (with its line number) and
   warned about once per file. QQP's train file has such rows (a question broken over lines),
   which run_glue skips the same way;
@@ -35,6 +51,7 @@ Bad input (all tested):
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import math
 import os
@@ -46,12 +63,13 @@ from typing import Any
 import numpy as np
 
 from data_prep import format as fmt
-from finetune.glue.tasks import GlueTask, TsvLayout, get_task
+from finetune.glue.tasks import TASKS, GlueTask, TsvLayout, get_task
 from finetune.trainer import collate as collate  # re-exported: the shared batching
 
 log = logging.getLogger(__name__)
 
 HF_MARKER = "dataset_dict.json"  # written by DatasetDict.save_to_disk
+HF_DATASET_FILES = ("dataset_info.json", "state.json")  # a single Dataset.save_to_disk
 MAX_SKIPPED_LINES = 20  # line numbers kept in SplitStats; the count is always complete
 STSB_RANGE = (0.0, 5.0)
 
@@ -74,10 +92,10 @@ class SplitStats:
     """What reading one split saw."""
 
     source: str
-    """The TSV file, or "<HF dir>:<HF split>"."""
+    """The TSV file, or "<HF folder>:<HF split>" (a DatasetDict or a Hub config folder)."""
     split: str
     format: str
-    """"tsv" or "hf"."""
+    """"tsv", "hf" or "parquet" (`SplitSource.format`)."""
     rows: int = 0
     """Data rows read (a header excluded)."""
     examples: int = 0
@@ -93,6 +111,10 @@ class SplitStats:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def counts(self) -> dict[str, int]:
+        """{"read": rows, "skipped": malformed rows}: what a run's results.json keeps."""
+        return {"read": self.rows, "skipped": self.skipped}
 
 
 # ----------------------------------------------------------------------------- labels
@@ -247,42 +269,126 @@ def read_tsv_split(
 # ----------------------------------------------------------------------------- HF datasets
 
 
-def _hf_label_map(task: GlueTask, feature: Any, where: str) -> dict[int, int]:
-    """HF label id -> our label id, by the ClassLabel's names.
+@dataclass(frozen=True)
+class _HfLabels:
+    """How a labelled HF split's label column is read (see `_hf_labels`)."""
 
-    A name may be HF's (e.g. "unacceptable") or already ours (e.g. "0"). Without a ClassLabel
-    (a plain int column) HF glue's order is assumed, with a warning."""
+    to_ours: dict[int, int]
+    """HF label id -> our label id; empty for STS-B, whose labels are scores."""
+    ids: str
+    """The valid ids, as errors name them."""
+
+
+def _is_float(feature: Any) -> bool:
     import datasets
 
-    ours = _label_ids(task)
-    hf_to_ours = dict(task.hf_labels)
+    return isinstance(feature, datasets.Value) and feature.dtype.startswith("float")
+
+
+def _is_int(feature: Any) -> bool:
+    import datasets
+
+    return isinstance(feature, datasets.Value) and feature.dtype.startswith(("int", "uint"))
+
+
+def _feature_kind(feature: Any) -> str:
+    """A label feature as errors name it: "a ClassLabel with names [...]", "a plain int64
+    column"."""
+    import datasets
+
+    if isinstance(feature, datasets.ClassLabel):
+        return f"a ClassLabel with names {list(feature.names)}"
+    if isinstance(feature, datasets.Value):
+        return f"a plain {feature.dtype} column"
+    return f"a {type(feature).__name__} feature"
+
+
+def _labelled_like(feature: Any) -> str:
+    """Which HF glue configs have a label column like `feature` (ClassLabel names in the same
+    order, or float scores), as a hint for errors; "" when none has."""
+    import datasets
+
     if isinstance(feature, datasets.ClassLabel):
         names = list(feature.names)
+        like = [t.name for t in TASKS.values() if [hf for hf, _ in t.hf_labels] == names]
+    elif _is_float(feature):
+        like = [t.name for t in TASKS.values() if t.is_regression]
     else:
-        names = [hf for hf, _ in task.hf_labels]
-        log.warning("%s: label is not a ClassLabel; assuming HF glue's order %s", where, names)
-    mapping = {}
-    for hf_id, name in enumerate(names):
-        label = hf_to_ours.get(name, name)
-        if label not in ours:
+        like = []
+    if not like:
+        return ""
+    return f"; that is the label of HF glue/{', glue/'.join(like)}: is --data another task's?"
+
+
+def _hf_labels(task: GlueTask, feature: Any, where: str) -> _HfLabels:
+    """How to read a labelled split's label column, once it is checked to be `task`'s: float
+    scores for STS-B; for the other tasks a ClassLabel whose names are HF glue's for the task in
+    HF's order (mapped to ours by name) or exactly our labels in our order, or a plain int
+    column (read in HF glue's order, with a warning). ValueError naming the task, `where` and
+    what was found otherwise: another task's data whose columns happen to match (RTE's names
+    are entailment, not_entailment; WNLI's the reverse; MRPC's classes are no STS-B scores)."""
+    import datasets
+
+    if task.is_regression:
+        if _is_float(feature):
+            return _HfLabels({}, "")
+        raise ValueError(
+            f"{where}: glue/{task.name}'s label is a similarity score (a float in [0, 5]), but "
+            f"this label column is {_feature_kind(feature)}{_labelled_like(feature)}"
+        )
+    ours = _label_ids(task)
+    hf_names = [hf for hf, _ in task.hf_labels]
+    if isinstance(feature, datasets.ClassLabel):
+        names = list(feature.names)
+        if names == hf_names:
+            labels = [label for _, label in task.hf_labels]
+        elif names == list(task.labels):
+            labels = names
+        else:
             raise ValueError(
-                f"{where}: label name {name!r} is neither one of HF glue/{task.name}'s "
-                f"{list(hf_to_ours)} nor one of our labels {list(task.labels)}"
+                f"{where}: the label's ClassLabel names {names} are not glue/{task.name}'s: "
+                f"HF's {hf_names} (in that order) or GLUE's {list(task.labels)}"
+                f"{_labelled_like(feature)}"
             )
-        mapping[hf_id] = ours[label]
-    return mapping
+        to_ours = {hf_id: ours[label] for hf_id, label in enumerate(labels)}
+        return _HfLabels(to_ours, f"the ClassLabel's ids 0..{len(names) - 1} ({names})")
+    if _is_int(feature):
+        log.warning(
+            "%s: label is a plain int column, not a ClassLabel; assuming HF glue/%s's order %s",
+            where,
+            task.name,
+            hf_names,
+        )
+        to_ours = {hf_id: ours[label] for hf_id, (_, label) in enumerate(task.hf_labels)}
+        return _HfLabels(
+            to_ours,
+            f"glue/{task.name}'s label ids 0..{len(hf_names) - 1} (the label column is a plain "
+            f"int, not a ClassLabel; read in HF glue's order {hf_names})",
+        )
+    raise ValueError(
+        f"{where}: glue/{task.name}'s label is a class id (a ClassLabel, or ints in HF glue's "
+        f"order {hf_names}), but this label column is {_feature_kind(feature)}"
+        f"{_labelled_like(feature)}"
+    )
 
 
-def _hf_label(task: GlueTask, mapping: dict[int, int], value: Any, where: str) -> int | float:
+def _hf_label(task: GlueTask, labels: _HfLabels, value: Any, where: str) -> int | float:
     if value is None or value == -1:
         raise ValueError(f"{where}: no label (HF's -1) in a labelled split")
     if task.is_regression:
         return _parse_score(value, where)
-    if value not in mapping:
-        raise ValueError(
-            f"{where}: label id {value!r} is outside the ClassLabel's ids {sorted(mapping)}"
-        )
-    return mapping[value]
+    if value not in labels.to_ours:
+        raise ValueError(f"{where}: label id {value!r} is outside {labels.ids}")
+    return labels.to_ours[value]
+
+
+def _dataset_dict_splits(hf_dir: Path) -> list[str]:
+    """The splits a DatasetDict.save_to_disk directory lists in its dataset_dict.json."""
+    path = hf_dir / HF_MARKER
+    try:
+        return [str(split) for split in json.loads(path.read_text())["splits"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a DatasetDict.save_to_disk record ({e!r})") from None
 
 
 def _load_hf_split(task: GlueTask, hf_dir: Path, split: str) -> Any:
@@ -293,26 +399,43 @@ def _load_hf_split(task: GlueTask, hf_dir: Path, split: str) -> Any:
             f"{hf_dir} is not a HF DatasetDict directory (no {HF_MARKER}; make one with "
             "DatasetDict.save_to_disk)"
         )
-    dataset_dict = datasets.load_from_disk(str(hf_dir))
     hf_split = task.hf_split(split)
-    if hf_split not in dataset_dict:
+    splits = _dataset_dict_splits(hf_dir)
+    if hf_split not in splits:
         raise ValueError(
-            f"{hf_dir}: no split {hf_split!r} (our {split!r}); its splits are "
-            f"{sorted(dataset_dict)}"
+            f"{hf_dir}: no split {hf_split!r} (our {split!r}); its splits are {sorted(splits)}"
         )
-    return dataset_dict[hf_split]
+    return datasets.load_from_disk(str(hf_dir))[hf_split]
 
 
-def read_hf_split(
-    task: str | GlueTask, hf_dir: str | os.PathLike, split: str
+def parquet_shards(folder: str | os.PathLike, hf_split: str) -> list[Path]:
+    """A split's files in a Hub config folder: `<hf_split>-NNNNN-of-NNNNN.parquet`, in order
+    (so "test-*" never takes MNLI's "test_matched-*")."""
+    return sorted(Path(folder).glob(f"{hf_split}-*-of-*.parquet"))
+
+
+def _load_parquet_split(task: GlueTask, folder: Path, split: str) -> Any:
+    import datasets
+
+    hf_split = task.hf_split(split)
+    shards = parquet_shards(folder, hf_split)
+    if not shards:
+        raise FileNotFoundError(
+            f"{folder}: no {hf_split}-*-of-*.parquet (the Hub's layout of nyu-mll/glue: "
+            "<config>/<split>-00000-of-00001.parquet)"
+        )
+    # datasets' own Parquet builder: it restores the features (ClassLabel names included) from
+    # the files' "huggingface" schema metadata, as load_dataset("nyu-mll/glue", ...) does.
+    return datasets.load_dataset(
+        "parquet", data_files={hf_split: [str(p) for p in shards]}, split=hf_split
+    )
+
+
+def _read_dataset(
+    task: GlueTask, ds: Any, source: str, split: str, layout: str
 ) -> tuple[list[Example], SplitStats]:
-    """A split of a local HF `datasets` GLUE directory (save_to_disk of HF's `glue` config for
-    the task): (examples, stats). `split` is ours (dev, dev_matched, ...), mapped to HF's."""
-    task = get_task(task)
+    """The examples of one split of a HF `datasets.Dataset` in HF glue's schema."""
     labelled = task.is_labelled(split)
-    hf_dir = Path(hf_dir)
-    ds = _load_hf_split(task, hf_dir, split)
-    source = f"{hf_dir}:{task.hf_split(split)}"
     col_a, col_b = task.hf_columns
     needed = [c for c in (col_a, col_b, "label" if labelled else None) if c is not None]
     for column in needed:
@@ -321,11 +444,9 @@ def read_hf_split(
                 f"{source}: no column {column!r} (columns: {ds.column_names}); "
                 f"is this HF's glue/{task.name}?"
             )
-    mapping = {}
-    if labelled and not task.is_regression:
-        mapping = _hf_label_map(task, ds.features["label"], source)
+    labels = _hf_labels(task, ds.features["label"], source) if labelled else None
     data = ds.select_columns([c for c in [*needed, "idx"] if c in ds.column_names])[:]
-    stats = SplitStats(source, split, "hf", rows=len(ds))
+    stats = SplitStats(source, split, layout, rows=len(ds))
     indices = data.get("idx", range(len(ds)))
     examples = []
     for i in range(len(ds)):
@@ -335,38 +456,124 @@ def read_hf_split(
             stats.skip(i)
             continue
         label = None
-        if labelled:
-            label = _hf_label(task, mapping, data["label"][i], f"{source} row {i}")
+        if labels is not None:
+            label = _hf_label(task, labels, data["label"][i], f"{source} row {i}")
         examples.append(Example(int(indices[i]), text_a, text_b, label))
     return _finish(stats, examples)
 
 
-# ----------------------------------------------------------------------------- either format
-
-
-def load_split(
-    task: str | GlueTask, data_dir: str | os.PathLike, split: str
+def read_hf_split(
+    task: str | GlueTask, hf_dir: str | os.PathLike, split: str
 ) -> tuple[list[Example], SplitStats]:
-    """A split from whichever format `data_dir` holds: (examples, stats).
+    """A split of a local HF `datasets` GLUE directory (save_to_disk of HF's `glue` config for
+    the task): (examples, stats). `split` is ours (dev, dev_matched, ...), mapped to HF's."""
+    task = get_task(task)
+    hf_dir = Path(hf_dir)
+    ds = _load_hf_split(task, hf_dir, split)
+    return _read_dataset(task, ds, f"{hf_dir}:{task.hf_split(split)}", split, "hf")
 
-    Looked for, in order, in `data_dir`, `data_dir/<GLUE folder>` (e.g. SST-2) and
-    `data_dir/<task name>` (e.g. sst2): the first that holds a HF DatasetDict (a
-    dataset_dict.json) or the split's TSV file is read."""
+
+def read_parquet_split(
+    task: str | GlueTask, folder: str | os.PathLike, split: str
+) -> tuple[list[Example], SplitStats]:
+    """A split of a Hub snapshot of `nyu-mll/glue`: `folder` is the task's config folder
+    (e.g. snapshot/mnli) holding `<HF split>-NNNNN-of-NNNNN.parquet`: (examples, stats)."""
+    task = get_task(task)
+    folder = Path(folder)
+    ds = _load_parquet_split(task, folder, split)
+    return _read_dataset(task, ds, f"{folder}:{task.hf_split(split)}", split, "parquet")
+
+
+# ----------------------------------------------------------------------------- any layout
+
+
+@dataclass(frozen=True)
+class SplitSource:
+    """Where `find_split` found a split."""
+
+    format: str
+    """"tsv" (original GLUE TSVs), "hf" (DatasetDict.save_to_disk) or "parquet" (a Hub
+    snapshot)."""
+    folder: Path
+    """The folder read: the TSV task folder, the DatasetDict or the Hub config folder."""
+
+
+_READERS = {"tsv": read_tsv_split, "hf": read_hf_split, "parquet": read_parquet_split}
+
+
+def _candidates(task: GlueTask, base: Path) -> list[Path]:
+    """The folders a split is looked for in: `base`, its GLUE folder, its HF config folder."""
+    return [base, base / task.dir_name, base / task.name]
+
+
+def _source_in(task: GlueTask, folder: Path, split: str) -> SplitSource | None:
+    hf_split = task.hf_split(split)
+    if (folder / HF_MARKER).is_file():
+        return SplitSource("hf", folder) if hf_split in _dataset_dict_splits(folder) else None
+    if parquet_shards(folder, hf_split):
+        return SplitSource("parquet", folder)
+    if (folder / task.tsv_file(split)).is_file():
+        return SplitSource("tsv", folder)
+    if all((folder / name).is_file() for name in HF_DATASET_FILES):
+        hf_splits = ", ".join(task.hf_split(s) for s in task.splits)
+        raise ValueError(
+            f"{folder} holds a single split (a Dataset.save_to_disk: "
+            f"{' and '.join(HF_DATASET_FILES)}, no {HF_MARKER}), but GLUE {task.name} needs its "
+            f"splits ({hf_splits}) by name: save the DatasetDict instead, e.g. "
+            f"datasets.load_dataset('nyu-mll/glue', '{task.name}').save_to_disk(...)"
+        )
+    return None
+
+
+def layouts_looked_for(task: str | GlueTask, data_dir: str | os.PathLike, split: str) -> str:
+    """Where and what `find_split` looks for, for messages about a split it did not find."""
+    task = get_task(task)
+    hf_split = task.hf_split(split)
+    folders = _candidates(task, Path(data_dir))
+    text = (
+        f"looked in {', '.join(str(f) for f in folders)} for {task.tsv_file(split)} (original "
+        f"GLUE TSVs), a HF {HF_MARKER} listing {hf_split!r} (DatasetDict.save_to_disk) or "
+        f"{hf_split}-*-of-*.parquet (a Hub snapshot of nyu-mll/glue)"
+    )
+    for folder in folders:
+        if (folder / HF_MARKER).is_file():
+            text += f"; {folder} is a DatasetDict of {sorted(_dataset_dict_splits(folder))}"
+    return text
+
+
+def find_split(task: str | GlueTask, data_dir: str | os.PathLike, split: str) -> SplitSource | None:
+    """Where `data_dir` holds a split, or None.
+
+    Looked for, in order, in `data_dir`, `data_dir/<GLUE folder>` (e.g. SST-2, diagnostic) and
+    `data_dir/<HF config>` (e.g. sst2, ax): the first folder that is a HF DatasetDict listing
+    the split (dataset_dict.json), holds the Hub's `<HF split>-*-of-*.parquet` or the split's
+    TSV file. FileNotFoundError if `data_dir` is no directory; ValueError for a folder holding
+    a single split's Dataset.save_to_disk."""
     task = get_task(task)
     task.check_split(split)
     base = Path(data_dir)
     if not base.is_dir():
         raise FileNotFoundError(f"GLUE data directory {base} does not exist")
-    candidates = [base, base / task.dir_name, base / task.name]
-    for cand in candidates:
-        if (cand / HF_MARKER).is_file():
-            return read_hf_split(task, cand, split)
-        if (cand / task.tsv_file(split)).is_file():
-            return read_tsv_split(task, cand, split)
-    raise FileNotFoundError(
-        f"no GLUE {task.name} {split} data under {base}: looked for {task.tsv_file(split)} or a "
-        f"HF {HF_MARKER} in {', '.join(str(c) for c in candidates)}"
-    )
+    for folder in _candidates(task, base):
+        source = _source_in(task, folder, split)
+        if source is not None:
+            return source
+    return None
+
+
+def load_split(
+    task: str | GlueTask, data_dir: str | os.PathLike, split: str
+) -> tuple[list[Example], SplitStats]:
+    """A split from whichever layout `data_dir` holds it in (see `find_split`): (examples,
+    stats). FileNotFoundError naming the folders and files looked for if none."""
+    task = get_task(task)
+    source = find_split(task, data_dir, split)
+    if source is None:
+        raise FileNotFoundError(
+            f"no GLUE {task.name} {split} data under {data_dir}: "
+            f"{layouts_looked_for(task, data_dir, split)}"
+        )
+    return _READERS[source.format](task, source.folder, split)
 
 
 # ----------------------------------------------------------------------------- tokenisation

@@ -4,17 +4,34 @@
         [--config configs/finetune/glue/rte.yaml] [--seeds 0 1 2] [--lrs 1e-5 2e-5] [key=value ...]
     python -m finetune glue --task all --data glue_data --init albert-base-v2/ --attention tisa
 
+``--data`` is the GLUE data in any of three layouts, as the root of all tasks or one task's
+folder (see finetune/glue/data.py):
+
+    original TSVs        glue_data/<CoLA|SST-2|...|MNLI|diagnostic>/train.tsv, dev.tsv, test.tsv
+                         (MNLI dev_matched.tsv ..., AX diagnostic/diagnostic.tsv)
+    HF save_to_disk      <dir>/<cola|sst2|...|mnli|ax>/dataset_dict.json: a DatasetDict of HF's
+                         glue config (a single split's Dataset.save_to_disk is refused)
+    Hub snapshot         a snapshot of the Hub's nyu-mll/glue (Parquet), e.g.
+                         <dir>/mnli/validation_matched-00000-of-00001.parquet, ax/test-...parquet
+
 For each task x learning rate x seed: load the training and dev splits, tokenise with the
 release's tokenizer, fine-tune through the engine with evaluation every ``train.eval_every``
 steps, keep the best dev weights, predict the test split(s) with them and write the GLUE server
-files. Outputs under ``run_dir``:
+files. AX, the diagnostic set (no training or dev data), is predicted by the MNLI runs when its
+test data is under ``--data`` (the same root: diagnostic/ or ax/); ``--task ax`` is refused,
+``--task all`` trains the nine scored tasks. Outputs under ``run_dir``:
 
     <task>/lr_<lr>/seed_<seed>/results.json, best/ (release), tensorboard/, predictions/<Server>.tsv
-    results.json, results.md       every run's best dev metrics; median and spread over seeds
-    submission/                    server files of the best run per task (by median over seeds)
+    results.json, results.md       every run's best dev metrics; median and spread over seeds;
+                                   whether submission/ is complete
+    submission/                    server files of the best run per task (by median over seeds),
+                                   AX.tsv from the best MNLI run
 
-``--no-summary`` skips the last two (an array job running one combination each);
-``python -m finetune glue-summary RUN_DIR`` writes them from the runs on disk afterwards.
+A run's results.json counts the rows of every split read and skipped as malformed (``rows``).
+The summary states whether the submission is complete (all 11 server files, CoLA.tsv ...
+AX.tsv, with the official row counts) or names what is missing or wrong, with a warning.
+``--no-summary`` skips the summary (an array job running one combination each);
+``python -m finetune glue-summary RUN_DIR`` writes it from the runs on disk afterwards.
 """
 
 from __future__ import annotations
@@ -35,10 +52,31 @@ from engine.distributed import detect
 from engine.engine import EngineConfig
 from engine.optim import OptimizerConfig, ScheduleConfig
 from engine.recipe import build_config, config_dict, load_recipe
-from finetune.glue.data import encode, load_glue_tokenizer, load_split, pad_token_id
+from finetune.glue.data import (
+    Example,
+    SplitStats,
+    encode,
+    find_split,
+    layouts_looked_for,
+    load_glue_tokenizer,
+    load_split,
+    pad_token_id,
+)
 from finetune.glue.metrics import compute_metrics, glue_average
-from finetune.glue.submission import write_predictions
-from finetune.glue.tasks import SCORED_TASKS, TASKS, GlueTask, get_task
+from finetune.glue.submission import (
+    SubmissionReport,
+    check_submission_dir,
+    write_predictions,
+)
+from finetune.glue.tasks import (
+    SCORED_TASKS,
+    SERVER_FILES,
+    TASKS,
+    GlueTask,
+    get_task,
+    parse_result_key,
+    tasks_predicted_with,
+)
 from finetune.trainer import (
     EXIT_STOPPED,
     FinetuneConfig,
@@ -81,7 +119,8 @@ class GlueDataConfig:
 @dataclass
 class GlueConfig:
     task: str = "rte"
-    """A GLUE task (cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli) or ``all``."""
+    """A GLUE task (cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli) or ``all``; not ``ax``,
+    which the MNLI runs predict."""
     data: GlueDataConfig = field(default_factory=GlueDataConfig)
     model: GlueModelConfig = field(default_factory=GlueModelConfig)
     optimizer: OptimizerConfig = field(
@@ -173,7 +212,11 @@ def run_one(
     tokenizer = load_glue_tokenizer(release / TOKENIZER_FILE)
     train, train_stats = load_split(task, data_dir, "train")
     splits = {s: load_split(task, data_dir, s) for s in (*task.dev_splits, *task.test_splits)}
+    others = load_predicted_with(task, data_dir)  # MNLI: {"ax": AX's test set}
+    splits.update(others)
     encoded = {s: encode(ex, tokenizer, cfg.data.max_length) for s, (ex, _) in splits.items()}
+    predicted = {s: (task, s) for s in task.test_splits}  # eval set -> (task, its test split)
+    predicted.update({key: parse_result_key(key) for key in others})
     dev_name = task.dev_splits[0]
     train_cfg = FinetuneConfig(**{**config_dict(cfg.train), "seed": seed})
     train_cfg.select_split = dev_name if cfg.train.select_split == "dev" else train_cfg.select_split
@@ -203,21 +246,28 @@ def run_one(
         "best_step": result.best_step,
         "dev": {s: result.best.get(s, {}) for s in task.dev_splits},
         "train_examples": train_stats.examples,
-        "skipped_rows": {
-            "train": train_stats.skipped,
-            **{s: st.skipped for s, (_, st) in splits.items()},
+        "rows": {  # read and skipped as malformed, per split (MNLI: AX's test set as "ax")
+            "train": train_stats.counts(),
+            **{s: st.counts() for s, (_, st) in splits.items()},
         },
         "run_dir": str(run_dir),
     }
     if result.state != "completed":
         return row
     if detect().rank == 0:  # every rank trained and evaluated; rank 0 writes
-        for split in task.test_splits:
-            indices = [encoded[split][i]["index"] for i in range(len(encoded[split]))]
+        for key, (target, split) in predicted.items():
+            if key not in result.predictions:  # resumed from a checkpoint made without it
+                log.warning(
+                    "%s: the best weights' predictions hold no %s; %s is not written",
+                    run_dir,
+                    key,
+                    target.server_file(split).file,
+                )
+                continue
             write_predictions(
-                task,
-                indices,
-                result.predictions[split],
+                target,
+                encoded[key].indices,
+                result.predictions[key],
                 run_dir / "predictions",
                 split,
                 overwrite=True,
@@ -227,20 +277,64 @@ def run_one(
     return row
 
 
+def load_predicted_with(
+    task: GlueTask, data_dir: Path
+) -> dict[str, tuple[list[Example], SplitStats]]:
+    """The test sets ``task``'s model predicts besides its own (MNLI: AX), keyed by their
+    result key ("ax"): those whose data is under ``data_dir``. One that is not is warned about:
+    its server file will be missing from the submission."""
+    found = {}
+    for other in tasks_predicted_with(task):
+        for split in other.test_splits:
+            if find_split(other, data_dir, split) is None:
+                log.warning(
+                    "no %s %s data under %s, so the %s runs do not predict it and %s will be "
+                    "missing from the GLUE submission (%s)",
+                    other.name,
+                    split,
+                    data_dir,
+                    task.name,
+                    other.server_file(split).file,
+                    layouts_looked_for(other, data_dir, split),
+                )
+                continue
+            found[other.result_key(split)] = load_split(other, data_dir, split)
+    return found
+
+
 def _score(row: dict[str, Any]) -> float:
     return float(np.mean([m["score"] for m in row["dev"].values() if "score" in m]))
 
 
-def summarise(rows: list[dict[str, Any]], out: Path) -> str:
-    """results.md: per task and lr, the median and spread over seeds of each dev metric."""
+def best_lrs(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Task -> {"median": its best median score over seeds, "lr": that learning rate}."""
+    best: dict[str, dict[str, float]] = {}
+    for (task, lr), group in sorted(_groups(rows).items()):
+        median = statistics.median(_score(r) for r in group)
+        if task not in best or median > best[task]["median"]:
+            best[task] = {"median": median, "lr": lr}
+    return best
+
+
+def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, float], list[dict[str, Any]]]:
+    """The runs per (task, lr): the seeds of one setting."""
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["task"], row["lr"]), []).append(row)
+    return groups
+
+
+def summarise(
+    rows: list[dict[str, Any]], out: Path, submission: SubmissionReport | None = None
+) -> str:
+    """results.md: per task and lr, the median and spread over seeds of each dev metric, the
+    GLUE average when every scored task ran and, given ``submission``, whether the server
+    files are complete. results.json: the runs, the best lr per task and ``submission``."""
     lines = [
         "| task | lr | seeds | metric | median | spread (max - min) |",
         "|---|---|---|---|---|---|",
     ]
-    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault((row["task"], row["lr"]), []).append(row)
-    best_per_task: dict[str, dict[str, float]] = {}
+    groups = _groups(rows)
     for (task, lr), group in sorted(groups.items()):
         for split in group[0]["dev"]:
             for metric in group[0]["dev"][split]:
@@ -250,10 +344,7 @@ def summarise(rows: list[dict[str, Any]], out: Path) -> str:
                     f"| {task} | {lr:g} | {len(group)} | {name} | "
                     f"{100 * statistics.median(values):.2f} | {100 * (max(values) - min(values)):.2f} |"
                 )
-        median = statistics.median(_score(r) for r in group)
-        key = task
-        if key not in best_per_task or median > best_per_task[key]["median"]:
-            best_per_task[key] = {"median": median, "lr": lr}
+    best_per_task = best_lrs(rows)
     table = "\n".join(lines) + "\n"
     scored = {
         TASKS[t].result_key(s): {
@@ -264,10 +355,32 @@ def summarise(rows: list[dict[str, Any]], out: Path) -> str:
     }
     if set(best_per_task) >= set(SCORED_TASKS):
         table += f"\nGLUE average (dev, best lr per task, median over seeds): {100 * glue_average(scored):.2f}\n"
+    results: dict[str, Any] = {"runs": rows, "best": best_per_task}
+    if submission is not None:
+        table += f"\n{submission.summary()}\n"
+        results["submission"] = submission.to_dict()
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(table)
-    (out / "results.json").write_text(json.dumps({"runs": rows, "best": best_per_task}, indent=2))
+    (out / "results.json").write_text(json.dumps(results, indent=2))
     return table
+
+
+def collect_submission(rows: list[dict[str, Any]], submission: Path) -> SubmissionReport:
+    """``submission``: the server files of the best seed of the best lr per task (AX.tsv from
+    the best MNLI run), rebuilt from the runs; then checked, with a warning unless it is a
+    complete GLUE submission."""
+    for _, server_file in SERVER_FILES:  # none left from an earlier summary's choice
+        (submission / server_file.file).unlink(missing_ok=True)
+    for name, choice in best_lrs(rows).items():
+        candidates = [r for r in rows if r["task"] == name and r["lr"] == choice["lr"]]
+        chosen = max(candidates, key=_score)  # the best seed of the best lr
+        for f in sorted((Path(chosen["run_dir"]) / "predictions").glob("*.tsv")):
+            submission.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, submission / f.name)
+    report = check_submission_dir(submission)
+    if not report.complete:
+        log.warning("%s", report.summary())
+    return report
 
 
 def collect_rows(root: Path) -> list[dict[str, Any]]:
@@ -288,21 +401,29 @@ def summarise_dir(root: Path) -> str:
     rows = collect_rows(root)
     if not rows:
         raise ValueError(f"no finished GLUE runs under {root} (<task>/lr_<lr>/seed_<seed>/)")
-    table = summarise(rows, root)
-    best = json.loads((root / "results.json").read_text())["best"]
     submission = root / "submission"
-    for name, choice in best.items():
-        candidates = [r for r in rows if r["task"] == name and r["lr"] == choice["lr"]]
-        chosen = max(candidates, key=_score)  # the best seed of the best lr
-        for f in sorted((Path(chosen["run_dir"]) / "predictions").glob("*.tsv")):
-            submission.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(f, submission / f.name)
+    table = summarise(rows, root, collect_submission(rows, submission))
     return table + f"\nresults: {root / 'results.md'}; GLUE server files: {submission}\n"
+
+
+def trained_task(name: str) -> GlueTask:
+    """The task ``--task name`` fine-tunes; ValueError for AX, which the MNLI runs predict."""
+    task = get_task(name)
+    if task.predicted_with is not None:
+        files = ", ".join(sf.file for sf in task.submission)
+        raise ValueError(
+            f"--task {task.name}: the GLUE diagnostic ({task.name}) has no training or dev data "
+            f"and is not fine-tuned; the {task.predicted_with} runs predict it and write {files} "
+            f"when its test data is under --data ({task.dir_name}/{task.tsv_file('test')} of "
+            f"the original TSVs, or the '{task.name}' config of the HF layouts): run "
+            f"--task {task.predicted_with} (or --task all)"
+        )
+    return task
 
 
 def main(args, overrides: list[str]) -> int:
     recipe = args.config
-    tasks = SCORED_TASKS if args.task == "all" else (get_task(args.task).name,)
+    tasks = SCORED_TASKS if args.task == "all" else (trained_task(args.task).name,)
     roots = set()
     with tempfile.TemporaryDirectory(prefix="albatross-glue-") as work:
         for name in tasks:

@@ -1,11 +1,13 @@
 """The GLUE tasks: one frozen `GlueTask` each, the single source of truth for every format detail.
 
-Split names (ours, the same for the TSV distribution and HF directories):
+Split names (ours, whatever the data's layout; `GlueTask.hf_split` gives HF's: dev -> validation,
+dev_matched -> validation_matched, ...):
 
     train, dev, test                           every task but MNLI and AX
     train, dev_matched, dev_mismatched,
            test_matched, test_mismatched       MNLI ("dev" alone is refused: there are two)
-    test                                       AX (the diagnostic set: no train, no dev, no labels)
+    test                                       AX (the diagnostic set: no train, no dev, no labels;
+                                               predicted with the MNLI model, see `predicted_with`)
 
 Label ids are positions in `GlueTask.labels`, the label order of the original run_glue
 processors (google-research/bert run_classifier.py, HF transformers
@@ -107,6 +109,10 @@ class GlueTask:
     """True: the server wants label strings (MNLI, AX, QNLI, RTE); False: the class id as an
     integer 0/1 (CoLA, SST-2, MRPC, QQP, WNLI; their labels are "0"/"1", so the same text) or,
     for STS-B, the score as a float clipped to [0, 5]."""
+    predicted_with: str | None = None
+    """AX: the task whose fine-tuned model predicts this task's test set ("mnli"); AX has no
+    training or dev data, so it is never trained itself (`--task ax` is refused) and the MNLI
+    runs write AX.tsv. None for the tasks that are trained."""
 
     # ------------------------------------------------------------------ derived facts
 
@@ -349,12 +355,23 @@ TASKS: dict[str, GlueTask] = {
             hf_labels=_MNLI_HF,
             submission=_one_file("test", "AX.tsv", 1104),
             submission_label_strings=True,
+            predicted_with="mnli",
         ),
     )
 }
 
-# The tasks of the GLUE score (AX is a diagnostic, not part of it).
+# The tasks of the GLUE score (AX is a diagnostic, not part of it): what `--task all` trains.
 SCORED_TASKS: tuple[str, ...] = tuple(name for name, t in TASKS.items() if t.metrics)
+
+# Every file of a complete GLUE server submission, in the server's order: (task, file).
+SERVER_FILES: tuple[tuple[GlueTask, ServerFile], ...] = tuple(
+    (task, server_file) for task in TASKS.values() for server_file in task.submission
+)
+
+
+def tasks_predicted_with(task: GlueTask) -> tuple[GlueTask, ...]:
+    """The tasks whose test sets `task`'s model predicts besides its own: (AX,) for MNLI."""
+    return tuple(t for t in TASKS.values() if t.predicted_with == task.name)
 
 
 def get_task(name: str | GlueTask) -> GlueTask:

@@ -13,7 +13,8 @@ self-pretrained one: its vocabulary must be the task's, see ``lra-shards``). Ret
 dual encoder on the two documents. Every seed's run is evaluated on the val split every
 ``train.eval_every`` steps; the best val step's test accuracy is reported:
 
-    <run_dir>/seed_<s>/results.json, best/ (release), tensorboard/
+    <run_dir>/seed_<s>/results.json, best/ (release), tensorboard/; its "summary" row counts
+                                           the records read and skipped per split ("rows")
     <run_dir>/results.json, results.md     val/test accuracy per seed, median and spread
 
 ``lra-summary ROOT`` gathers every ``seed_*/results.json`` below ROOT (array jobs write them
@@ -183,10 +184,11 @@ def run_seed(
     options: dict[str, Any] = {}
     if task.name in ("pathfinder", "pathx"):
         options = {"difficulty": cfg.data.difficulty, "split_seed": cfg.data.split_seed}
-    splits = {
-        s: load_split(task, data_dir, s, cfg.data.max_length, **options)[0]
+    loaded = {
+        s: load_split(task, data_dir, s, cfg.data.max_length, **options)
         for s in ("train", "val", "test")
     }
+    splits = {s: examples for s, (examples, _) in loaded.items()}
     seq_len = task.sequence_length(cfg.data.max_length)
     torch.manual_seed(seed)
     model = build_lra_model(cfg, init, seq_len)
@@ -216,6 +218,9 @@ def run_seed(
         "best_step": result.best_step,
         "val_accuracy": result.best.get("val", {}).get("accuracy"),
         "test_accuracy": result.best.get("test", {}).get("accuracy"),
+        "rows": {  # records read and skipped (e.g. Pathfinder's empty images) per split
+            s: {"read": stats.rows, "skipped": stats.skipped} for s, (_, stats) in loaded.items()
+        },
         "run_dir": str(run_dir),
     }
     if result.state != "completed":
