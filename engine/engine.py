@@ -437,6 +437,19 @@ def _lock_holders(lock: Path) -> list[int]:
     return holders
 
 
+def _still_there(lock: Path, stat: os.stat_result, delay_s: float) -> bool:
+    """True when ``lock`` is, after ``delay_s``, still the same file and held by no process
+    here: FileBaton.release closes the file before it removes it, so a finishing build is
+    briefly an old lock that nobody holds."""
+    time.sleep(delay_s)
+    try:
+        now = lock.stat()
+    except FileNotFoundError:
+        return False
+    same = (now.st_ino, now.st_dev, now.st_mtime) == (stat.st_ino, stat.st_dev, stat.st_mtime)
+    return same and not _lock_holders(lock)
+
+
 def check_extension_locks(
     root: str | os.PathLike[str] | None = None,
     max_age_s: float | None = None,
@@ -457,14 +470,14 @@ def check_extension_locks(
         locks = sorted(root.glob("*/lock")) if root.is_dir() else []
         if not locks:
             return
-        now = time.time()
         for lock in locks:
             try:
-                age = now - lock.stat().st_mtime
+                stat = lock.stat()
             except FileNotFoundError:  # released since the listing
                 continue
+            age = time.time() - stat.st_mtime
             holders = _lock_holders(lock)
-            if age >= max_age and not holders:
+            if age >= max_age and not holders and _still_there(lock, stat, min(poll_s, 0.2)):
                 raise StaleExtensionLockError(lock, age, max_age)
             if lock not in announced:
                 announced.add(lock)

@@ -631,8 +631,10 @@ def test_old_lock_held_open_by_a_live_process_is_not_stale(tmp_path):
     fd = os.open(lock, os.O_RDONLY)  # as torch's FileBaton holds it while it builds
 
     def release() -> None:
-        os.close(fd)
+        # Removed, then closed: never an old lock that nobody holds. (FileBaton closes first;
+        # the check takes a second look before it calls a lock stale.)
         lock.unlink()
+        os.close(fd)
 
     assert engine_module._lock_holders(lock) == [os.getpid()]
     threading.Timer(0.5, release).start()
