@@ -1,4 +1,15 @@
-"""Shared test setup: no network, deterministic torch."""
+"""Shared test setup: no network, deterministic torch, and the test tiers.
+
+Tiers (markers, see the README "Development"):
+    unit         in-process, seconds: the edit-test loop (``bash scripts/test.sh -m unit``,
+                 under 2 minutes on 2 cores)
+    integration  end-to-end runs of the command-line stages (subprocesses, real training to
+                 the end, several runs compared)
+    slow         several processes (torchrun, DeepSpeed over gloo), the local Slurm cluster,
+                 long runs
+A test is ``integration`` when its module is listed in ``INTEGRATION_MODULES`` or it carries the
+marker itself, and ``unit`` when it is neither ``integration`` nor ``slow``. CI runs all three.
+"""
 
 import os
 
@@ -8,6 +19,30 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest
 import torch
+
+
+INTEGRATION_MODULES = frozenset(
+    {
+        "test_finetune_bad_input",
+        "test_finetune_resume",
+        "test_glue_finetune",
+        "test_lra_finetune",
+        "test_lra_row_counts",
+        "test_lra_selfpretrain",
+        "test_main_job",
+        "test_pretrain_resume_edges",
+    }
+)
+"""Test modules that run the stages end to end (each test seconds to a minute)."""
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if module in INTEGRATION_MODULES and "integration" not in item.keywords:
+            item.add_marker(pytest.mark.integration)
+        if "integration" not in item.keywords and "slow" not in item.keywords:
+            item.add_marker(pytest.mark.unit)
 
 
 @pytest.fixture(autouse=True)

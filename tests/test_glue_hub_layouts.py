@@ -120,6 +120,7 @@ def test_every_split_reads_the_same_in_every_layout(layouts, name, caplog):
     assert "plain int" not in caplog.text
 
 
+@pytest.mark.integration
 def test_task_all_writes_the_11_server_files_the_same_in_every_layout(layouts, release, tmp_path):
     hub = layouts["parquet"]  # the Hub's files and nothing else
     assert (hub / "mnli" / "validation_matched-00000-of-00001.parquet").is_file()
