@@ -20,7 +20,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest
 import torch
 
-
 INTEGRATION_MODULES = frozenset(
     {
         "test_finetune_bad_input",
