@@ -193,7 +193,7 @@ def bench_grouping(args) -> dict:
     group_by_length batches: padding share computed and time per epoch."""
     from torch.utils.data import DistributedSampler
 
-    from finetune.trainer import LengthGroupedBatchSampler, collate
+    from finetune.batching import LengthGroupedBatchSampler, collate
 
     lengths = glue_like_lengths(args.examples)
     rng = np.random.default_rng(1)

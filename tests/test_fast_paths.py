@@ -29,13 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import model.norm as norm_module
 from engine.engine import Engine, EngineConfig, compile_encoder
 from engine.optim import OptimizerConfig, ScheduleConfig
-from finetune.trainer import (
-    FinetuneConfig,
-    Finetuner,
-    LengthGroupedBatchSampler,
-    collate,
-    example_lengths,
-)
+from finetune.batching import LengthGroupedBatchSampler, collate, example_lengths
+from finetune.trainer import FinetuneConfig, Finetuner
 from model import EncoderConfig, EncoderForPretraining, EncoderForSequenceClassification
 from model.attention import LayerContext
 from model.attention.base import key_padding_bias

@@ -14,8 +14,8 @@ import numpy as np
 
 from data_prep.listops import write_splits
 from engine.distributed import detect
+from finetune.batching import example_lengths
 from finetune.lra.data import load_split
-from finetune.trainer import example_lengths
 
 REPO = Path(__file__).resolve().parents[1]
 

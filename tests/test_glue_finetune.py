@@ -15,11 +15,12 @@ import torch
 
 from data_prep.tokenizer import write_tokenizer
 from finetune.__main__ import main as finetune_main
+from finetune.batching import collate
 from finetune.glue import run as glue_run
 from finetune.glue.data import encode, load_glue_tokenizer, load_split
 from finetune.glue.metrics import compute_metrics
 from finetune.glue.tasks import get_task
-from finetune.trainer import FinetuneConfig, Finetuner, collate
+from finetune.trainer import FinetuneConfig, Finetuner
 from model.config import EncoderConfig
 from model.heads import EncoderForPretraining
 from model.release import save_release

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from data_prep.transport import PackedBatch, PackedCollate, pack_batch, unpack_if_packed
-from finetune.trainer import collate
+from finetune.batching import collate
 
 
 def sample_batch() -> dict:

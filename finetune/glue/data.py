@@ -63,8 +63,8 @@ from typing import Any
 import numpy as np
 
 from data_prep import format as fmt
+from finetune.batching import collate as collate  # re-exported: the shared batching
 from finetune.glue.tasks import TASKS, GlueTask, TsvLayout, get_task
-from finetune.trainer import collate as collate  # re-exported: the shared batching
 
 log = logging.getLogger(__name__)
 

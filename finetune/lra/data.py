@@ -6,7 +6,7 @@ downloads), as token ids in the shared LRA vocabulary of tasks.py.
     batch = collate_pair([examples[i] for i in range(8)], pad_id=PAD_ID)  # retrieval
 
 `load_split` returns an `LraSplit`, an indexable sequence of example dicts ready for
-`finetune.trainer.collate`: `input_ids` ((L,) int32: [CLS] then the data ids, at most
+`finetune.batching.collate`: `input_ids` ((L,) int32: [CLS] then the data ids, at most
 max_length data ids), `token_type_ids` (zeros), `label` (int) and `index` (int); Retrieval
 examples also carry `input_ids_b` / `token_type_ids_b`, the second document. The data are kept
 compactly (one uint8 value per token) and ids are made on access.
@@ -81,6 +81,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from finetune.batching import collate as collate  # re-exported: the shared batching
 from finetune.lra.tasks import (
     PAD_ID,
     PATHFINDER_DIFFICULTIES,
@@ -93,7 +94,6 @@ from finetune.lra.tasks import (
     rgb_to_grayscale,
     to_ids,
 )
-from finetune.trainer import collate as collate  # re-exported: the shared batching
 
 log = logging.getLogger(__name__)
 
