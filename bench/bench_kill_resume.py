@@ -5,8 +5,9 @@ uninterrupted run of the same command.
     python bench/bench_kill_resume.py --stage finetune --kills 20      # LRA ListOps, tiny
     python bench/bench_kill_resume.py --stage pretrain --kills 20      # debug recipe, tiny
 
-A kill lands anywhere: during start-up, a training step, an evaluation, the writing of the best
-release or of a checkpoint. "loadable" means ``CheckpointStore.resolve()`` returns a checkpoint
+A quarter of the kills land during start-up (imports, the resume, the first steps), the rest
+1 to 15 steps into training at a random moment inside a step: a training step, an evaluation,
+the writing of the best release or of a checkpoint (one every 5 steps). "loadable" means ``CheckpointStore.resolve()`` returns a checkpoint
 whose files pass their size and checksum checks and whose rank state loads; a kill before the
 first checkpoint leaves none (counted apart: the re-run starts fresh, which is correct).
 Writes bench/results/kill_resume_<stage>_cpu.json. A benchmark, not a test: it takes minutes.
@@ -31,6 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from engine.checkpoint import CheckpointStore, load_rank_state  # noqa: E402
+
+CHECKPOINT_EVERY = 5
 
 TINY = [
     "model.hidden_size=32",
@@ -58,11 +61,17 @@ def finetune_setup(root: Path, steps: int) -> tuple[list[str], Path, Path]:
         return [
             sys.executable, "-m", "finetune", "lra", "--task", "listops", "--data", str(data),
             *TINY, "engine.micro_batch_size=8", f"schedule.total_steps={steps}",
-            "schedule.warmup_steps=5", "train.eval_every=10", "train.checkpoint_every=5",
-            "train.log_every=5", "data.max_length=40", f"run_dir={run_dir}",
+            "schedule.warmup_steps=5", "train.eval_every=10", f"train.checkpoint_every={CHECKPOINT_EVERY}",
+            "train.log_every=1", "data.max_length=40", f"run_dir={run_dir}",
         ]  # fmt: skip
 
-    return command, Path("seed_0/checkpoints"), Path("seed_0/best/model.safetensors")
+    return (
+        command,
+        Path("seed_0/checkpoints"),
+        Path("seed_0/best/model.safetensors"),
+        Path("seed_0/results.json"),
+        Path("seed_0/tensorboard/metrics.jsonl"),
+    )
 
 
 def pretrain_setup(root: Path, steps: int):
@@ -75,14 +84,37 @@ def pretrain_setup(root: Path, steps: int):
         return [
             sys.executable, "-m", "pretrain", "--config", str(REPO / "configs/pretrain/debug.yaml"),
             *base_overrides(shards, run_dir, steps), "engine.backend=torch", "engine.zero_stage=0",
-            "train.checkpoint_every=5", "train.log_every=5", "model.hidden_dropout_prob=0.1",
+            f"train.checkpoint_every={CHECKPOINT_EVERY}", "train.log_every=1", "model.hidden_dropout_prob=0.1",
         ]  # fmt: skip
 
-    return command, Path("checkpoints"), Path("release/model.safetensors")
+    # A finished pretraining run keeps its checkpoints: "finished" never applies.
+    return (
+        command,
+        Path("checkpoints"),
+        Path("release/model.safetensors"),
+        Path("no-such-file"),
+        Path("tensorboard/metrics.jsonl"),
+    )
 
 
-def loadable(store_root: Path) -> str:
-    """'yes' (with the step), 'none yet' or 'NO: reason'."""
+def _logged_step(metrics: Path) -> int:
+    """The last step in a metrics.jsonl (0 before it exists); a line being written is skipped."""
+    if not metrics.is_file():
+        return 0
+    last = 0
+    for line in metrics.read_text().splitlines():
+        try:
+            last = max(last, int(json.loads(line)["step"]))
+        except (ValueError, KeyError):
+            continue
+    return last
+
+
+def loadable(store_root: Path, finished_file: Path) -> str:
+    """'yes' (with the step), 'finished' (the run completed and discarded its checkpoints
+    before the kill landed), 'none yet' or 'NO: reason'."""
+    if not store_root.exists() and finished_file.is_file():
+        return "finished"
     store = CheckpointStore(store_root)
     try:
         found = store.resolve(loader=lambda path: load_rank_state(path, 0))
@@ -98,7 +130,7 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="albatross-kill-") as tmp:
         root = Path(tmp)
         setup = finetune_setup if args.stage == "finetune" else pretrain_setup
-        command, store_rel, weights_rel = setup(root, args.steps)
+        command, store_rel, weights_rel, finished_rel, metrics_rel = setup(root, args.steps)
         reference = root / "reference"
         t0 = time.monotonic()
         proc = subprocess.run(command(reference), env=_env(), cwd=REPO, capture_output=True)
@@ -106,23 +138,33 @@ def run(args: argparse.Namespace) -> dict:
         if proc.returncode != 0:
             raise SystemExit(proc.stderr.decode()[-3000:])
         killed = root / "killed"
+        metrics = killed / metrics_rel
         outcomes = []
         while len(outcomes) < args.kills:
+            start_step = _logged_step(metrics)
             p = subprocess.Popen(
                 command(killed), env=_env(), cwd=REPO,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
-            delay = rng.uniform(args.min_delay, args.max_delay)
-            try:
-                p.wait(timeout=delay)
+            started = time.monotonic()
+            if rng.random() < args.startup_share:  # during start-up, resume or the first steps
+                when = f"start-up +{rng.uniform(0.2, args.startup_s):.2f} s"
+                target = started + float(when.split("+")[1].split()[0])
+                while time.monotonic() < target and p.poll() is None:
+                    time.sleep(0.02)
+            else:  # while training: a random number of steps past where it started
+                steps = rng.randint(1, 3 * args.checkpoint_every)
+                when = f"{steps} steps in"
+                while _logged_step(metrics) < start_step + steps and p.poll() is None:
+                    time.sleep(0.01)
+                time.sleep(rng.uniform(0.0, 0.3))  # anywhere inside the next step(s)
+            if p.poll() is not None:
                 break  # finished before the kill: enough kills happened
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            outcomes.append(
-                {"after_s": round(delay, 2), "checkpoint": loadable(killed / store_rel)}
-            )
-            print(f"kill {len(outcomes):2d} after {delay:5.2f} s: {outcomes[-1]['checkpoint']}")
+            p.kill()
+            p.wait()
+            found = loadable(killed / store_rel, killed / finished_rel)
+            outcomes.append({"when": when, "checkpoint": found})
+            print(f"kill {len(outcomes):2d} ({when}): {found}", flush=True)
         final = subprocess.run(command(killed), env=_env(), cwd=REPO, capture_output=True)
         if final.returncode != 0:
             raise SystemExit(final.stderr.decode()[-3000:])
@@ -135,13 +177,15 @@ def run(args: argparse.Namespace) -> dict:
             same = same and ra["history"] == rb["history"] and ra["best_step"] == rb["best_step"]
     loaded = sum(o["checkpoint"].startswith("yes") for o in outcomes)
     none_yet = sum(o["checkpoint"] == "none yet" for o in outcomes)
+    finished = sum(o["checkpoint"] == "finished" for o in outcomes)
     return {
         "stage": args.stage,
         "steps": args.steps,
         "kills": len(outcomes),
         "loadable_after_kill": loaded,
         "no_checkpoint_yet": none_yet,
-        "unusable": len(outcomes) - loaded - none_yet,
+        "after_the_run_finished": finished,
+        "unusable": len(outcomes) - loaded - none_yet - finished,
         "final_equals_uninterrupted": same,
         "max_weight_difference": max_diff,
         "uninterrupted_seconds": round(uninterrupted_s, 1),
@@ -155,20 +199,28 @@ def main() -> None:
     parser.add_argument("--stage", choices=("finetune", "pretrain"), default="finetune")
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument(
-        "--steps", type=int, help="total steps (default: 3000, enough for 20 kills on 2 cores)"
+        "--steps",
+        type=int,
+        help="total steps (default 1000: 20 kills of at most 15 steps each fit)",
     )
-    parser.add_argument("--min-delay", type=float, default=1.0, help="seconds after a start")
-    parser.add_argument("--max-delay", type=float, default=8.0)
+    parser.add_argument(
+        "--startup-share", type=float, default=0.25, help="share of kills during start-up"
+    )
+    parser.add_argument(
+        "--startup-s", type=float, default=6.0, help="start-up kills land in (0.2, this) s"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    args.steps = args.steps or 3000
+    args.checkpoint_every = CHECKPOINT_EVERY
+    args.steps = args.steps or 1000
     report = run(args)
     out = args.out or REPO / "bench" / "results" / f"kill_resume_{args.stage}_cpu.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(
         f"{args.stage}: {report['kills']} SIGKILLs, {report['loadable_after_kill']} left a "
         f"loadable checkpoint, {report['no_checkpoint_yet']} came before the first one, "
+        f"{report['after_the_run_finished']} after the run had finished, "
         f"{report['unusable']} left none usable; final run equals the uninterrupted one: "
         f"{report['final_equals_uninterrupted']} (max weight difference "
         f"{report['max_weight_difference']:.2e}); {out}"
