@@ -25,8 +25,12 @@ from pretrain_support import REPO, base_overrides, free_port, make_shards, run_p
 
 from data_prep.shards import ShardConfig, build_shards
 from engine.metrics import read_jsonl, read_scalars
-from slurm import launcher
+from slurm import cli
+from slurm.job import StageJob, request_requeue
 from slurm.launcher import main
+from slurm.monitor import squeue_state, wait_for
+from slurm.plan import UsageError
+from slurm.submit import submit
 
 CONFIG = str(REPO / "configs" / "pretrain" / "debug.yaml")
 POLL_TIMEOUT = 300  # the queue is shared with other tests on 2 CPU cores
@@ -141,13 +145,13 @@ def test_dry_run_cpu_tasks_and_data_prep_array(tmp_path, capsys):
     ],
 )
 def test_parse_time(text, minutes):
-    assert launcher.parse_time(text) == minutes
+    assert cli.parse_time(text) == minutes
 
 
 @pytest.mark.parametrize("text", ["", "0", "abc", "1:2:3:4", "10:60", "1-24:00:00", "-5", "2h"])
 def test_parse_time_rejects(text):
-    with pytest.raises(launcher.UsageError, match="not a Slurm time limit"):
-        launcher.parse_time(text)
+    with pytest.raises(UsageError, match="not a Slurm time limit"):
+        cli.parse_time(text)
 
 
 CPU = ["pretrain", "--gpus-per-node", "0"]
@@ -184,10 +188,10 @@ def test_finetune_before_and_after_issue_6(monkeypatch, capsys):
     arguments at submission, and the job runs `python -m finetune ...` in every task."""
     glue = ["glue", "--task", "sst2", "--data", "glue_data", "--init", "release"]
     with monkeypatch.context() as m:
-        m.setattr(launcher, "finetune_available", lambda: False)
+        m.setattr(cli, "finetune_available", lambda: False)
         assert main(["finetune", "--gpus-per-node", "1", "--dry-run", "--", *glue]) == 2
         assert "python -m finetune is not available yet (issue #6)" in capsys.readouterr().err
-    if not launcher.finetune_available():
+    if not cli.finetune_available():
         return
     assert main(["finetune", "--gpus-per-node", "1", "--", "glue", "--task", "sst2"]) == 2
     assert "finetune arguments after -- are invalid" in capsys.readouterr().err
@@ -248,14 +252,14 @@ def test_requeue_only_while_the_job_still_runs(
     calls = []
     previous = signal.signal(signal.SIGUSR2, lambda signum, frame: calls.append(signum))
     try:
-        launcher.request_requeue(signal.getsignal(signal.SIGUSR2))
+        request_requeue(signal.getsignal(signal.SIGUSR2))
     finally:
         signal.signal(signal.SIGUSR2, previous)
     assert calls == ([signal.SIGUSR2] if requeues else [])
     out = capsys.readouterr().out
     assert ("requeueing through submitit" in out) == requeues
     # Outside a submitit job (default handler) nothing is raised: SIG_DFL would kill us.
-    launcher.request_requeue(signal.SIG_DFL)
+    request_requeue(signal.SIG_DFL)
     assert "not a submitit job" in capsys.readouterr().out
 
 
@@ -265,7 +269,7 @@ def test_stage_job_drops_inherited_torchrun_variables(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_NTASKS", "1")
     for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3"}.items():
         monkeypatch.setenv(name, value)
-    job = launcher.StageJob("data-prep", ["inspect", str(tmp_path / "missing")])
+    job = StageJob("data-prep", ["inspect", str(tmp_path / "missing")])
     with pytest.raises(RuntimeError, match=r"python -m data_prep inspect .* exited with status 2"):
         job()
     assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK"} & set(os.environ)
@@ -303,7 +307,7 @@ def test_stop_signal_is_handed_to_submitits_handler_after_the_run(
     # The engine exports RANK, MASTER_PORT, ... into os.environ: put it back afterwards.
     with mock.patch.dict(os.environ, {"MASTER_PORT": str(free_port())}):
         try:
-            result = launcher.StageJob("pretrain", args)()
+            result = StageJob("pretrain", args)()
         finally:
             stop.set()
             sender.join()
@@ -356,13 +360,13 @@ def test_finetune_stop_signal_is_handed_to_submitits_handler(tmp_path, job_env, 
     sender.start()
     with mock.patch.dict(os.environ, {"MASTER_PORT": str(free_port())}):
         try:
-            first = launcher.StageJob("finetune", args)()
+            first = StageJob("finetune", args)()
         finally:
             stop.set()
             sender.join()
             restored = signal.getsignal(signal.SIGUSR2)
         try:
-            second = launcher.StageJob("finetune", args)()  # what the requeued job runs
+            second = StageJob("finetune", args)()  # what the requeued job runs
         finally:
             signal.signal(signal.SIGUSR2, previous)
     assert first["state"] == "stopped" and second["state"] == "completed"
@@ -389,8 +393,8 @@ def test_local_pretrain_with_two_tasks_uses_torchrun(shards, tmp_path, job_env, 
 
 
 def _submit(argv: list[str]) -> list[submitit.Job]:
-    spec = launcher.make_spec(argv)
-    (jobs,) = launcher.submit(spec)
+    spec = cli.make_spec(argv)
+    (jobs,) = submit(spec)
     return jobs
 
 
@@ -449,8 +453,8 @@ def test_preemption_requeues_and_resumes_exactly(slurm_cluster, shards, tmp_path
         assert 5 <= stop_step < steps
         assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stop_step:08d}"
         # The requeued job waits for its old credential to expire (cluster.sh: 10 s) and runs.
-        _wait_until(lambda: launcher.squeue_state(job.job_id)[0] == "PENDING", "the requeue")
-        (outcome,) = launcher.wait_for([job], timeout=POLL_TIMEOUT, log=lambda _: None)
+        _wait_until(lambda: squeue_state(job.job_id)[0] == "PENDING", "the requeue")
+        (outcome,) = wait_for([job], timeout=POLL_TIMEOUT, log=lambda _: None)
     finally:
         subprocess.run(["scancel", job.job_id], capture_output=True)
     assert outcome.state == "completed", outcome
