@@ -102,7 +102,7 @@ from torch import nn
 from engine.checkpoint import CheckpointError
 from engine.distributed import DistEnv, detect, export_torch_env
 from engine.optim import OptimizerConfig, ScheduleConfig, build_optimizer, build_scheduler
-from model.config import deep_merge
+from model.typed_config import deep_merge
 
 BACKENDS = ("deepspeed", "torch")
 PRECISIONS = ("fp32", "bf16-mixed", "bf16", "fp16")

@@ -10,12 +10,20 @@ a top-level section may be given as the path of a YAML file holding it
 Overrides are ``dotted.key=value`` with YAML values (``true``, ``1e-3``, ``[1, 2]``, ``null``).
 Unknown keys, wrong types and bad values raise ``ValueError`` naming the key, with a
 "did you mean" where one is close, before any work starts.
+
+Renamed keys (``MOVED_KEYS``): a key that moved, e.g. the fine-tuning suites' top-level
+``run_dir`` (now ``train.run_dir``, as in pretraining), is still accepted for now with a
+``FutureWarning``: each recipe file's old key and each ``old=value`` override is moved to the
+new place before merging, so it overrides exactly what it used to.
+
+The typed building blocks (``config_from_dict``, ``config_dict``) are generic and live in
+``model.typed_config``; ``build_config`` here adds the recipe policy (moved keys) on top.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import warnings
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,11 +31,67 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from model.config import config_from_dict
+from model.typed_config import config_dict as config_dict  # re-exported for the stages
+from model.typed_config import config_from_dict
 
 T = TypeVar("T")
 
 MAX_DEFAULTS_DEPTH = 8
+
+MOVED_KEYS: dict[str, str] = {"run_dir": "train.run_dir"}
+"""Top-level keys that moved -> their dotted new place. The old spelling still works, with a
+FutureWarning (see ``move_keys``); it will be refused in a later version."""
+
+
+def _moved_message(old: str, new: str, where: str, fix: str) -> str:
+    return (
+        f"{where}: {old} is now {new}; the top-level key is accepted for now ({fix}). "
+        f"It will be refused in a later version."
+    )
+
+
+def move_keys(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """``data`` (not changed) with every top-level key of ``MOVED_KEYS`` moved to its new
+    dotted place, with a FutureWarning naming ``where``. The old and the new key both given
+    with different values is a ``ValueError`` (which one was meant is not known)."""
+    out = dict(data)
+    for old, new in MOVED_KEYS.items():
+        if old not in out:
+            continue
+        *parents, last = new.split(".")
+        node = out
+        for part in parents:
+            child = node.get(part)
+            if child is None:
+                child = {}
+            if not isinstance(child, dict):
+                break  # not a mapping: left as it is, for the typed config to refuse
+            node[part] = node = dict(child)
+        else:
+            value = out.pop(old)
+            if last in node and node[last] != value:
+                raise ValueError(
+                    f"{where}: both {old}={value!r} and {new}={node[last]!r} are given; "
+                    f"{old} is now {new}: give only {new}"
+                )
+            node[last] = value
+            fix = f"write {last}: under {'.'.join(parents)}:" if parents else f"write {new}"
+            warnings.warn(_moved_message(old, new, where, fix), FutureWarning, stacklevel=2)
+    return out
+
+
+def _move_override(item: str) -> str:
+    """A dotted override with a moved key renamed (``run_dir=x`` -> ``train.run_dir=x``)."""
+    key, value = item.split("=", 1)
+    if key in MOVED_KEYS:
+        new = MOVED_KEYS[key]
+        warnings.warn(
+            _moved_message(key, new, f"override {item}", f"write {new}={value}"),
+            FutureWarning,
+            stacklevel=2,
+        )
+        return f"{new}={value}"
+    return item
 
 
 def _read_yaml(path: Path, depth: int = 0) -> dict[str, Any]:
@@ -45,6 +109,7 @@ def _read_yaml(path: Path, depth: int = 0) -> dict[str, Any]:
     for key, value in list(data.items()):
         if key != "defaults" and isinstance(value, str) and value.endswith((".yaml", ".yml")):
             data[key] = _read_yaml((path.parent / value).resolve(), depth + 1)
+    data = move_keys(data, f"config file {path}")  # before merging: it overrides as it did
     base = data.pop("defaults", None)
     if base is None:
         return data
@@ -69,6 +134,7 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> di
             raise ValueError(
                 f"override {item!r} is not of the form dotted.key=value (e.g. optimizer.lr=1e-3)"
             )
+    overrides = [_move_override(item) for item in overrides]
     try:
         node = OmegaConf.merge(OmegaConf.create(data), OmegaConf.from_dotlist(list(overrides)))
         resolved = OmegaConf.to_container(node, resolve=True)
@@ -78,21 +144,10 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> di
 
 
 def build_config(cls: type[T], data: dict[str, Any]) -> T:
-    """``cls`` built from ``data`` (nested dataclasses recursively); ValueError on bad input."""
-    return config_from_dict(cls, data)
-
-
-def config_dict(cfg: Any) -> dict[str, Any]:
-    """A plain dict of a config dataclass (lists for tuples, so it round-trips through YAML)."""
-
-    def plain(x: Any) -> Any:
-        if isinstance(x, dict):
-            return {k: plain(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [plain(v) for v in x]
-        return x
-
-    return plain(dataclasses.asdict(cfg))
+    """``cls`` built from ``data`` (nested dataclasses recursively); ValueError on bad input.
+    A moved key (``MOVED_KEYS``) in a dict that did not come through ``load_recipe`` is moved
+    here, with the same warning."""
+    return config_from_dict(cls, move_keys(data, cls.__name__))
 
 
 def to_yaml(data: dict[str, Any]) -> str:

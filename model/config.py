@@ -4,42 +4,31 @@ Every field is documented where it is declared. Configs validate themselves at c
 (`__post_init__`) and raise `ValueError` naming the field and the valid values, so a typo in a
 recipe fails at start-up, never deep in a run.
 
-`config_from_dict` builds any of these dataclasses (nested ones included) from a plain dict
-(JSON, YAML) and rejects unknown keys with a "did you mean" hint; `config_to_dict` goes back.
+The generic dict <-> dataclass helpers (`config_from_dict`, which rejects unknown keys with a
+"did you mean" hint, `config_to_dict`, `deep_merge`, the `_check_*` field checks) live in
+`model.typed_config`; they are imported here, so `model.config.config_from_dict` and friends
+keep working.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+from typing import Any, Literal
 
-T = TypeVar("T")
+from model.typed_config import (
+    _check_choice,
+    _check_positive,
+    _check_prob,
+    config_from_dict,
+    config_to_dict,
+    deep_merge,
+)
 
 ResidualStyle = Literal["post_ln", "pre_ln", "rezero"]
 PositionEmbedding = Literal["absolute", "none"]
 OrthogonalMap = Literal["matrix_exp", "cayley", "householder"]
 
 _ACTIVATIONS = ("gelu_new", "gelu", "relu", "silu")
-
-
-def _check_choice(name: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
-
-
-def _check_positive(name: str, value: float, allow_zero: bool = False) -> None:
-    ok = value >= 0 if allow_zero else value > 0
-    if not ok:
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-
-
-def _check_prob(name: str, value: float) -> None:
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
 
 
 @dataclass
@@ -364,100 +353,3 @@ PRESETS: dict[str, dict[str, Any]] = {
     "albert-base-48": {**_ALBERT_BASE, "num_hidden_layers": 48},
     "albert-base-96": {**_ALBERT_BASE, "num_hidden_layers": 96},
 }
-
-
-def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """A new dict: ``base`` with ``overrides`` applied, nested dicts merged key by key."""
-    out = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def _unknown_key_error(cls: type, key: str, prefix: str) -> ValueError:
-    names = [f.name for f in dataclasses.fields(cls)]
-    where = f"{prefix}.{key}" if prefix else key
-    hint = difflib.get_close_matches(key, names, n=1)
-    suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
-    return ValueError(
-        f"unknown config key {where!r} for {cls.__name__}{suggestion} (valid: {names})"
-    )
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Checks (and mildly coerces: int -> float) a value against a field's type annotation."""
-    origin = get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"{where} must be a mapping, got {type(value).__name__}")
-        return config_from_dict(tp, value, prefix=where)
-    if origin is Literal:
-        if value not in get_args(tp):
-            raise ValueError(f"{where}={value!r} is not valid; choose one of {list(get_args(tp))}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, where)
-            except ValueError as e:
-                errors.append(str(e))
-        raise ValueError(errors[0] if errors else f"{where}: bad value {value!r}")
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{where} must be a list, got {type(value).__name__}")
-        (item_tp, *_) = get_args(tp) or (Any,)
-        return type(value)(_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"{where} must be a mapping, got {type(value).__name__}")
-        return value
-    if tp is Any:
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{where} must be true or false, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{where} must be a number, got {value!r}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{where} must be an integer, got {value!r}")
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{where} must be a string, got {value!r}")
-        return value
-    return value
-
-
-def config_from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
-    """Builds dataclass `cls` from a dict, recursively; unknown keys and wrong types raise ValueError."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{prefix or cls.__name__} must be a mapping, got {type(data).__name__}")
-    hints = get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls) if f.init}
-    kwargs = {}
-    for key, value in data.items():
-        if key not in known:
-            raise _unknown_key_error(cls, key, prefix)
-        where = f"{prefix}.{key}" if prefix else key
-        kwargs[key] = _coerce(value, hints[key], where)
-    return cls(**kwargs)
-
-
-def config_to_dict(cfg: Any) -> dict[str, Any]:
-    """A plain, JSON-serialisable dict of a (nested) config dataclass."""
-    return dataclasses.asdict(cfg)

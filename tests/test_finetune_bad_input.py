@@ -42,7 +42,7 @@ def test_train_split_smaller_than_a_batch_is_a_clear_error(tmp_path):
     write_splits(data, {"train": 3, "val": 4, "test": 4}, min_length=5, max_length=30, seed=0)
     args = ["lra", "--task", "listops", "--data", str(data), "data.max_length=40", *TINY]
     args += ["engine.micro_batch_size=16", "schedule.total_steps=4", "schedule.warmup_steps=0"]
-    args += [f"run_dir={tmp_path / 'run'}", "--seeds", "0"]
+    args += [f"train.run_dir={tmp_path / 'run'}", "--seeds", "0"]
     proc = _finetune(args, timeout=150)  # the old code never returned
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "3 examples" in proc.stderr and "global batch of 16" in proc.stderr, proc.stderr
@@ -62,7 +62,7 @@ def test_group_by_length_on_real_lra_examples(tmp_path):
     run_dir = tmp_path / "run"
     args = ["lra", "--task", "listops", "--data", str(data), "data.max_length=40", *TINY]
     args += ["engine.micro_batch_size=8", "schedule.total_steps=4", "schedule.warmup_steps=0"]
-    args += ["train.group_by_length=true", "train.eval_every=4", f"run_dir={run_dir}"]
+    args += ["train.group_by_length=true", "train.eval_every=4", f"train.run_dir={run_dir}"]
     args += ["--seeds", "0"]
     proc = _finetune(args)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -51,7 +51,8 @@ def data(tmp_path_factory) -> Path:
 
 
 def _args(data: Path, run_dir: Path, *extra: str) -> list[str]:
-    return ["lra", "--task", "listops", "--data", str(data), *TINY, f"run_dir={run_dir}", *extra]
+    args = ["lra", "--task", "listops", "--data", str(data), *TINY]
+    return [*args, f"train.run_dir={run_dir}", *extra]
 
 
 def _env() -> dict[str, str]:

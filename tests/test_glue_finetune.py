@@ -107,7 +107,7 @@ def test_finetune_glue_beats_chance_and_writes_outputs(tmp_path, release):
         "engine.micro_batch_size=16",
         "engine.precision=fp32",
         "data.max_length=32",
-        f"run_dir={run_dir}",
+        f"train.run_dir={run_dir}",
     ]
     args = ["glue", "--task", "sst2", "--data", str(data), "--init", str(release)]
     assert finetune_main([*args, *overrides, "--seeds", "0", "1", "--lrs", "0.002"]) == 0
@@ -225,7 +225,7 @@ def test_stsb_regression_end_to_end(tmp_path, release):
         "engine.micro_batch_size=8",
         "data.max_length=40",
         "train.num_workers=2",  # float labels through the workers' packed batches
-        f"run_dir={run_dir}",
+        f"train.run_dir={run_dir}",
     ]
     args = ["glue", "--task", "stsb", "--data", str(data), "--init", str(release), *overrides]
     assert finetune_main(args) == 0
@@ -256,7 +256,7 @@ def test_glue_sweep_as_a_slurm_array_then_summary(slurm_cluster, tmp_path, relea
     )
     template = str(REPO / "slurm" / "finetune.sbatch")
     common = ["--gpus-per-node=0", "--cpus-per-task=1", f"--output={tmp_path}/ft-%A_%a.out"]
-    glue = ["glue", "--data", str(data), "--init", str(release), f"run_dir={run_dir}"]
+    glue = ["glue", "--data", str(data), "--init", str(release), f"train.run_dir={run_dir}"]
     glue += ["schedule.warmup_steps=2", "schedule.total_steps=10", "engine.micro_batch_size=8"]
     array = submit(["--array=0-3", *common, template, *glue], env=env)
     summary = submit(
@@ -290,7 +290,7 @@ def test_glue_on_two_ranks_with_deepspeed_zero2(tmp_path, release):
     args += ["engine.backend=deepspeed", "engine.zero_stage=2", "engine.precision=fp32"]
     args += ["engine.device=cpu", "engine.micro_batch_size=8", "data.max_length=32"]
     args += ["schedule.warmup_steps=5", "schedule.total_steps=80", "train.eval_every=40"]
-    args += ["optimizer.lr=0.002", f"run_dir={run_dir}"]
+    args += ["optimizer.lr=0.002", f"train.run_dir={run_dir}"]
     proc = subprocess.run(
         torchrun_cmd(2, *args), cwd=REPO, env=env(), capture_output=True, text=True, timeout=600
     )

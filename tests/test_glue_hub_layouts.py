@@ -130,7 +130,7 @@ def test_task_all_writes_the_11_server_files_the_same_in_every_layout(layouts, r
     for layout, data in layouts.items():
         run_dir = tmp_path / layout
         args = ["glue", "--task", "all", "--data", str(data), "--init", str(release)]
-        assert finetune_main([*args, *TINY, f"run_dir={run_dir}"]) == 0
+        assert finetune_main([*args, *TINY, f"train.run_dir={run_dir}"]) == 0
         files = {p.name: p.read_text() for p in (run_dir / "submission").glob("*.tsv")}
         assert sorted(files) == sorted(sf.file for _, sf in SERVER_FILES)
         for task, server_file in SERVER_FILES:
@@ -187,7 +187,7 @@ def test_mnli_without_the_ax_data_warns_and_the_summary_says_so(layouts, release
     run_dir = tmp_path / "runs"
     args = ["glue", "--task", "mnli", "--data", str(data), "--init", str(release)]
     with caplog.at_level(logging.WARNING):
-        assert finetune_main([*args, *TINY, f"run_dir={run_dir}"]) == 0
+        assert finetune_main([*args, *TINY, f"train.run_dir={run_dir}"]) == 0
     assert "no ax test data under" in caplog.text and "AX.tsv will be missing" in caplog.text
     assert "diagnostic.tsv" in caplog.text and "test-*-of-*.parquet" in caplog.text
     assert sorted(p.name for p in (run_dir / "submission").iterdir()) == [
@@ -207,10 +207,11 @@ def test_mnli_without_the_ax_data_warns_and_the_summary_says_so(layouts, release
 def test_a_finished_mnli_run_is_skipped_and_still_provides_ax(layouts, release, tmp_path, caplog):
     run_dir = tmp_path / "runs"
     args = ["glue", "--task", "mnli", "--data", str(layouts["parquet"]), "--init", str(release)]
-    assert finetune_main([*args, *TINY, f"run_dir={run_dir}"]) == 0
+    assert finetune_main([*args, *TINY, f"train.run_dir={run_dir}"]) == 0
     first = (run_dir / "submission" / "AX.tsv").read_text()
     with caplog.at_level(logging.WARNING):
-        assert finetune_main([*args, *TINY, f"run_dir={run_dir}"]) == 0  # again: nothing to do
+        # again: nothing to do
+        assert finetune_main([*args, *TINY, f"train.run_dir={run_dir}"]) == 0
     assert "finished before; skipping it" in caplog.text
     assert (run_dir / "submission" / "AX.tsv").read_text() == first
     (row,) = json.loads((run_dir / "results.json").read_text())["runs"]

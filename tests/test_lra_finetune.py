@@ -32,7 +32,7 @@ def test_listops_from_scratch(tmp_path):
     run_dir = tmp_path / "run"
     args = ["lra", "--task", "listops", "--data", str(data), "data.max_length=80"]
     args += [*TINY, "schedule.warmup_steps=2", "schedule.total_steps=20", "train.eval_every=10"]
-    args += [f"run_dir={run_dir}", "--seeds", "0", "1"]
+    args += [f"train.run_dir={run_dir}", "--seeds", "0", "1"]
     assert finetune_main(args) == 0
     runs = json.loads((run_dir / "results.json").read_text())["runs"]
     assert [r["seed"] for r in runs] == [0, 1]
@@ -65,7 +65,7 @@ def test_retrieval_dual_encoder_learns_a_fixture(tmp_path):
     run_dir = tmp_path / "run"
     args = ["lra", "--task", "retrieval", "--data", str(data), "data.max_length=64", *TINY]
     args += ["optimizer.lr=0.003", "schedule.warmup_steps=5", "schedule.total_steps=300"]
-    args += ["train.eval_every=100", "model.num_hidden_layers=1", f"run_dir={run_dir}"]
+    args += ["train.eval_every=100", "model.num_hidden_layers=1", f"train.run_dir={run_dir}"]
     assert finetune_main(args) == 0
     (row,) = json.loads((run_dir / "results.json").read_text())["runs"]
     assert row["val_accuracy"] >= 0.8 and row["test_accuracy"] >= 0.8, row  # chance: 0.5
@@ -97,7 +97,7 @@ def test_protocol_recipes_and_lra_summary(tmp_path):
     for family in ("softmax", "kernel"):
         args = ["lra", "--task", "listops", "--data", str(data), "--protocol", "skyformer"]
         args += ["--family", family, "--no-summary", "data.max_length=60", *CPU_SMALL]
-        args += [f"run_dir={root / f'listops-{family}'}"]
+        args += [f"train.run_dir={root / f'listops-{family}'}"]
         assert finetune_main(args) == 0
         assert not (root / f"listops-{family}" / "results.md").exists()  # --no-summary
         seed = json.loads((root / f"listops-{family}" / "seed_0" / "results.json").read_text())
@@ -203,7 +203,8 @@ def test_image_tasks_end_to_end(tmp_path, task, family):
         write_pathfinder(data / folder, side=side, batches=1, per=20)
     run_dir = tmp_path / "run"
     args = ["lra", "--task", task, "--data", str(data), "--protocol", "skyformer"]
-    args += ["--family", family, *CPU_SMALL, "engine.micro_batch_size=4", f"run_dir={run_dir}"]
+    args += ["--family", family, *CPU_SMALL, "engine.micro_batch_size=4"]
+    args += [f"train.run_dir={run_dir}"]
     args += ["schedule.total_steps=2", "train.eval_every=2"]
     assert finetune_main(args) == 0
     row = json.loads((run_dir / "results.json").read_text())["runs"][0]

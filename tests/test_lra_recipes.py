@@ -105,7 +105,7 @@ def test_finetune_recipe(path):
     assert enc.attention == family
     assert enc.max_position_embeddings >= task.sequence_length(cfg.data.max_length)
     assert enc.num_hidden_groups == enc.num_hidden_layers  # no sharing: as the protocols
-    assert cfg.run_dir == f"runs/lra/{path.parent.name}/{task_name}-{family}"
+    assert cfg.train.run_dir == f"runs/lra/{path.parent.name}/{task_name}-{family}"
     assert (cfg.engine.backend, cfg.engine.precision, cfg.engine.device) == (
         "torch",
         "bf16-mixed",
@@ -123,7 +123,9 @@ def test_finetune_recipe(path):
         family_file = _load(CONFIGS / "model" / f"lra-{family}.yaml")
         assert data["model"] == {**base["model"], **family_file}
         changed = {k for k in data if data[k] != base.get(k)}
-        allowed = {"model", "run_dir"} | ({"pooling"} if family == "transject" else set())
+        # train: only its run_dir (checked above)
+        assert {k for k in data["train"] if data["train"][k] != base["train"].get(k)} == {"run_dir"}
+        allowed = {"model", "train"} | ({"pooling"} if family == "transject" else set())
         if (task_name, family) == ("pathx", "tisa"):
             allowed.add("engine")  # smaller micro-batches: the (H, N, N) bias at 16385 tokens
         assert changed <= allowed, changed
@@ -132,7 +134,7 @@ def test_finetune_recipe(path):
 def test_base_files_are_only_shared_sections():
     for proto in PROTOCOLS:
         base = load_recipe(CONFIGS / "finetune" / "lra" / proto / "base.yaml")
-        assert "task" not in base and "run_dir" not in base
+        assert "task" not in base and "run_dir" not in base.get("train", {})
         build_config(LraConfig, base)  # a valid partial recipe
     pretrain_base = load_recipe(CONFIGS / "pretrain" / "lra" / "base.yaml")
     assert "shards" not in pretrain_base["data"] and "train" in pretrain_base

@@ -17,7 +17,7 @@ def test_pathfinder_run_counts_the_skipped_empty_image(tmp_path):
     run_dir = tmp_path / "run"
     args = ["lra", "--task", "pathfinder", "--data", str(data), "--protocol", "skyformer"]
     args += [*CPU_SMALL, "engine.micro_batch_size=4", "schedule.total_steps=2"]
-    args += ["train.eval_every=2", f"run_dir={run_dir}"]
+    args += ["train.eval_every=2", f"train.run_dir={run_dir}"]
     assert finetune_main(args) == 0
     (row,) = json.loads((run_dir / "results.json").read_text())["runs"]
     # Pathfinder reads the whole difficulty's metadata before the 80/10/10 split: every split

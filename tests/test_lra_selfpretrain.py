@@ -129,7 +129,7 @@ def test_self_pretrain_then_finetune_from_the_release(listops_dir, tmp_path):
     run_dir = tmp_path / "ft"
     args = ["lra", "--task", "listops", "--data", str(listops_dir), "--init", str(pre / "release")]
     args += ["data.max_length=60", "schedule.total_steps=4", "schedule.warmup_steps=0"]
-    args += ["train.eval_every=4", "train.eval_at_start=true", f"run_dir={run_dir}"]
+    args += ["train.eval_every=4", "train.eval_at_start=true", f"train.run_dir={run_dir}"]
     args += ["engine.precision=fp32", "engine.micro_batch_size=8"]
     assert finetune_main(args) == 0
     row = json.loads((run_dir / "results.json").read_text())["runs"][0]

@@ -333,3 +333,93 @@ def test_diff_keys_between_recipes():
     base = load_recipe(DEBUG)
     changed = load_recipe(DEBUG, ["optimizer.lr=1e-3", "train.run_dir=x", "engine.device=cpu"])
     assert diff_keys(base, changed) == ["optimizer.lr", "train.run_dir"]
+
+
+# ----------------------------------------------------------------------------- moved keys
+
+MOVED = "run_dir is now train.run_dir; the top-level key is accepted for now"
+
+
+def _glue_config():
+    from finetune.glue.run import GlueConfig
+
+    return GlueConfig
+
+
+def test_moved_override_lands_in_train_and_warns(tmp_path):
+    recipe = write(tmp_path / "r.yaml", "train:\n  run_dir: runs/recipe\n  eval_every: 5\n")
+    with pytest.warns(FutureWarning, match=MOVED) as caught:
+        data = load_recipe(recipe, ["run_dir=runs/override"])
+    assert "run_dir" not in data
+    assert data["train"] == {"run_dir": "runs/override", "eval_every": 5}  # the override wins
+    assert "write train.run_dir=runs/override" in str(caught[0].message)
+
+
+def test_new_key_gives_no_warning(tmp_path, recwarn):
+    data = load_recipe(None, ["train.run_dir=runs/x"])
+    assert data == {"train": {"run_dir": "runs/x"}}
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]
+
+
+def test_moved_key_in_a_recipe_file_overrides_as_it_did(tmp_path):
+    """An old-style recipe (top-level run_dir) over a new-style base (train.run_dir): the
+    child's value still wins, and its train section is merged, not replaced."""
+    write(tmp_path / "base.yaml", "train:\n  run_dir: runs/base\n  eval_every: 5\n")
+    child = write(tmp_path / "child.yaml", "defaults: base.yaml\nrun_dir: runs/child\n")
+    with pytest.warns(FutureWarning, match=f"config file .*child.yaml: {MOVED}"):
+        data = load_recipe(child)
+    assert data == {"train": {"run_dir": "runs/child", "eval_every": 5}}
+    # ...and a new-style override still beats the old-style file
+    with pytest.warns(FutureWarning):
+        assert load_recipe(child, ["train.run_dir=x"])["train"]["run_dir"] == "x"
+
+
+def test_moved_key_with_interpolation(tmp_path):
+    recipe = write(tmp_path / "r.yaml", "task: rte\nrun_dir: runs/${task}\n")
+    with pytest.warns(FutureWarning):
+        assert load_recipe(recipe)["train"] == {"run_dir": "runs/rte"}
+
+
+def test_old_and_new_key_in_one_file_must_agree(tmp_path):
+    same = write(tmp_path / "same.yaml", "run_dir: a\ntrain:\n  run_dir: a\n")
+    with pytest.warns(FutureWarning):
+        assert load_recipe(same)["train"] == {"run_dir": "a"}
+    clash = write(tmp_path / "clash.yaml", "run_dir: a\ntrain:\n  run_dir: b\n")
+    with pytest.raises(ValueError, match=r"both run_dir='a' and train.run_dir='b' are given"):
+        load_recipe(clash)
+
+
+def test_build_config_moves_the_key_of_a_plain_dict():
+    from engine.recipe import build_config
+
+    with pytest.warns(FutureWarning, match=f"GlueConfig: {MOVED}"):
+        cfg = build_config(_glue_config(), {"run_dir": "runs/x", "train": {"eval_every": 3}})
+    assert (cfg.train.run_dir, cfg.train.eval_every) == ("runs/x", 3)
+
+
+@pytest.mark.parametrize("suite", ["glue", "lra"])
+def test_finetune_configs_have_the_pretraining_shape(suite):
+    """train.run_dir in all three run configs, no top-level run_dir."""
+    from engine.recipe import build_config
+    from finetune.glue.run import GlueConfig
+    from finetune.lra.run import LraConfig
+
+    cls = {"glue": GlueConfig, "lra": LraConfig}[suite]
+    assert "run_dir" not in {f for f in cls.__dataclass_fields__}
+    assert cls().train.run_dir == f"runs/{suite}"
+    assert build_config(cls, {"train": {"run_dir": "r"}}).train.run_dir == "r"
+    assert PretrainConfig(data={"shards": "s"}).train.run_dir == "runs/pretrain"
+
+
+def test_typed_config_imports_nothing_of_the_project():
+    """model.typed_config is the bottom of the import graph: both model.config and
+    engine.recipe import it, so it may import only the standard library."""
+    import ast
+    import sys
+
+    import model.typed_config as typed
+
+    tree = ast.parse(Path(typed.__file__).read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert {n.split(".")[0] for n in names} <= set(sys.stdlib_module_names) | {"__future__"}

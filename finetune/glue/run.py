@@ -19,7 +19,7 @@ release's tokenizer, fine-tune through the engine with evaluation every ``train.
 steps, keep the best dev weights, predict the test split(s) with them and write the GLUE server
 files. AX, the diagnostic set (no training or dev data), is predicted by the MNLI runs when its
 test data is under ``--data`` (the same root: diagnostic/ or ax/); ``--task ax`` is refused,
-``--task all`` trains the nine scored tasks. Outputs under ``run_dir``:
+``--task all`` trains the nine scored tasks. Outputs under ``train.run_dir``:
 
     <task>/lr_<lr>/seed_<seed>/results.json, best/ (release), tensorboard/, predictions/<Server>.tsv
     results.json, results.md       every run's best dev metrics; median and spread over seeds;
@@ -41,7 +41,7 @@ import logging
 import shutil
 import statistics
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,16 @@ class GlueDataConfig:
 
 
 @dataclass
+class GlueTrainConfig(FinetuneConfig):
+    """The ``train`` section: the fine-tuning run (``finetune.trainer.FinetuneConfig``) and
+    where the runs go (``train.run_dir``, as in pretraining)."""
+
+    run_dir: str = "runs/glue"
+    """Root of the runs: ``<task>/lr_<lr>/seed_<seed>/`` and the summary (results.md,
+    results.json, submission/). Was the top-level ``run_dir`` (still accepted, with a warning)."""
+
+
+@dataclass
 class GlueConfig:
     task: str = "rte"
     """A GLUE task (cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli) or ``all``; not ``ax``,
@@ -132,12 +142,11 @@ class GlueConfig:
     engine: EngineConfig = field(
         default_factory=lambda: EngineConfig(backend="torch", precision="bf16-mixed")
     )
-    train: FinetuneConfig = field(default_factory=FinetuneConfig)
+    train: GlueTrainConfig = field(default_factory=GlueTrainConfig)
     seeds: list[int] = field(default_factory=lambda: [0])
     """One run per seed; tables report the median and the spread (max - min)."""
     lrs: list[float] | None = None
     """A learning-rate sweep (each with every seed); None: optimizer.lr alone."""
-    run_dir: str = "runs/glue"
 
 
 def _is_release(path: Path) -> bool:
@@ -200,7 +209,7 @@ def run_one(
     """One task x learning rate x seed. Returns its row; ``row["state"]`` is ``"stopped"``
     when a signal or the time budget stopped it (a checkpoint was saved: run again to
     resume). A run that finished before is not run again: its row is read back."""
-    run_dir = Path(cfg.run_dir) / task.name / f"lr_{lr:g}" / f"seed_{seed}"
+    run_dir = Path(cfg.train.run_dir) / task.name / f"lr_{lr:g}" / f"seed_{seed}"
     identity = run_identity(
         config_dict(cfg), suite="glue", lr=lr, seed=seed, init_sha256=init_digest
     )
@@ -218,7 +227,7 @@ def run_one(
     predicted = {s: (task, s) for s in task.test_splits}  # eval set -> (task, its test split)
     predicted.update({key: parse_result_key(key) for key in others})
     dev_name = task.dev_splits[0]
-    train_cfg = FinetuneConfig(**{**config_dict(cfg.train), "seed": seed})
+    train_cfg = replace(cfg.train, seed=seed)
     train_cfg.select_split = dev_name if cfg.train.select_split == "dev" else train_cfg.select_split
     torch.manual_seed(seed)
     model = build_classifier(release, task, cfg)
@@ -444,7 +453,7 @@ def main(args, overrides: list[str]) -> int:
                     row = run_one(task, release, Path(args.data), cfg, lr, seed, digest)
                     if row["state"] == "stopped":
                         return EXIT_STOPPED
-            roots.add(Path(cfg.run_dir))
+            roots.add(Path(cfg.train.run_dir))
     if not args.no_summary and detect().rank == 0:
         for root in sorted(roots):
             print(summarise_dir(root))

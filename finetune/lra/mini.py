@@ -301,7 +301,7 @@ def finetune_cmd(
     if init is not None:
         cmd += ["--init", str(init)]
     cmd += [f"seeds=[{','.join(map(str, seeds))}]"]
-    cmd += [f"run_dir={run_dir}", f"data.max_length={max_length(task, scale)}"]
+    cmd += [f"train.run_dir={run_dir}", f"data.max_length={max_length(task, scale)}"]
     cmd += [f"schedule.total_steps={steps}", f"schedule.warmup_steps={steps // 10}"]
     # The curve's points; no best-weights release (nothing is selected here).
     cmd += [f"train.eval_every={every}", "train.save_best=false", *scale.overrides]

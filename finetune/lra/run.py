@@ -13,9 +13,9 @@ self-pretrained one: its vocabulary must be the task's, see ``lra-shards``). Ret
 dual encoder on the two documents. Every seed's run is evaluated on the val split every
 ``train.eval_every`` steps; the best val step's test accuracy is reported:
 
-    <run_dir>/seed_<s>/results.json, best/ (release), tensorboard/; its "summary" row counts
-                                           the records read and skipped per split ("rows")
-    <run_dir>/results.json, results.md     val/test accuracy per seed, median and spread
+    <train.run_dir>/seed_<s>/results.json, best/ (release), tensorboard/; its "summary" row
+                                           counts the records read and skipped per split ("rows")
+    <train.run_dir>/results.json, results.md   val/test accuracy per seed, median and spread
 
 ``lra-summary ROOT`` gathers every ``seed_*/results.json`` below ROOT (array jobs write them
 with ``--no-summary``) into ROOT/results.md and results.json: test accuracy per task and
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,16 @@ class LraDataConfig:
 
 
 @dataclass
+class LraTrainConfig(FinetuneConfig):
+    """The ``train`` section: the fine-tuning run (``finetune.trainer.FinetuneConfig``) and
+    where the runs go (``train.run_dir``, as in pretraining)."""
+
+    run_dir: str = "runs/lra"
+    """Root of the runs: ``seed_<s>/`` and the summary (results.md, results.json). Was the
+    top-level ``run_dir`` (still accepted, with a warning)."""
+
+
+@dataclass
 class LraConfig:
     task: str = "listops"
     data: LraDataConfig = field(default_factory=LraDataConfig)
@@ -83,11 +93,10 @@ class LraConfig:
     engine: EngineConfig = field(
         default_factory=lambda: EngineConfig(backend="torch", precision="bf16-mixed")
     )
-    train: FinetuneConfig = field(
-        default_factory=lambda: FinetuneConfig(select="accuracy", select_split="val")
+    train: LraTrainConfig = field(
+        default_factory=lambda: LraTrainConfig(select="accuracy", select_split="val")
     )
     seeds: list[int] = field(default_factory=lambda: [0])
-    run_dir: str = "runs/lra"
 
 
 RECIPES = Path(__file__).resolve().parents[2] / "configs" / "finetune" / "lra"
@@ -174,7 +183,7 @@ def run_seed(
     """One seed. Returns its row; ``row["state"]`` is ``"stopped"`` when a signal or the time
     budget stopped it (a checkpoint was saved: run again to resume). A seed that finished
     before is not run again: its row is read back."""
-    run_dir = Path(cfg.run_dir) / f"seed_{seed}"
+    run_dir = Path(cfg.train.run_dir) / f"seed_{seed}"
     identity = run_identity(config_dict(cfg), suite="lra", seed=seed, init_sha256=init_digest)
     done = finished_run(run_dir, identity)
     if done is not None:
@@ -192,7 +201,7 @@ def run_seed(
     seq_len = task.sequence_length(cfg.data.max_length)
     torch.manual_seed(seed)
     model = build_lra_model(cfg, init, seq_len)
-    train_cfg = FinetuneConfig(**{**config_dict(cfg.train), "seed": seed})
+    train_cfg = replace(cfg.train, seed=seed)
     trainer = Finetuner(
         model,
         splits["train"],
@@ -332,5 +341,5 @@ def main(args, overrides: list[str]) -> int:
         if rows[-1]["state"] == "stopped":
             return EXIT_STOPPED
     if detect().rank == 0 and not args.no_summary:  # every rank trained; rank 0 writes
-        print(summarise(rows, Path(cfg.run_dir)))
+        print(summarise(rows, Path(cfg.train.run_dir)))
     return 0
