@@ -33,7 +33,6 @@ different one is refused. :func:`finished_run` tells a sweep which runs are done
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
 import os
@@ -50,7 +49,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
-from data_prep.format import sha256_file
 from data_prep.transport import loader_batches
 from engine import checkpoint as ckpt
 from engine.distributed import detect
@@ -60,7 +58,7 @@ from engine.optim import OptimizerConfig, ScheduleConfig
 from engine.recipe import diff_keys
 from engine.signals import StopWatch
 from finetune.batching import LengthGroupedBatchSampler, collate, example_lengths
-from model.release import save_release
+from model.release import directory_digest, save_release
 
 ScoreFn = Callable[[np.ndarray, np.ndarray], dict[str, float]]
 
@@ -182,15 +180,9 @@ def run_identity(config: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
 
 
 def content_digest(path: str | Path | None) -> str | None:
-    """sha256 over every file below ``path`` (names and contents): what an ``--init``
-    directory holds, wherever it is. None for None."""
-    if path is None:
-        return None
-    root = Path(path)
-    h = hashlib.sha256()
-    for file in sorted(p for p in root.rglob("*") if p.is_file()):
-        h.update(f"{file.relative_to(root).as_posix()}\0{sha256_file(file)}\n".encode())
-    return h.hexdigest()
+    """sha256 of everything below ``path`` (an ``--init`` directory), wherever it is; None for
+    None (`model.release.directory_digest`)."""
+    return None if path is None else directory_digest(path)
 
 
 def check_run_identity(run_dir: str | Path, identity: Mapping[str, Any]) -> bool:

@@ -114,6 +114,22 @@ def save_release(
     return out
 
 
+def directory_digest(path: str | os.PathLike) -> str:
+    """sha256 over every file below ``path`` (relative names and contents): what a checkpoint
+    or release directory holds, wherever it is (identities of runs started from it)."""
+    import hashlib
+
+    root = Path(path)
+    h = hashlib.sha256()
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest = hashlib.sha256()
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 23), b""):
+                digest.update(chunk)
+        h.update(f"{file.relative_to(root).as_posix()}\0{digest.hexdigest()}\n".encode())
+    return h.hexdigest()
+
+
 def export_release(
     source: str | os.PathLike, out: str | os.PathLike, overwrite: bool = True
 ) -> Path:

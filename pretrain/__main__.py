@@ -12,7 +12,7 @@ import logging
 import sys
 
 from engine.recipe import load_recipe
-from pretrain.config import pretrain_config
+from pretrain.config import PretrainConfig, pretrain_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -24,6 +24,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", help="YAML recipe (configs/pretrain/*.yaml)")
     parser.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=1e-3 engine.zero_stage=2"
+    )
+    parser.add_argument(
+        "--init",
+        metavar="DIR",
+        help="continue pretraining from a release or a local HF ALBERT checkpoint (its "
+        "architecture and weights; = model.init_from=DIR)",
     )
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
@@ -39,11 +45,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def config_from_args(args: argparse.Namespace) -> PretrainConfig:
+    """The run's config from parsed arguments (the recipe, its overrides, ``--init``); every
+    launcher builds it here."""
+    overrides = [*args.overrides, *([f"model.init_from={args.init}"] if args.init else [])]
+    return pretrain_config(load_recipe(args.config, overrides))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        cfg = pretrain_config(load_recipe(args.config, args.overrides))
+        cfg = config_from_args(args)
     except ValueError as e:
         print(f"python -m pretrain: config error: {e}", file=sys.stderr)
         return 2

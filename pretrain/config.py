@@ -20,6 +20,8 @@ from engine.engine import EngineConfig
 from engine.optim import OptimizerConfig, ScheduleConfig
 from engine.recipe import build_config, config_dict
 from model.config import EncoderConfig
+from pretrain.init import INIT_KEY
+from pretrain.init import encoder_config as init_encoder_config
 
 
 @dataclass
@@ -72,7 +74,7 @@ RESUMABLE_CHANGES = (
 RELEASE_DIR = "release"
 """The release inside every checkpoint directory and, exported at the end, in the run directory."""
 
-LOCATION_KEYS = ("train.run_dir", "data.shards", "data.tokenizer")
+LOCATION_KEYS = ("train.run_dir", "data.shards", "data.tokenizer", "model.init_from")
 """Config keys that say where things are, not what they are: a run directory or shard
 directory that was moved or copied still holds the same run. The content they point at is
 compared instead (``data_identity`` in the run's config.yaml: the shards' and the tokenizer's
@@ -129,7 +131,9 @@ class TrainConfig:
 class PretrainConfig:
     model: dict[str, Any] = field(default_factory=lambda: {"preset": "debug"})
     """Encoder config (``EncoderConfig`` fields; ``preset:`` starts from a named preset).
-    vocab_size and pad_token_id default to the tokenizer's."""
+    vocab_size and pad_token_id default to the tokenizer's. ``init_from: DIR`` (a release or a
+    local HF ALBERT checkpoint) continues pretraining from its weights, with its architecture
+    (see ``pretrain/init.py``)."""
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -137,10 +141,14 @@ class PretrainConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
-        try:
-            EncoderConfig.from_dict(self.model)  # validate the section now
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"model: {e}") from e
+        if INIT_KEY in self.model:  # checked against the checkpoint when the run starts
+            if not isinstance(self.model[INIT_KEY], str) or not self.model[INIT_KEY]:
+                raise ValueError(f"model.{INIT_KEY} must be a directory path")
+        else:
+            try:
+                EncoderConfig.from_dict(self.model)  # validate the section now
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"model: {e}") from e
         if self.train.steps is None:
             self.train.steps = self.schedule.total_steps
 
@@ -151,7 +159,10 @@ class PretrainConfig:
 
     def encoder_config(self, vocab_size: int, pad_token_id: int) -> EncoderConfig:
         """The model config with the tokenizer's vocabulary size and pad id filled in; a
-        conflicting explicit value is an error."""
+        conflicting explicit value is an error. With ``model.init_from``: the checkpoint's
+        architecture, which the tokenizer must match."""
+        if INIT_KEY in self.model:
+            return init_encoder_config(self.model, vocab_size, pad_token_id)
         model = dict(self.model)
         for key, value in (("vocab_size", vocab_size), ("pad_token_id", pad_token_id)):
             if key in model and model[key] != value:

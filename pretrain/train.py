@@ -48,8 +48,9 @@ from model import diagnostics
 from model.config import EncoderConfig
 from model.flops import counts_flops, training_flops
 from model.heads import EncoderForPretraining
-from model.release import export_release, save_release
+from model.release import directory_digest, export_release, save_release
 from pretrain.config import LOCATION_KEYS, RELEASE_DIR, RESUMABLE_CHANGES, PretrainConfig
+from pretrain.init import INIT_KEY, InitReport, load_init
 from pretrain.objective import model_inputs, pretraining_loss
 
 log = logging.getLogger("pretrain")
@@ -101,14 +102,20 @@ def open_data(cfg: PretrainConfig, rank: int) -> tuple[PretrainingData, Path]:
     return data, tokenizer
 
 
-def data_identity(data: PretrainingData, tokenizer: Path) -> dict[str, str]:
-    """What the run trains on, by content: a digest of the shards' sha256s (from the manifest)
-    and the tokenizer's sha256. A moved or copied shard directory keeps its identity."""
+def data_identity(
+    data: PretrainingData, tokenizer: Path, init: str | None = None
+) -> dict[str, str]:
+    """What the run trains on, by content: a digest of the shards' sha256s (from the manifest),
+    the tokenizer's sha256 and, when it continues from a checkpoint, the checkpoint's content.
+    A moved or copied shard directory or checkpoint keeps its identity."""
     import hashlib
 
     shards = [shard["sha256"] for shard in data.manifest["shards"]]
     digest = hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()
-    return {"shards_sha256": digest, "tokenizer_sha256": sha256_file(tokenizer)}
+    identity = {"shards_sha256": digest, "tokenizer_sha256": sha256_file(tokenizer)}
+    if init is not None:
+        identity["init_sha256"] = directory_digest(init)
+    return identity
 
 
 def check_run_dir(run_dir: Path, resolved: dict[str, Any]) -> bool:
@@ -168,7 +175,9 @@ class Trainer:
         resolved = cfg.to_dict()
         resolved["model"] = {k: v for k, v in self.model_cfg.to_dict().items()}
         resolved["data"]["tokenizer"] = str(self.tokenizer)
-        resolved["data_identity"] = data_identity(self.data, self.tokenizer)
+        resolved["data_identity"] = data_identity(
+            self.data, self.tokenizer, cfg.model.get(INIT_KEY)
+        )
         self.resolved = resolved
         self.resuming = check_run_dir(self.run_dir, resolved)
         if self.resuming:
@@ -176,6 +185,9 @@ class Trainer:
 
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
         model = EncoderForPretraining(self.model_cfg)
+        self.init_report: InitReport | None = None
+        if INIT_KEY in cfg.model and not self.resuming:  # a resume loads its checkpoint instead
+            self.init_report = load_init(model, cfg.model)
         self.engine = Engine(model, cfg.engine, cfg.optimizer, cfg.schedule, self.dist)
         torch.manual_seed(_rank_seed(cfg.train.seed, self.rank))  # dropout differs per rank
         self.loader = PretrainingLoader(
@@ -394,6 +406,8 @@ class Trainer:
                 f"{cfg.engine.precision}, backend {cfg.engine.backend}; "
                 + (f"resumed from {resumed_from}" if resumed_from else "fresh start")
             )
+            if self.init_report is not None:
+                progress.write(f"pretrain: {self.init_report.summary()}")
             if not self.resuming:
                 writer.text("config", "```\n" + to_yaml(self.resolved) + "\n```", self.step)
         stopwatch = StopWatch(

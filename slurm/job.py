@@ -62,13 +62,11 @@ class StageJob(submitit.helpers.Checkpointable):
 
     def _pretrain(self) -> dict[str, Any]:
         from engine.distributed import detect
-        from engine.recipe import load_recipe
-        from pretrain.__main__ import parse_args
-        from pretrain.config import pretrain_config
+        from pretrain.__main__ import config_from_args, parse_args
         from pretrain.train import run
 
         args = parse_args(self.args)
-        cfg = pretrain_config(load_recipe(args.config, args.overrides))
+        cfg = config_from_args(args)
         rank = detect().rank
         handler = signal.getsignal(signal.SIGUSR2)  # submitit's checkpoint-and-requeue handler
         result = run(cfg)  # the trainer's StopWatch owns SIGUSR2 while it runs

@@ -64,16 +64,14 @@ class Spec:
 def _check_pretrain_args(stage_args: list[str]) -> str:
     """Parses and validates the pretraining config now, so a typo fails here and not after
     hours in the queue. Returns the run directory."""
-    from engine.recipe import load_recipe
-    from pretrain.__main__ import parse_args
-    from pretrain.config import pretrain_config
+    from pretrain.__main__ import config_from_args, parse_args
 
     try:
         args = parse_args(stage_args)
     except SystemExit as e:  # argparse printed the message
         raise UsageError("the pretrain arguments after -- are invalid (see above)") from e
     try:
-        cfg = pretrain_config(load_recipe(args.config, args.overrides))
+        cfg = config_from_args(args)
     except (ValueError, OSError) as e:
         raise UsageError(f"pretrain config error: {e}") from e
     return cfg.train.run_dir
