@@ -62,7 +62,7 @@ def finetune_setup(root: Path, steps: int) -> tuple[list[str], Path, Path]:
             sys.executable, "-m", "finetune", "lra", "--task", "listops", "--data", str(data),
             *TINY, "engine.micro_batch_size=8", f"schedule.total_steps={steps}",
             "schedule.warmup_steps=5", "train.eval_every=10", f"train.checkpoint_every={CHECKPOINT_EVERY}",
-            "train.log_every=1", "data.max_length=40", f"run_dir={run_dir}",
+            "train.log_every=1", "data.max_length=40", f"train.run_dir={run_dir}",
         ]  # fmt: skip
 
     return (

@@ -150,7 +150,7 @@ BEST = "best"
 
 
 RESUMABLE_KEYS = (
-    "run_dir",
+    "train.run_dir",
     "seeds",
     "lrs",
     "train.log_every",
@@ -201,7 +201,7 @@ def check_run_identity(run_dir: str | Path, identity: Mapping[str, Any]) -> bool
     if changed:
         raise ValueError(
             f"{run_dir} holds a fine-tuning run with another config ({path}); differing keys: "
-            f"{changed}. Use another run_dir, or restore those values to resume or reuse it."
+            f"{changed}. Use another train.run_dir, or restore those values to resume or reuse it."
         )
     return True
 

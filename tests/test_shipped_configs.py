@@ -94,10 +94,11 @@ def recipes() -> dict[str, tuple]:
 
 
 def _size_and_family(stem: str) -> tuple[str, str]:
-    """albert-base-tisa -> (albert-base, tisa); albert-base / albert-base-96 -> softmax."""
+    """albert-base-tisa -> (albert-base, tisa); debug-continue-tisa -> (debug, tisa);
+    albert-base / albert-base-96 -> softmax."""
     size = next(s for s in sorted(SIZES, key=len, reverse=True) if stem.startswith(s))
-    suffix = stem[len(size) :].lstrip("-")
-    return size, suffix if suffix in FAMILIES else "softmax"
+    family = stem[len(size) :].lstrip("-").split("-")[-1]
+    return size, family if family in FAMILIES else "softmax"
 
 
 def test_there_are_shipped_recipes():

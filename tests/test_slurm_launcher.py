@@ -336,7 +336,7 @@ def test_finetune_stop_signal_is_handed_to_submitits_handler(tmp_path, job_env, 
     args += ["model.intermediate_size=64", "engine.precision=fp32", "engine.backend=torch"]
     args += ["engine.micro_batch_size=8", "schedule.total_steps=400", "schedule.warmup_steps=5"]
     args += ["train.eval_every=100"]
-    args += ["train.log_every=1", "train.checkpoint_every=0", f"run_dir={run_dir}"]
+    args += ["train.log_every=1", "train.checkpoint_every=0", f"train.run_dir={run_dir}"]
     metrics = run_dir / "seed_0" / "tensorboard"
     checkpoints = run_dir / "seed_0" / "checkpoints"
     calls: list[str | None] = []

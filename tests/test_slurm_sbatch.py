@@ -161,7 +161,7 @@ def _lra_args(data: Path, run_dir: Path) -> list[str]:
         "model.hidden_dropout_prob=0.1", "engine.precision=fp32", "engine.backend=torch",
         "engine.micro_batch_size=8", "schedule.total_steps=150", "schedule.warmup_steps=5",
         "train.eval_every=25", "train.log_every=1", "train.checkpoint_every=0",
-        "data.max_length=40", f"run_dir={run_dir}",
+        "data.max_length=40", f"train.run_dir={run_dir}",
     ]  # fmt: skip
 
 
