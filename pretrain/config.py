@@ -12,6 +12,7 @@ Recipes live in ``configs/pretrain/``; see ``engine/recipe.py`` for the YAML and
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +129,51 @@ class TrainConfig:
 
 
 @dataclass
+class PhaseConfig:
+    """One phase of a multi-phase run: BERT and ALBERT train about 90% of the steps on
+    sequences of 128 tokens and the rest on 512 (the attention cost grows with N^2). Phases run
+    one after the other in one run: one optimizer, one learning-rate schedule
+    (``schedule.total_steps`` spans all phases), one run directory; a checkpoint anywhere,
+    also at a boundary, resumes exactly."""
+
+    steps: int = 0
+    """Optimizer steps of this phase (>= 1)."""
+    name: str = ""
+    """A label for logs and TensorBoard (default ``phase_<i>``)."""
+    shards: str | None = None
+    """This phase's shard directory (None: ``data.shards``). Every phase's shards must come
+    from the same tokenizer."""
+    max_seq_length: int | None = None
+    """Tokens per example in this phase (None: ``data.max_seq_length``)."""
+    micro_batch_size: int | None = None
+    """Sequences per process and micro-batch in this phase (None: ``engine.micro_batch_size``);
+    ``engine.gradient_accumulation_steps`` stays the same in every phase."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"phases[].steps={self.steps} is invalid; valid: >= 1")
+        if self.max_seq_length is not None and self.max_seq_length < 5:
+            raise ValueError(f"phases[].max_seq_length={self.max_seq_length}; valid: >= 5")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"phases[].micro_batch_size={self.micro_batch_size}; valid: >= 1")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A phase resolved against the data and engine sections."""
+
+    index: int
+    name: str
+    start: int
+    """Steps done before it."""
+    end: int
+    """The step it ends at (exclusive of the next phase's first)."""
+    shards: str
+    max_seq_length: int
+    micro_batch_size: int
+
+
+@dataclass
 class PretrainConfig:
     model: dict[str, Any] = field(default_factory=lambda: {"preset": "debug"})
     """Encoder config (``EncoderConfig`` fields; ``preset:`` starts from a named preset).
@@ -139,6 +185,10 @@ class PretrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    phases: list[PhaseConfig] = field(default_factory=list)
+    """Sequence-length phases (see `PhaseConfig`); empty: one phase from ``data`` and
+    ``engine``. ``train.steps`` defaults to the sum of the phases' steps and may be smaller (a
+    run that stops at a boundary, e.g. one job per phase)."""
 
     def __post_init__(self) -> None:
         if INIT_KEY in self.model:  # checked against the checkpoint when the run starts
@@ -150,7 +200,40 @@ class PretrainConfig:
             except (TypeError, ValueError) as e:
                 raise ValueError(f"model: {e}") from e
         if self.train.steps is None:
-            self.train.steps = self.schedule.total_steps
+            self.train.steps = (
+                sum(p.steps for p in self.phases) if self.phases else self.schedule.total_steps
+            )
+        if self.phases and self.train.steps > sum(p.steps for p in self.phases):
+            raise ValueError(
+                f"train.steps={self.train.steps} exceeds the phases' "
+                f"{sum(p.steps for p in self.phases)} steps; add steps to the last phase"
+            )
+
+    def resolved_phases(self) -> list[Phase]:
+        """The run's phases with their step ranges, shards, lengths and micro-batches."""
+        given = self.phases or [PhaseConfig(steps=max(self.total_steps, 1))]
+        out, start = [], 0
+        for i, phase in enumerate(given):
+            out.append(
+                Phase(
+                    index=i,
+                    name=phase.name or f"phase_{i}",
+                    start=start,
+                    end=start + phase.steps,
+                    shards=phase.shards or self.data.shards,
+                    max_seq_length=phase.max_seq_length or self.data.max_seq_length,
+                    micro_batch_size=phase.micro_batch_size or self.engine.micro_batch_size,
+                )
+            )
+            start += phase.steps
+        if not self.phases:  # one open-ended phase: a later run may raise train.steps
+            out[0] = dataclasses.replace(out[0], end=10**18)
+        return out
+
+    def phase_at(self, step: int) -> Phase:
+        """The phase the step after ``step`` steps belongs to (the last one past the end)."""
+        phases = self.resolved_phases()
+        return next((p for p in phases if step < p.end), phases[-1])
 
     @property
     def total_steps(self) -> int:
@@ -162,7 +245,9 @@ class PretrainConfig:
         conflicting explicit value is an error. With ``model.init_from``: the checkpoint's
         architecture, which the tokenizer must match."""
         if INIT_KEY in self.model:
-            return init_encoder_config(self.model, vocab_size, pad_token_id)
+            cfg = init_encoder_config(self.model, vocab_size, pad_token_id)
+            self._check_lengths(cfg)
+            return cfg
         model = dict(self.model)
         for key, value in (("vocab_size", vocab_size), ("pad_token_id", pad_token_id)):
             if key in model and model[key] != value:
@@ -172,12 +257,17 @@ class PretrainConfig:
                 )
             model[key] = value
         cfg = EncoderConfig.from_dict(model)
-        if cfg.max_position_embeddings < self.data.max_seq_length:
-            raise ValueError(
-                f"data.max_seq_length={self.data.max_seq_length} exceeds "
-                f"model.max_position_embeddings={cfg.max_position_embeddings}"
-            )
+        self._check_lengths(cfg)
         return cfg
+
+    def _check_lengths(self, cfg: EncoderConfig) -> None:
+        for phase in self.resolved_phases():
+            if cfg.max_position_embeddings < phase.max_seq_length:
+                where = f"phases[{phase.index}]." if self.phases else "data."
+                raise ValueError(
+                    f"{where}max_seq_length={phase.max_seq_length} exceeds "
+                    f"model.max_position_embeddings={cfg.max_position_embeddings}"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return config_dict(self)

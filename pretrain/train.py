@@ -49,7 +49,13 @@ from model.config import EncoderConfig
 from model.flops import counts_flops, training_flops
 from model.heads import EncoderForPretraining
 from model.release import directory_digest, export_release, save_release
-from pretrain.config import LOCATION_KEYS, RELEASE_DIR, RESUMABLE_CHANGES, PretrainConfig
+from pretrain.config import (
+    LOCATION_KEYS,
+    RELEASE_DIR,
+    RESUMABLE_CHANGES,
+    Phase,
+    PretrainConfig,
+)
 from pretrain.init import INIT_KEY, InitReport, load_init
 from pretrain.objective import model_inputs, pretraining_loss
 
@@ -80,11 +86,13 @@ class RunResult:
 # ---------------------------------------------------------------------------- preparation
 
 
-def open_data(cfg: PretrainConfig, rank: int) -> tuple[PretrainingData, Path]:
-    """The shard dataset and the tokenizer path, both checked (rank 0 also checks sha256s)."""
-    shard_dir = Path(cfg.data.shards)
+def open_data(cfg: PretrainConfig, phase: Phase, rank: int) -> tuple[PretrainingData, Path]:
+    """One phase's shard dataset and tokenizer path, both checked (rank 0 also checks the
+    sha256s)."""
+    shard_dir = Path(phase.shards)
+    where = f"phases[{phase.index}].shards" if cfg.phases else "data.shards"
     if not shard_dir.is_dir():
-        raise ValueError(f"data.shards={str(shard_dir)!r}: no such directory")
+        raise ValueError(f"{where}={str(shard_dir)!r}: no such directory")
     tokenizer = Path(cfg.data.tokenizer) if cfg.data.tokenizer else shard_dir / TOKENIZER
     if not tokenizer.is_file():
         raise ValueError(
@@ -93,7 +101,7 @@ def open_data(cfg: PretrainConfig, rank: int) -> tuple[PretrainingData, Path]:
         )
     data = PretrainingData(
         shard_dir,
-        max_seq_length=cfg.data.max_seq_length,
+        max_seq_length=phase.max_seq_length,
         masking=cfg.data.masking,
         seed=cfg.train.seed,
         verify_checksums=cfg.data.verify_checksums and rank == 0,
@@ -102,15 +110,34 @@ def open_data(cfg: PretrainConfig, rank: int) -> tuple[PretrainingData, Path]:
     return data, tokenizer
 
 
+def open_phases(cfg: PretrainConfig, rank: int) -> tuple[list[PretrainingData], Path]:
+    """Every phase's data (checked up front: a bad phase-2 directory fails before phase 1
+    trains) and the run's tokenizer, which every phase must share."""
+    datas, tokenizers = [], []
+    for phase in cfg.resolved_phases():
+        data, tokenizer = open_data(cfg, phase, rank)
+        datas.append(data)
+        tokenizers.append(tokenizer)
+    first = sha256_file(tokenizers[0])
+    for phase, tokenizer in zip(cfg.resolved_phases()[1:], tokenizers[1:]):
+        if sha256_file(tokenizer) != first:
+            raise ValueError(
+                f"phase {phase.name!r} reads shards made with another tokenizer ({tokenizer}) "
+                f"than the first phase ({tokenizers[0]}): every phase needs the same one"
+            )
+    return datas, tokenizers[0]
+
+
 def data_identity(
-    data: PretrainingData, tokenizer: Path, init: str | None = None
+    datas: list[PretrainingData], tokenizer: Path, init: str | None = None
 ) -> dict[str, str]:
-    """What the run trains on, by content: a digest of the shards' sha256s (from the manifest),
-    the tokenizer's sha256 and, when it continues from a checkpoint, the checkpoint's content.
-    A moved or copied shard directory or checkpoint keeps its identity."""
+    """What the run trains on, by content: a digest of the shards' sha256s (from the
+    manifests, phase after phase), the tokenizer's sha256 and, when it continues from a
+    checkpoint, the checkpoint's content. A moved or copied shard directory or checkpoint keeps
+    its identity."""
     import hashlib
 
-    shards = [shard["sha256"] for shard in data.manifest["shards"]]
+    shards = [shard["sha256"] for data in datas for shard in data.manifest["shards"]]
     digest = hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()
     identity = {"shards_sha256": digest, "tokenizer_sha256": sha256_file(tokenizer)}
     if init is not None:
@@ -135,8 +162,9 @@ def check_run_dir(run_dir: Path, resolved: dict[str, Any]) -> bool:
 
     saved = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     assert isinstance(saved, dict)
-    if "data_identity" not in saved:
-        resolved = {k: v for k, v in resolved.items() if k != "data_identity"}
+    for added in ("data_identity", "phases"):  # run dirs written before these existed
+        if added not in saved and (added == "data_identity" or not resolved.get(added)):
+            resolved = {k: v for k, v in resolved.items() if k != added}
     ignored = (*RESUMABLE_CHANGES, *LOCATION_KEYS)
     changed = [k for k in diff_keys(saved, resolved) if k not in ignored]
     if changed:
@@ -168,7 +196,9 @@ class Trainer:
         self.rank = self.dist.rank
         self.run_dir = Path(cfg.train.run_dir)
         # Everything that can be wrong with the input is checked before the process group.
-        self.data, self.tokenizer = open_data(cfg, self.rank)
+        self.phases = cfg.resolved_phases()
+        self.datas, self.tokenizer = open_phases(cfg, self.rank)
+        self.data = self.datas[0]
         self.model_cfg: EncoderConfig = cfg.encoder_config(
             self.data.vocab_size, self.data.special.pad
         )
@@ -176,7 +206,7 @@ class Trainer:
         resolved["model"] = {k: v for k, v in self.model_cfg.to_dict().items()}
         resolved["data"]["tokenizer"] = str(self.tokenizer)
         resolved["data_identity"] = data_identity(
-            self.data, self.tokenizer, cfg.model.get(INIT_KEY)
+            self.datas, self.tokenizer, cfg.model.get(INIT_KEY)
         )
         self.resolved = resolved
         self.resuming = check_run_dir(self.run_dir, resolved)
@@ -190,14 +220,8 @@ class Trainer:
             self.init_report = load_init(model, cfg.model)
         self.engine = Engine(model, cfg.engine, cfg.optimizer, cfg.schedule, self.dist)
         torch.manual_seed(_rank_seed(cfg.train.seed, self.rank))  # dropout differs per rank
-        self.loader = PretrainingLoader(
-            self.data,
-            cfg.engine.micro_batch_size,
-            rank=self.rank,
-            world_size=self.dist.world_size,
-            num_workers=cfg.data.num_workers,
-            pin_memory=self.engine.device.type == "cuda",
-        )
+        self.phase = self.phases[0]
+        self.loader = self._make_loader(self.phase)
         self.store = ckpt.CheckpointStore(
             self.run_dir / "checkpoints",
             rank=self.rank,
@@ -221,6 +245,17 @@ class Trainer:
                 stacklevel=2,
             )
 
+    def _make_loader(self, phase: Phase) -> PretrainingLoader:
+        """A fresh loader over ``phase``'s data (its position: the phase's first batch)."""
+        return PretrainingLoader(
+            self.datas[phase.index],
+            phase.micro_batch_size,
+            rank=self.rank,
+            world_size=self.dist.world_size,
+            num_workers=self.cfg.data.num_workers,
+            pin_memory=self.engine.device.type == "cuda",
+        )
+
     # -- checkpoints -------------------------------------------------------------------------
 
     def _rank_state(self) -> dict[str, Any]:
@@ -230,6 +265,7 @@ class Trainer:
             "samples": self.samples,
             "skipped": self.skipped,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "phase": self.phase.index,
             "loader": self.loader.state_dict(),
             "rng": ckpt.rng_state(),
         }
@@ -260,7 +296,12 @@ class Trainer:
     def _restore(self, path: Path) -> None:
         self.engine.load(path)
         state = ckpt.load_rank_state(path, self.rank)
-        self.loader.load_state_dict(state["loader"])
+        # The phase of the next step. A checkpoint at a phase's last step holds that phase's
+        # loader position: the next phase starts at its own first batch.
+        self.phase = self.cfg.phase_at(int(state["step"]))
+        self.loader = self._make_loader(self.phase)
+        if int(state.get("phase", 0)) == self.phase.index:
+            self.loader.load_state_dict(state["loader"])
         ckpt.set_rng_state(state["rng"])
         self.step = int(state["step"])
         self.tokens = int(state["tokens"])
@@ -425,6 +466,16 @@ class Trainer:
         self.engine.train()
         try:
             while self.step < total:
+                if self.step >= self.phase.end:  # the next phase: its data, its first batch
+                    self.phase = cfg.phase_at(self.step)
+                    self.loader = self._make_loader(self.phase)
+                    batches = iter(self.loader)
+                    if self.is_main:
+                        progress.write(
+                            f"pretrain: step {self.step}: phase {self.phase.name} "
+                            f"({self.phase.max_seq_length} tokens, micro-batch "
+                            f"{self.phase.micro_batch_size}, until step {self.phase.end})"
+                        )
                 result, batch, step_tokens, step_samples, step_flops = self._train_step(
                     batches, sums, timers
                 )
@@ -595,6 +646,9 @@ class Trainer:
         values["optim/grad_norm"] = avg["grad_norm"] / max(steps, 1)
         values["optim/loss_scale"] = result.loss_scale
         values["optim/skipped_steps"] = float(self.skipped)
+        if len(self.phases) > 1:
+            values["train/phase"] = float(self.phase.index)
+            values["train/max_seq_length"] = float(self.phase.max_seq_length)
         values["throughput/tokens_per_s"] = tokens / elapsed
         values["throughput/samples_per_s"] = samples / elapsed
         values["throughput/tokens_seen"] = float(self.tokens)
