@@ -4,7 +4,8 @@
 
 A recipe is a YAML mapping (OmegaConf: ``${...}`` interpolation works) whose top-level keys are
 the sections of a config dataclass. A recipe may start from another one with
-``defaults: other.yaml`` (a path relative to the recipe; the recipe's keys override it), and
+``defaults: other.yaml`` (a path relative to the recipe; the recipe's keys override it; or a list
+of paths, merged in order, e.g. ``[debug.yaml, ../families/tisa.yaml]``), and
 a top-level section may be given as the path of a YAML file holding it
 (``model: ../model/albert-base-tisa.yaml``).
 Overrides are ``dotted.key=value`` with YAML values (``true``, ``1e-3``, ``[1, 2]``, ``null``).
@@ -115,10 +116,33 @@ def _read_yaml(path: Path, depth: int = 0) -> dict[str, Any]:
         return data
     if depth >= MAX_DEFAULTS_DEPTH:
         raise ValueError(f"config file {path}: 'defaults' chain deeper than {MAX_DEFAULTS_DEPTH}")
-    if not isinstance(base, str):
-        raise ValueError(f"config file {path}: 'defaults' must be a path to another recipe")
-    parent = _read_yaml((path.parent / base).resolve(), depth + 1)
-    return _merge(parent, data)
+    bases = [base] if isinstance(base, str) else base
+    if not isinstance(bases, list) or not bases or not all(isinstance(b, str) for b in bases):
+        raise ValueError(
+            f"config file {path}: 'defaults' must be a path to another recipe or a list of them"
+        )
+    merged: dict[str, Any] = {}
+    for item in bases:  # in order: a later one overrides an earlier one
+        merged = _merge(merged, _read_yaml((path.parent / item).resolve(), depth + 1))
+    return _merge(merged, data)
+
+
+def recipe_overrides(path: str | os.PathLike) -> list[str]:
+    """The recipe file at ``path`` (its defaults applied) as dotted ``key=value`` overrides,
+    e.g. a family's settings (``configs/families/tisa.yaml``) for a command line."""
+    out: list[str] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                walk(value, f"{prefix}.{key}" if prefix else str(key))
+        else:
+            out.append(f"{prefix}={yaml.safe_dump(node, default_flow_style=True).strip()}")
+            if out[-1].endswith("\n..."):
+                out[-1] = out[-1][: -len("\n...")]
+
+    walk(_read_yaml(Path(path)), "")
+    return out
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

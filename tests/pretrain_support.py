@@ -9,6 +9,7 @@ from pathlib import Path
 
 from data_prep.shards import ShardConfig, build_shards
 from data_prep.tokenizer import write_tokenizer
+from engine.recipe import recipe_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 32
@@ -24,11 +25,10 @@ TINY_MODEL = [
     f"model.max_position_embeddings={SEQ}",
 ]
 FAMILY = {
-    "softmax": [],
-    "tisa": ["model.attention=tisa"],
-    "kernel": ["model.attention=kernel", "model.kernel.feature_map=aoglu"],
-    "transject": ["model.attention=transject", "model.transject.num_experts=2"],
+    family: recipe_overrides(REPO / "configs" / "families" / f"{family}.yaml")
+    for family in ("softmax", "tisa", "kernel", "transject")
 }
+"""Each family's settings for the small runs: configs/families/<family>.yaml (the one source)."""
 
 
 def make_shards(root: Path) -> Path:

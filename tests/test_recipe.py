@@ -423,3 +423,43 @@ def test_typed_config_imports_nothing_of_the_project():
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert {n.split(".")[0] for n in names} <= set(sys.stdlib_module_names) | {"__future__"}
+
+
+def test_defaults_may_be_a_list_merged_in_order(tmp_path):
+    (tmp_path / "a.yaml").write_text("model:\n  hidden_size: 8\n  attention: softmax\n")
+    (tmp_path / "b.yaml").write_text("model:\n  attention: tisa\n")
+    (tmp_path / "r.yaml").write_text("defaults: [a.yaml, b.yaml]\nmodel:\n  hidden_size: 16\n")
+    assert load_recipe(tmp_path / "r.yaml")["model"] == {"hidden_size": 16, "attention": "tisa"}
+    (tmp_path / "bad.yaml").write_text("defaults: [a.yaml, 3]\n")
+    with pytest.raises(ValueError, match="'defaults' must be a path"):
+        load_recipe(tmp_path / "bad.yaml")
+
+
+def test_each_familys_settings_have_one_source():
+    """configs/families/<family>.yaml: the debug recipes start from it, the mini-LRA and the
+    tests read it as overrides; nothing else spells a family's settings."""
+    import sys
+
+    from engine.recipe import recipe_overrides
+    from finetune.lra import mini
+
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "tests"))
+    from pretrain_support import FAMILY
+
+    for family in ("tisa", "kernel", "transject"):
+        source = recipe_overrides(repo / "configs" / "families" / f"{family}.yaml")
+        assert mini.FAMILY_OVERRIDES[family] == FAMILY[family] == source
+        recipe = load_recipe(repo / "configs" / "pretrain" / f"debug-{family}.yaml")
+        assert set(source) <= set(recipe_overrides_of(recipe)), family
+
+
+def recipe_overrides_of(data: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in data.items():
+        where = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            out.extend(recipe_overrides_of(value, where))
+        else:
+            out.append(f"{where}={value}")
+    return out

@@ -56,25 +56,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.recipe import recipe_overrides
+
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ("listops", "text")
 FAMILIES = ("softmax", "tisa", "kernel", "transject")
 """The table's families (the default of --families)."""
 
 FAMILY_OVERRIDES: dict[str, list[str]] = {
-    "softmax": [],
-    # as configs/pretrain/debug-<family>.yaml
-    "tisa": ["model.attention=tisa", "model.tisa.num_kernels=5"],
-    "kernel": ["model.attention=kernel", "model.kernel.feature_map=aoglu"],
-    "transject": ["model.attention=transject", "model.transject.num_experts=2"],
-    # TISA's "TISA only" ablation (no absolute position embeddings): only when asked for
-    "tisa-nopos": [
-        "model.attention=tisa",
-        "model.position_embedding=none",
-        "model.tisa.num_kernels=5",
-    ],
+    family: recipe_overrides(ROOT / "configs" / "families" / f"{family}.yaml")
+    for family in (*FAMILIES, "tisa-nopos")  # TISA's "TISA only" ablation: only when asked for
 }
-"""Every family --families accepts, with its model overrides (scratch runs and pretraining)."""
+"""Every family --families accepts, with its model overrides (scratch runs and pretraining):
+``configs/families/<family>.yaml``, the single source of the small runs' family settings."""
 
 
 @dataclass(frozen=True)
