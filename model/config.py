@@ -153,6 +153,21 @@ class TransJectConfig:
         _check_choice("transject.bias", self.bias, ("lipschitz", "authors", "none"))
 
 
+SIZE_FIELDS = (
+    "vocab_size",
+    "embedding_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_hidden_groups",
+    "inner_group_num",
+    "num_attention_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "type_vocab_size",
+)
+"""The encoder's sizes: positive integers that fix the shapes of its tensors."""
+
+
 @dataclass
 class EncoderConfig:
     """An ALBERT-style encoder with pluggable attention. Defaults are ALBERT-base v2."""
@@ -246,18 +261,7 @@ class EncoderConfig:
             value = getattr(self, name)
             if isinstance(value, dict):
                 setattr(self, name, config_from_dict(cls, value, prefix=name))
-        for name in (
-            "vocab_size",
-            "embedding_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_hidden_groups",
-            "inner_group_num",
-            "num_attention_heads",
-            "intermediate_size",
-            "max_position_embeddings",
-            "type_vocab_size",
-        ):
+        for name in SIZE_FIELDS:
             _check_positive(name, getattr(self, name))
         _check_prob("hidden_dropout_prob", self.hidden_dropout_prob)
         _check_prob("attention_probs_dropout_prob", self.attention_probs_dropout_prob)

@@ -27,28 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from model.config import EncoderConfig
+from model.config import SIZE_FIELDS, EncoderConfig
 from model.heads import EncoderForPretraining
 from model.release import CONFIG_FILE, load_release, read_release_config
 
 INIT_KEY = "init_from"
 """The model-section key naming the checkpoint to start from."""
 
-ARCHITECTURE_KEYS = (
-    "vocab_size",
-    "embedding_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_hidden_groups",
-    "inner_group_num",
-    "num_attention_heads",
-    "intermediate_size",
-    "max_position_embeddings",
-    "type_vocab_size",
-    "hidden_act",
-    "layer_norm_eps",
-    "pad_token_id",
-)
+ARCHITECTURE_KEYS = (*SIZE_FIELDS, "hidden_act", "layer_norm_eps", "pad_token_id")
 """Encoder keys the checkpoint fixes (the shapes and meaning of its tensors)."""
 
 
