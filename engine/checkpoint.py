@@ -111,7 +111,9 @@ __all__ = [
     "file_checksum",
     "load_rank_state",
     "rank_state_path",
+    "resume_collectively",
     "rng_state",
+    "same_world_size",
     "save_rank_state",
     "set_rng_state",
     "step_of",
@@ -671,6 +673,56 @@ class CheckpointStore:
     ) -> T | None:
         self.verify(tag, checksums=checksums)
         return None if loader is None else loader(self.root / tag)
+
+
+def resume_collectively(
+    store: CheckpointStore,
+    restore: Callable[[Path, dict[str, Any]], T],
+    any_failed: Callable[[bool], bool],
+    *,
+    checksums: bool,
+) -> tuple[Path, T] | None:
+    """Collective resume of a multi-rank job: the newest usable checkpoint, loaded on every
+    rank, or None for a fresh start (no checkpoint directory at all).
+
+    Candidates come newest first (``latest`` first, see ``candidates``). On every rank the
+    seal and sizes are checked (the content checksums where ``checksums``: rank 0 in the
+    trainers), then ``restore(directory, record)`` loads it (``record``: its
+    ``COMPLETE.json``; raise to refuse it, e.g. for another world size). ``any_failed(failed)``
+    must return whether any rank failed (an all-reduce): a checkpoint that fails anywhere is
+    reported with a warning and the next older one is tried on all ranks together.
+    ``restore`` must overwrite everything a failed attempt loaded. ``CheckpointError`` lists
+    every reason when none is usable."""
+    tags = store.candidates()
+    if not tags and any(True for _ in store._tag_dirs()):
+        raise CheckpointError(store.root, "has checkpoint directories but none is complete")
+    reasons = []
+    for tag in tags:
+        path = store.root / tag
+        error: Exception | None = None
+        result: Any = None
+        try:
+            result = restore(path, store.read_complete(tag, checksums=checksums))
+        except Exception as e:  # reported below, on every rank alike
+            error = e
+        if not any_failed(error is not None):
+            return path, result
+        reason = f"{path}: {error or 'failed on another rank'}"
+        reasons.append(reason)
+        warnings.warn(f"checkpoint unusable ({reason}); falling back", stacklevel=2)
+    if reasons:
+        raise CheckpointError(store.root, "no usable checkpoint: " + "; ".join(reasons))
+    return None
+
+
+def same_world_size(record: dict[str, Any], world_size: int) -> None:
+    """Refuse a checkpoint written by another number of processes (ValueError)."""
+    saved = record.get("world_size")
+    if saved != world_size:
+        raise ValueError(
+            f"written by {saved} processes; this run has {world_size} (an exact resume needs "
+            "the same number)"
+        )
 
 
 def _file_problem(directory: Path, rel: object, size: object) -> str | None:

@@ -38,7 +38,6 @@ import math
 import os
 import shutil
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -471,33 +470,21 @@ class Finetuner:
     def resume(self, result: FinetuneResult) -> Path | None:
         """Collective. The newest usable checkpoint (a damaged one is reported and the next
         older one tried, on all ranks together); None for a fresh start."""
-        tags = self.store.candidates()
-        reasons = []
-        for tag in tags:
-            path = self.store.root / tag
-            error: Exception | None = None
-            try:
-                record = self.store.read_complete(tag, checksums=self.is_main)
-                if record.get("world_size") != self.dist.world_size:
-                    raise ValueError(
-                        f"written by {record.get('world_size')} processes; this run has "
-                        f"{self.dist.world_size} (an exact resume needs the same number)"
-                    )
-                window = self._restore(path, result)
-            except Exception as e:
-                error = e
-            (failed,) = self.engine.all_reduce_max([float(error is not None)])
-            if not failed:
-                self._window = window
-                return path
-            reason = f"{path}: {error or 'failed on another rank'}"
-            reasons.append(reason)
-            warnings.warn(f"checkpoint unusable ({reason}); falling back", stacklevel=2)
-        if reasons:
-            raise ckpt.CheckpointError(
-                self.store.root, "no usable checkpoint: " + "; ".join(reasons)
-            )
-        return None
+
+        def restore(path: Path, record: dict[str, Any]) -> dict[str, Any]:
+            ckpt.same_world_size(record, self.dist.world_size)
+            return self._restore(path, result)
+
+        found = ckpt.resume_collectively(
+            self.store,
+            restore,
+            lambda failed: bool(self.engine.all_reduce_max([float(failed)])[0]),
+            checksums=self.is_main,
+        )
+        if found is None:
+            return None
+        path, self._window = found
+        return path
 
     # -- the loop ------------------------------------------------------------------------------
 

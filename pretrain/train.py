@@ -342,33 +342,18 @@ class Trainer:
         any rank (a damaged seal, a file whose size or checksum does not match, a load error)
         is reported and the next older one is tried, on all ranks together. Rank 0 checks the
         content checksums; every rank checks sizes."""
-        tags = self.store.candidates()
-        if not tags:
-            if any(self.store.root.glob("step_*[0-9]")):
-                raise ckpt.CheckpointError(self.store.root, "no complete checkpoint to resume")
-            return None
-        reasons = []
-        for tag in tags:
-            path = self.store.root / tag
-            error: Exception | None = None
-            try:
-                record = self.store.read_complete(tag, checksums=self.is_main)
-                saved_world = record.get("world_size")
-                if saved_world != self.dist.world_size:
-                    raise ValueError(
-                        f"written by {saved_world} processes; this run has "
-                        f"{self.dist.world_size} (an exact resume needs the same number)"
-                    )
-                self._restore(path)
-            except Exception as e:
-                error = e
-            (failed,) = self.engine.all_reduce_max([float(error is not None)])
-            if not failed:
-                return path
-            reason = f"{path}: {error or 'failed on another rank'}"
-            reasons.append(reason)
-            warnings.warn(f"checkpoint unusable ({reason}); falling back", stacklevel=2)
-        raise ckpt.CheckpointError(self.store.root, "no usable checkpoint: " + "; ".join(reasons))
+
+        def restore(path: Path, record: dict[str, Any]) -> None:
+            ckpt.same_world_size(record, self.dist.world_size)
+            self._restore(path)
+
+        found = ckpt.resume_collectively(
+            self.store, restore, self._any_rank_failed, checksums=self.is_main
+        )
+        return None if found is None else found[0]
+
+    def _any_rank_failed(self, failed: bool) -> bool:
+        return bool(self.engine.all_reduce_max([float(failed)])[0])
 
     # -- logging -----------------------------------------------------------------------------
 

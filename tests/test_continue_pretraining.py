@@ -84,15 +84,7 @@ def test_continue_with_tisa_starts_at_the_hf_models_loss(shards, tmp_path, no_re
         shards, max_seq_length=cfg.data.max_seq_length, masking=cfg.data.masking, seed=0
     )
     batch = next(iter(PretrainingLoader(data, cfg.engine.micro_batch_size)))
-    with torch.no_grad():
-        out = hf(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            token_type_ids=batch["token_type_ids"],
-        )
-    labels = batch["mlm_labels"]
-    hf_loss = F.cross_entropy(out.prediction_logits[labels != -100], labels[labels != -100])
-    assert first["loss/mlm"] == pytest.approx(float(hf_loss), abs=1e-5)
+    assert first["loss/mlm"] == pytest.approx(_hf_mlm_loss(hf, batch), abs=1e-5)
 
     # The release is TISA (new scorer tensors) and loads for fine-tuning.
     classifier = load_release(
