@@ -74,6 +74,9 @@ def _cmd_shards(args: argparse.Namespace) -> int:
         text_field=args.text_field,
         max_line_chars=args.max_line_chars,
         truncation=args.truncation,
+        validation_fraction=args.validation_fraction,
+        validation_documents=args.validation_documents,
+        validation_shards=args.validation_shards,
     )
     build_shards(
         config,
@@ -150,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
         "verified and skipped); a directory made with another config, tokenizer or input (an "
         "input file whose content changed, by sha256, or a glob that now matches other files) "
         "is refused. A single-job run writes manifest.json; after a multi-job run use "
-        "`finalize`.",
+        "`finalize`. --validation-fraction / --validation-documents hold out whole documents "
+        "as a validation split (valid_*.npy, the manifest's 'validation' section), chosen "
+        "from --seed alone.",
         formatter_class=defaults,
     )
     _add_input_args(p, required=True)
@@ -167,6 +172,32 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("albert", "junction"),
         default="albert",
         help="cut over-long pairs at random ends (ALBERT) or keep the A|B junction",
+    )
+    held = p.add_mutually_exclusive_group()
+    held.add_argument(
+        "--validation-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="hold out each document with probability F (chosen by a hash of (--seed, "
+        "document index)) as a validation split: its examples go to valid_*.npy, never to "
+        "training shards; 0 = no split (the directory is then exactly as without the flag)",
+    )
+    held.add_argument(
+        "--validation-documents",
+        type=int,
+        default=0,
+        metavar="N",
+        help="hold out exactly N documents (the N smallest hashes; costs one extra read of the "
+        "input, no tokenizing); 0 = no split",
+    )
+    p.add_argument(
+        "--validation-shards",
+        type=int,
+        default=1,
+        metavar="V",
+        help="validation shards: held-out document d goes to valid_{d %% V} (more shards spread "
+        "the held-out documents' tokenizing over workers and jobs)",
     )
     p.add_argument("--workers", type=int, default=1, help="processes on this machine")
     p.add_argument(

@@ -13,6 +13,21 @@ A shard directory holds:
     shard_00000.done.json         per-shard completion record, written atomically after both
                                   arrays: {"examples", "tokens", "sha256": {file: digest}, ...}
     ...
+    valid_00000.tokens.npy        the held-out validation split (only with `data_prep shards
+    valid_00000.index.npy         --validation-fraction F` or `--validation-documents N`): the
+    valid_00000.done.json         same three files per validation shard, the same array layout,
+    ...                           named valid_NNNNN (`valid_name`); never in "shards"
+
+Validation split (held out by document). Document d (0-based, input order) is held out or not
+as a whole: all of its examples go to validation shard d % V, none to a training shard (a
+training document still goes to shard d % S, with the same examples as without a split). Which
+documents: the key `validation_key(seed, d)`, a uniform 64-bit number, the 8 bytes (read
+big-endian) of blake2b(f"{seed}:{d}".encode(), digest_size=8, person=b"validation"):
+    fraction F:   d is held out iff key < floor(F * 2**64) (about F * D documents, streamed);
+    documents N:  d is held out iff (key, d) is among the N smallest of all D documents (exactly
+                  N; costs one extra read of the input to find them, no tokenizing).
+Nothing depends on --workers, --job-index or --num-jobs. Splits are nested: a smaller fraction
+or N holds out a subset of what a larger one holds out (same seed).
 
 An example is one ALBERT pretraining instance before masking: two consecutive segments A and B
 of one document, without special tokens. The loader adds [CLS] A [SEP] B [SEP], swaps A and B
@@ -37,7 +52,16 @@ manifest.json:
      "num_shards": S,
      "shards": [{"name": "shard_00000", "examples": n, "tokens": t,
                  "sha256": {"shard_00000.tokens.npy": ..., "shard_00000.index.npy": ...}}, ...],
-     "totals": {"examples": ..., "tokens": ..., "documents": ...},
+     "totals": {"examples": ..., "tokens": ..., "documents": ...},   (the training shards)
+     "validation": {               (only in directories made with a validation split)
+         "selection": {"rule": "fraction", "fraction": F, "threshold": T}
+                    | {"rule": "documents", "documents": N, "threshold": [key, d]},
+         "how": "<the rule above, in words>",
+         "seed": seed,
+         "num_shards": V,
+         "shards": [{"name": "valid_00000", "examples", "tokens", "documents", "sha256"}, ...],
+         "totals": {"examples", "tokens", "documents", "dropped_tokens"}},
+                      (totals.documents + validation.totals.documents == input.documents)
      "input": {"files": [...], "documents": ..., "replaced_characters": ..., "skipped": {...}},
      "input_files": [{"path": ..., "size": bytes, "mtime_ns": ..., "sha256": ...}, ...]}
                       (what each input was when read, `readers.fingerprint_inputs`; absent in
@@ -77,8 +101,50 @@ LAYOUTS = ("pair", "single")
 ALBERT_SPECIAL_TOKENS = ("<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]")
 
 
+SPLITS = ("train", "validation")
+"""The example sets of a shard directory: "shards" and "validation" in the manifest."""
+VALIDATION_KEY = "validation"
+"""The manifest key of the validation split (absent: the directory has none)."""
+VALIDATION_FLAGS = "--validation-fraction F or --validation-documents N"
+
+
 def shard_name(index: int) -> str:
     return f"shard_{index:05d}"
+
+
+def valid_name(index: int) -> str:
+    """The name of validation shard `index` (files valid_NNNNN.tokens.npy, ...)."""
+    return f"valid_{index:05d}"
+
+
+def validation_key(seed: int, document_index: int) -> int:
+    """The 64-bit key that decides whether document d is held out (see the module docstring)."""
+    digest = hashlib.blake2b(
+        f"{seed}:{document_index}".encode(), digest_size=8, person=b"validation"
+    ).digest()
+    return int.from_bytes(digest, "big")
+
+
+def split_shards(
+    manifest: dict[str, Any], split: str, shard_dir: str | os.PathLike = "."
+) -> list[dict[str, Any]]:
+    """The shard entries of `split` ("train": manifest["shards"]; "validation": those of
+    manifest["validation"]). ShardError naming the directory and the flags to add if the
+    directory has no validation split."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
+    if split == "train":
+        return manifest["shards"]
+    section = manifest.get(VALIDATION_KEY)
+    if section is None:
+        raise ShardError(
+            f"{shard_dir} has no validation split (its {MANIFEST} has no {VALIDATION_KEY!r} "
+            f"section): make the shards with `python -m data_prep shards ... "
+            f"{VALIDATION_FLAGS}` (into a new --out directory: the training shards change too)"
+        )
+    if not isinstance(section, dict) or not isinstance(section.get("shards"), list):
+        raise ShardError(f"{Path(shard_dir) / MANIFEST}: {VALIDATION_KEY!r} has no 'shards' list")
+    return section["shards"]
 
 
 def tokens_file(name: str) -> str:
@@ -197,11 +263,21 @@ def read_manifest(shard_dir: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def verify_shards(shard_dir: str | os.PathLike, manifest: dict[str, Any] | None = None) -> None:
-    """Checks every shard file exists and matches its sha256 in the manifest (ShardError if not)."""
+def verify_shards(
+    shard_dir: str | os.PathLike,
+    manifest: dict[str, Any] | None = None,
+    split: str | None = None,
+) -> None:
+    """Checks every shard file exists and matches its sha256 in the manifest (ShardError if not).
+    split: "train" or "validation" checks that split's files only; None: every file listed
+    (the validation split's too, where the directory has one)."""
     shard_dir = Path(shard_dir)
     manifest = manifest or read_manifest(shard_dir)
-    for shard in manifest["shards"]:
+    if split is None:
+        splits = [s for s in SPLITS if s == "train" or VALIDATION_KEY in manifest]
+    else:
+        splits = [split]
+    for shard in (e for s in splits for e in split_shards(manifest, s, shard_dir)):
         for fname, digest in shard["sha256"].items():
             path = shard_dir / fname
             if not path.is_file():

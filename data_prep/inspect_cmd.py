@@ -1,10 +1,11 @@
 """`python -m data_prep inspect DIR [--verify]`: what a finished shard directory holds.
 
-Prints the counts, the tokenizer and config, the input statistics, a text histogram of
-example lengths ([CLS] A [SEP] B [SEP]) and decoded sample examples (A | B). With --verify it
-also checks every file against the manifest's sha256 (`format.verify_shards`) and the arrays'
-structure (shapes, offsets, token ids below the vocabulary size); a corrupt or truncated shard
-raises ShardError naming the file.
+Prints the counts (the validation split's too, where there is one), the tokenizer and config,
+the input statistics, a text histogram of example lengths ([CLS] A [SEP] B [SEP]) and decoded
+sample examples (A | B) of the training shards. With --verify it also checks every file (the
+validation shards' too) against the manifest's sha256 (`format.verify_shards`) and the
+arrays' structure (shapes, offsets, token ids below the vocabulary size); a corrupt or
+truncated shard raises ShardError naming the file.
 """
 
 from __future__ import annotations
@@ -32,10 +33,14 @@ def _open(shard_dir: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def check_structure(shard_dir: Path, manifest: dict[str, Any]) -> None:
-    """ShardError if an array's shape, offsets, counts or ids disagree with the manifest."""
+    """ShardError if an array's shape, offsets, counts or ids disagree with the manifest (the
+    validation shards' too, where the directory has a validation split)."""
     vocab = int(manifest["vocab_size"])
     max_len = int(manifest["config"]["max_seq_length"]) - 3
-    for shard in manifest["shards"]:
+    shards = list(manifest["shards"])
+    if fmt.VALIDATION_KEY in manifest:
+        shards += fmt.split_shards(manifest, "validation", shard_dir)
+    for shard in shards:
         name = shard["name"]
         tokens, index = _open(shard_dir, name)
         where = shard_dir / fmt.index_file(name)
@@ -95,6 +100,17 @@ def inspect(
         f"{manifest['special_tokens']}, sha256 {manifest['tokenizer_sha256'][:12]}...",
         file=out,
     )
+    valid = manifest.get(fmt.VALIDATION_KEY)
+    if valid is not None:
+        vt = valid["totals"]
+        print(
+            f"  validation: {valid['num_shards']} shard(s), {vt['examples']} examples, "
+            f"{vt['tokens']} tokens, {vt['documents']} held-out documents "
+            f"({valid['selection']['rule']}: "
+            f"{valid['selection'].get('fraction', valid['selection'].get('documents'))}, "
+            f"seed {valid['seed']})",
+            file=out,
+        )
     print(f"  config: {cfg}", file=out)
     print(f"  input: {manifest['input']}", file=out)
     if verify:

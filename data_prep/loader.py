@@ -25,6 +25,22 @@ W * (N // W) positions (the ragged tail is dropped so every rank has the same ba
 
 Shards are memory-mapped (format.open_shard) on first use in each process and kept in a small
 LRU (`max_open_shards`), so neither memory nor open file descriptors grow with the corpus.
+
+Validation (a directory made with `data_prep shards --validation-fraction F` or
+`--validation-documents N`: held-out documents, see format.py):
+
+    valid = PretrainingData("shards/", max_seq_length=512, masking=MaskingConfig(), seed=1,
+                            split="validation")
+    batches = validation_batches(valid, batch_size=64, max_batches=50, rank=rank,
+                                 world_size=world)   # the same list on every call
+    # sum loss * count over `batches`, all-reduce the sums once, divide
+
+Validation examples are masked by the same code, from `SeedSequence([seed, 0, index],
+spawn_key=(VALIDATION_DOMAIN,))`: epoch fixed at 0, a key space of its own (never a training
+example's masks). `validation_batches` takes the first max_batches * batch_size * world_size
+positions of a keyed permutation of (seed, VALIDATION_DOMAIN) (so a cap samples across
+documents, not the first few) and gives position p to rank p % world_size: ranks' examples
+are disjoint and together exactly those positions (all examples when max_batches is None).
 """
 
 from __future__ import annotations
@@ -48,6 +64,7 @@ from data_prep.transport import loader_batches
 
 STATE_VERSION = 1
 _SHUFFLE_DOMAIN = 0x5348_5546  # spawn_key tag: shuffle keys never collide with example seeds
+VALIDATION_DOMAIN = 0x5641_4C49  # spawn_key tag of validation examples' masks and order
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,6 +145,12 @@ class PretrainingData(Dataset):
         it is read (one vectorised max), so a corrupt id is a ShardError naming the shard file,
         the position and the id, not an IndexError in the model.
     tokenizer_path: the tokenizer training will use; ShardError if it is not the shards' one.
+    split: "train" (the training shards) or "validation" (the held-out documents' shards of a
+        directory made with --validation-fraction / --validation-documents; ShardError naming
+        the directory and the flags if it has none). Validation examples draw their SOP swap
+        and masks from `SeedSequence([seed, epoch, index], spawn_key=(VALIDATION_DOMAIN,))`;
+        use `validation_batches` for a fixed evaluation set. verify_checksums checks the
+        files of this split.
     Bad input raises `format.ShardError` naming the file and the reason.
     """
 
@@ -141,7 +164,13 @@ class PretrainingData(Dataset):
         verify_checksums: bool = False,
         tokenizer_path: str | os.PathLike | None = None,
         max_open_shards: int = 64,
+        split: str = "train",
     ):
+        if split not in fmt.SPLITS:
+            raise ValueError(f"split must be one of {list(fmt.SPLITS)}, got {split!r}")
+        self.split = split
+        # Training examples keep the default key space (their masks are as before splits existed).
+        self._spawn_key: tuple[int, ...] = (VALIDATION_DOMAIN,) if split == "validation" else ()
         self.shard_dir = Path(shard_dir)
         self.masking = masking if masking is not None else MaskingConfig()
         if max_seq_length < 5:
@@ -166,15 +195,16 @@ class PretrainingData(Dataset):
         manifest = fmt.read_manifest(self.shard_dir)
         self._check_manifest(manifest)
         self.manifest = manifest
+        entries = fmt.split_shards(manifest, split, self.shard_dir)
         if tokenizer_path is not None:
             if not Path(tokenizer_path).is_file():
                 raise fmt.ShardError(f"tokenizer {tokenizer_path} not found")
             fmt.verify_tokenizer(self.shard_dir, tokenizer_path)
         if verify_checksums:
-            fmt.verify_shards(self.shard_dir, manifest)
+            fmt.verify_shards(self.shard_dir, manifest, split)
 
-        self.shard_names = [s["name"] for s in manifest["shards"]]
-        self.shard_examples = [int(s["examples"]) for s in manifest["shards"]]
+        self.shard_names = [s["name"] for s in entries]
+        self.shard_examples = [int(s["examples"]) for s in entries]
         for name, count in zip(self.shard_names, self.shard_examples):
             for fname in (fmt.tokens_file(name), fmt.index_file(name)):
                 if count and not (self.shard_dir / fname).is_file():
@@ -232,17 +262,23 @@ class PretrainingData(Dataset):
             raise bad(f"special_tokens lacks {missing}")
         if manifest.get("layout", "pair") not in fmt.LAYOUTS:
             raise bad(f"unknown layout {manifest['layout']!r}; valid: {list(fmt.LAYOUTS)}")
-        for i, shard in enumerate(manifest["shards"]):
+        entries = fmt.split_shards(manifest, self.split, self.shard_dir)
+        where, totals = "shards", manifest.get("totals", {})
+        if self.split == "validation":
+            where, totals = "validation.shards", manifest[fmt.VALIDATION_KEY].get("totals", {})
+        for i, shard in enumerate(entries):
             if not isinstance(shard, dict) or "name" not in shard or "examples" not in shard:
-                raise bad(f"shards[{i}] needs 'name' and 'examples'")
+                raise bad(f"{where}[{i}] needs 'name' and 'examples'")
             if not isinstance(shard["examples"], int) or shard["examples"] < 0:
-                raise bad(f"shards[{i}] ({shard['name']}): bad example count {shard['examples']!r}")
-        total = sum(s["examples"] for s in manifest["shards"])
+                raise bad(
+                    f"{where}[{i}] ({shard['name']}): bad example count {shard['examples']!r}"
+                )
+        total = sum(s["examples"] for s in entries)
         if total == 0:
-            raise bad("the shards hold no examples")
-        declared = manifest.get("totals", {}).get("examples")
+            raise bad(f"the {where} hold no examples")
+        declared = totals.get("examples")
         if declared is not None and declared != total:
-            raise bad(f"totals.examples is {declared} but the shards add up to {total}")
+            raise bad(f"{where}: totals.examples is {declared} but the shards add up to {total}")
 
     def _load_tokenizer(self) -> Any:
         from tokenizers import Tokenizer
@@ -347,7 +383,9 @@ class PretrainingData(Dataset):
         epoch, index = key if isinstance(key, tuple) else (self.epoch, key)
         index = int(index)
         a, b = self._segments(index)
-        rng = np.random.default_rng(np.random.SeedSequence([self.seed, int(epoch), index]))
+        rng = np.random.default_rng(
+            np.random.SeedSequence([self.seed, int(epoch), index], spawn_key=self._spawn_key)
+        )
         return self.build(a, b, rng)
 
     def build(self, a: np.ndarray, b: np.ndarray, rng: np.random.Generator) -> dict[str, Any]:
@@ -419,13 +457,16 @@ class PretrainingData(Dataset):
 
     def fingerprint(self) -> dict[str, Any]:
         """What a saved loader state must agree with to resume exactly."""
-        return {
+        out = {
             "tokenizer_sha256": self.manifest["tokenizer_sha256"],
             "num_examples": self.num_examples,
             "shards": [[n, c] for n, c in zip(self.shard_names, self.shard_examples)],
             "max_seq_length": self.max_seq_length,
             "masking": dataclasses.asdict(self.masking),
         }
+        if self.split != "train":  # training fingerprints stay as saved states have them
+            out["split"] = self.split
+        return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -661,3 +702,72 @@ def _jsonish(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_jsonish(v) for v in x]
     return x
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+def validation_indices(
+    num_examples: int,
+    batch_size: int,
+    max_batches: int | None,
+    rank: int,
+    world_size: int,
+    seed: int,
+) -> list[np.ndarray]:
+    """The example indices of each of this rank's validation batches (see `validation_batches`)."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank} world_size={world_size}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if max_batches is not None and max_batches < 1:
+        raise ValueError(f"max_batches must be None or >= 1, got {max_batches}")
+    total = num_examples
+    if max_batches is not None:
+        total = min(total, max_batches * batch_size * world_size)
+    positions = np.arange(rank, total, world_size, dtype=np.int64)
+    if not positions.size:
+        return []
+    order = FeistelPermutation(num_examples, (seed, VALIDATION_DOMAIN))(positions)
+    return [order[i : i + batch_size] for i in range(0, order.size, batch_size)]
+
+
+def validation_batches(
+    data: PretrainingData,
+    batch_size: int,
+    max_batches: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    *,
+    static_shapes: bool | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """This rank's share of a fixed validation set: a list of `PretrainingCollator` batches.
+
+    `data` must be a `PretrainingData(..., split="validation")`. The examples are the first
+    min(len(data), max_batches * batch_size * world_size) positions (all, with max_batches None)
+    of a keyed permutation of (data.seed, VALIDATION_DOMAIN); position p goes to rank
+    p % world_size, in order, cut into batches of batch_size (the last may be smaller).
+    Masks and SOP swaps are the examples' epoch-0 ones (`data[(0, i)]`, a key space of their
+    own). So every call, in any process, returns the same tensors; ranks' examples are disjoint
+    and together exactly the chosen positions, each rank getting at most max_batches batches.
+    Ranks' batch counts differ by at most one when the chosen count is not a multiple of
+    batch_size * world_size: sum the losses and counts per rank and all-reduce them once after
+    the loop (a collective per batch would hang). An empty list is possible on a rank when
+    there are fewer validation examples than ranks.
+
+    static_shapes: pad to max_seq_length (None: when the masking has static_masked_positions),
+    as `PretrainingLoader` does. Examples are built in this process (about 50 us each)."""
+    if getattr(data, "split", "train") != "validation":
+        raise ValueError(
+            "validation_batches needs PretrainingData(..., split='validation') (the held-out "
+            f"documents of {data.shard_dir}), got split={getattr(data, 'split', 'train')!r}"
+        )
+    if static_shapes is None:
+        static_shapes = data.masking.static_masked_positions is not None
+    collate = PretrainingCollator(data.special.pad, data.max_seq_length if static_shapes else None)
+    batches = validation_indices(
+        data.num_examples, batch_size, max_batches, rank, world_size, data.seed
+    )
+    return [collate([data[(0, int(i))] for i in idx]) for idx in batches]

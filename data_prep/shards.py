@@ -30,6 +30,15 @@ randomness comes from `random.Random(f"{seed}:{d}")`; nothing depends on --worke
 --job-index or --num-jobs, so the bytes of every file are the same however the work is split
 (for one Python and `tokenizers` version).
 
+Validation split (--validation-fraction F / --validation-documents N; format.py has the rule):
+every worker reads every document anyway, so each decides for itself, from (seed, d) alone,
+whether d is held out (one blake2b per document, ~1 us); a held-out document goes, with the
+same examples, to validation shard d % V instead of training shard d % S. Validation shard v is
+built by job v % k, like training shard v; the done-records carry the selection and the
+held-out count, which `finalize` checks agree. --validation-documents N first reads the input
+once more, without tokenizing, to find the N smallest keys (`choose_validation`). Without a
+flag nothing changes: no key in the config, no file, the same bytes as before the option.
+
 Writing: each shard streams its tokens and index rows to hidden `.partial` files (memory stays
 bounded whatever the corpus and the number of shards a worker holds), then writes the two .npy
 arrays (temp file + rename), then its done-record (`format.done_file`) last. A shard with a
@@ -48,8 +57,10 @@ A file that was only touched or copied (same bytes, new mtime) is the same input
 from __future__ import annotations
 
 import array
+import heapq
 import json
 import logging
+import math
 import multiprocessing as mp
 import os
 import random
@@ -58,8 +69,9 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +134,16 @@ class ShardConfig:
     loader's truncation), so B still starts where A ends: the order signal SOP is about. On the
     embedded corpus's 32-token pairs it lets SOP be learned on more seeds (BENCHMARKS.md)."""
 
+    validation_fraction: float = 0.0
+    """Hold out each document with this probability (by its `format.validation_key`), as the
+    validation split; 0: no split. At most one of validation_fraction / validation_documents."""
+
+    validation_documents: int = 0
+    """Hold out exactly this many documents (the N smallest keys); 0: no split."""
+
+    validation_shards: int = 1
+    """V: held-out document d goes to validation shard d % V."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
         if not self.inputs:
@@ -140,12 +162,45 @@ class ShardConfig:
             raise ValueError(
                 f"--truncation must be one of {list(TRUNCATIONS)}, got {self.truncation!r}"
             )
+        f = self.validation_fraction
+        if not 0.0 <= f < 1.0:  # also refuses NaN
+            raise ValueError(
+                f"--validation-fraction must be in [0, 1), got {f}"
+                + (": it would leave no training documents" if f >= 1.0 else "")
+            )
+        if not isinstance(self.validation_documents, int) or self.validation_documents < 0:
+            raise ValueError(
+                f"--validation-documents must be an int >= 0, got {self.validation_documents!r}"
+            )
+        if f > 0 and self.validation_documents > 0:
+            raise ValueError(
+                "give --validation-fraction or --validation-documents, not both (got "
+                f"{f} and {self.validation_documents})"
+            )
+        if self.validation_shards < 1:
+            raise ValueError(f"--validation-shards must be >= 1, got {self.validation_shards}")
+        if self.validation_shards != 1 and not self.has_validation:
+            raise ValueError(
+                f"--validation-shards {self.validation_shards} needs {fmt.VALIDATION_FLAGS}"
+            )
+
+    @property
+    def has_validation(self) -> bool:
+        return self.validation_fraction > 0 or self.validation_documents > 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["inputs"] = list(self.inputs)
         if d["truncation"] == "albert":  # the default: manifests written before the option match
             del d["truncation"]
+        # No split: the keys are left out, so such directories are byte-identical to those made
+        # before the option existed. With one: only the flag in use, and V.
+        if not self.validation_fraction:
+            del d["validation_fraction"]
+        if not self.validation_documents:
+            del d["validation_documents"]
+        if not self.has_validation:
+            del d["validation_shards"]
         return d
 
 
@@ -231,6 +286,99 @@ def document_rng(seed: int, document_index: int) -> random.Random:
     return random.Random(f"{seed}:{document_index}")
 
 
+# ----------------------------------------------------------------------------- validation split
+
+
+@dataclass(frozen=True)
+class ValidationSplit:
+    """Which documents are held out for validation (the rule: format.py's docstring).
+
+    rule "fraction": d is held out iff key(d) < threshold (an int, floor(F * 2**64)).
+    rule "documents": d is held out iff (key(d), d) <= threshold (the N-th smallest (key, d)
+    of the input, found by `choose_validation`'s read of the input)."""
+
+    seed: int
+    rule: str
+    threshold: int | tuple[int, int]
+    requested: float | int
+    """The fraction F or the count N asked for."""
+
+    def held_out(self, document_index: int) -> bool:
+        key = fmt.validation_key(self.seed, document_index)
+        if isinstance(self.threshold, int):  # rule "fraction"
+            return key < self.threshold
+        return (key, document_index) <= self.threshold
+
+    def selection(self) -> dict[str, Any]:
+        """What the manifest and the done-records report under validation.selection."""
+        if isinstance(self.threshold, int):
+            return {"rule": "fraction", "fraction": self.requested, "threshold": self.threshold}
+        return {
+            "rule": "documents",
+            "documents": self.requested,
+            "threshold": list(self.threshold),
+        }
+
+    def describe(self, num_shards: int) -> str:
+        """The rule in words, with this split's numbers (the manifest's validation.how)."""
+        key = (
+            f"key(d) = the first 8 bytes, big-endian, of blake2b(f'{self.seed}:{{d}}'.encode(), "
+            "digest_size=8, person=b'validation')"
+        )
+        if isinstance(self.threshold, int):
+            which = f"key(d) < {self.threshold} (floor({self.requested} * 2**64))"
+        else:
+            which = (
+                f"(key(d), d) is among the {self.requested} smallest of the input, i.e. "
+                f"<= {list(self.threshold)}"
+            )
+        return (
+            f"document d (0-based, input order) is held out iff {which}, where {key}; a held-out "
+            f"document's examples are in valid_{{d % {num_shards}}}, never in a training shard"
+        )
+
+
+def choose_validation(config: ShardConfig) -> ValidationSplit | None:
+    """The validation split of `config` (None without one). --validation-documents N reads the
+    input once (no tokenizing) to find the N documents with the smallest keys; ValueError if
+    the input has no more than N documents (nothing would be left to train on)."""
+    if config.validation_fraction > 0:
+        threshold = math.floor(Fraction(config.validation_fraction) * 2**64)
+        return ValidationSplit(config.seed, "fraction", threshold, config.validation_fraction)
+    if not config.validation_documents:
+        return None
+    n = config.validation_documents
+    start = time.perf_counter()
+    readers_log = logging.getLogger("data_prep.readers")
+    level = readers_log.level
+    readers_log.setLevel(logging.ERROR)  # the build's own read warns about bad input
+    try:
+        docs = iter_documents(list(config.inputs), config.text_field, None, config.max_line_chars)
+        count = 0
+
+        def keys() -> Iterator[tuple[int, int]]:
+            nonlocal count
+            for d, _ in enumerate(docs):
+                count = d + 1
+                yield fmt.validation_key(config.seed, d), d
+
+        smallest = heapq.nsmallest(n, keys())
+    finally:
+        readers_log.setLevel(level)
+    if n >= count:
+        raise ValueError(
+            f"--validation-documents {n} leaves no training documents: the input has "
+            f"{count} document(s); use a smaller N (at most {count - 1}) or --validation-fraction"
+        )
+    log.info(
+        "validation split: %d of %d documents held out (chosen in %.1f s, one read of the input)",
+        n,
+        count,
+        time.perf_counter() - start,
+    )
+    return ValidationSplit(config.seed, "documents", smallest[-1], n)
+
+
 # ----------------------------------------------------------------------------- writing
 
 
@@ -277,9 +425,16 @@ class ShardWriter:
     (`finalize` makes the manifest from the done-records). Also used by other producers of
     shard directories (`finetune.lra.shards`)."""
 
-    def __init__(self, out_dir: Path, index: int, dtype: np.dtype, flush_tokens: int) -> None:
+    def __init__(
+        self,
+        out_dir: Path,
+        index: int,
+        dtype: np.dtype,
+        flush_tokens: int,
+        name: str | None = None,
+    ) -> None:
         self.out_dir, self.index, self.dtype = out_dir, index, dtype
-        self.name = fmt.shard_name(index)
+        self.name = name if name is not None else fmt.shard_name(index)
         self.tok_raw, self.idx_raw = _partial_files(out_dir, self.name)
         for p in (self.tok_raw, self.idx_raw):
             p.unlink(missing_ok=True)
@@ -346,6 +501,9 @@ class _Task:
     worker: int
     input_files: tuple[dict[str, Any], ...]
     """`readers.fingerprint_inputs` of the input, recorded in the done-records."""
+    valid_shards: tuple[int, ...] = ()
+    """Validation shards v (held-out documents d with d % V == v) this task writes."""
+    validation: ValidationSplit | None = None
 
 
 def _run_task(task: _Task, progress: Callable[[int, int], None] | None = None) -> list[str]:
@@ -356,35 +514,46 @@ def _run_task(task: _Task, progress: Callable[[int, int], None] | None = None) -
     out_dir = Path(task.out_dir)
     tok = Tokenizer.from_file(task.tokenizer_path)
     dtype = fmt.token_dtype(tok.get_vocab_size())
-    flush_tokens = max(1 << 14, BUFFER_TOKENS // len(task.shards))
+    flush_tokens = max(1 << 14, BUFFER_TOKENS // (len(task.shards) + len(task.valid_shards)))
     writers = {s: ShardWriter(out_dir, s, dtype, flush_tokens) for s in task.shards}
+    valid_writers = {
+        v: ShardWriter(out_dir, v, dtype, flush_tokens, fmt.valid_name(v))
+        for v in task.valid_shards
+    }
+    split = task.validation
+    held_out = 0
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # same ids, no offsets
     max_num_tokens = cfg.max_seq_length - 3
     stats = ReadStats()
-    pending: list[tuple[int, list[str]]] = []
+    pending: list[tuple[int, list[str], ShardWriter]] = []
     pending_chars = 0
     written = 0
 
     def flush_pending() -> None:
         nonlocal written
-        flat = [s for _, doc in pending for s in doc]
+        flat = [s for _, doc, _ in pending for s in doc]
         encodings = encode(flat, add_special_tokens=False) if flat else []
         k = 0
-        for d, doc in pending:
+        for d, doc, writer in pending:
             ids = [encodings[k + j].ids for j in range(len(doc))]
             k += len(doc)
             examples, dropped = build_examples(
                 ids, max_num_tokens, cfg.short_seq_prob, document_rng(cfg.seed, d), cfg.truncation
             )
-            writers[d % cfg.num_shards].add(examples, dropped)
+            writer.add(examples, dropped)
             written += sum(len(a) + len(b) for a, b in examples)
         pending.clear()
 
     docs = iter_documents(list(cfg.inputs), cfg.text_field, stats, cfg.max_line_chars)
     d = -1
     for d, doc in enumerate(docs):
-        if d % cfg.num_shards in writers:
-            pending.append((d, doc))
+        if split is not None and split.held_out(d):
+            held_out += 1
+            writer = valid_writers.get(d % cfg.validation_shards)
+        else:
+            writer = writers.get(d % cfg.num_shards)
+        if writer is not None:
+            pending.append((d, doc, writer))
             pending_chars += sum(len(s) for s in doc)
             if pending_chars >= BATCH_CHARS:
                 flush_pending()
@@ -400,7 +569,27 @@ def _run_task(task: _Task, progress: Callable[[int, int], None] | None = None) -
         "input": stats.to_dict(),
         "input_files": list(task.input_files),
     }
-    return [writers[s].finish(extra)["name"] for s in task.shards]
+    if split is not None:
+        _check_split_sizes(split, held_out, d + 1)
+        extra["validation"] = {"selection": split.selection(), "documents": held_out}
+    names = [writers[s].finish(extra)["name"] for s in task.shards]
+    return names + [valid_writers[v].finish(extra)["name"] for v in task.valid_shards]
+
+
+def _check_split_sizes(split: ValidationSplit, held_out: int, documents: int) -> None:
+    """ValueError (before any done-record is written) if the split left either side empty."""
+    flag = f"--validation-{'fraction' if split.rule == 'fraction' else 'documents'}"
+    asked = f"{flag} {split.requested} (seed {split.seed})"
+    if held_out == 0:
+        raise ValueError(
+            f"{asked} held out none of the {documents} document(s) of the input: use a larger "
+            "fraction, or --validation-documents N for an exact count"
+        )
+    if held_out >= documents:
+        raise ValueError(
+            f"{asked} held out all {documents} document(s) of the input, leaving no training "
+            "documents: use a smaller fraction, or --validation-documents N for an exact count"
+        )
 
 
 _COUNTERS: Any = None  # per-process: shared (documents, tokens) slots of all workers
@@ -618,33 +807,41 @@ def build_shards(
         sum(f["size"] for f in input_files) / 1e6,
         time.perf_counter() - hash_start,
     )
-    for path in [*sorted(out.glob("shard_*.done.json")), out / fmt.MANIFEST]:
+    for path in [*_done_records(out), out / fmt.MANIFEST]:
         if path.is_file():
             _check_same_origin(path, _read_json(path), cfg_dict, tok_sha, input_files)
     if not out_tok.exists():
         _atomic_copy(Path(tokenizer_path), out_tok)
 
-    mine = [s for s in range(config.num_shards) if s % num_jobs == job_index]
-    todo = [s for s in mine if not _shard_is_done(out, fmt.shard_name(s))]
+    # Units of work: training shard s and validation shard v both go to job (s or v) % k.
+    mine = [_Unit(False, s) for s in range(config.num_shards) if s % num_jobs == job_index]
+    if config.has_validation:
+        mine += [
+            _Unit(True, v) for v in range(config.validation_shards) if v % num_jobs == job_index
+        ]
+    todo = [u for u in mine if not _shard_is_done(out, u.name)]
+    n_valid = sum(u.validation for u in mine)
     log.info(
-        "shards: %d of %d for job %d/%d, %d already done, %d to build with %d worker(s)",
-        len(mine),
+        "shards: %d of %d for job %d/%d%s, %d already done, %d to build with %d worker(s)",
+        len(mine) - n_valid,
         config.num_shards,
         job_index,
         num_jobs,
+        f" (+ {n_valid} of {config.validation_shards} validation)" if n_valid else "",
         len(mine) - len(todo),
         len(todo),
         min(workers, max(len(todo), 1)),
     )
     start = time.perf_counter()
     if todo:
+        split = choose_validation(config)  # --validation-documents: one read of the input
         (out / fmt.MANIFEST).unlink(missing_ok=True)  # a manifest only lists complete shards
-        for s in todo:
-            _clean_shard(out, fmt.shard_name(s))
-        _run(config, str(tokenizer_path), tok_sha, out, todo, workers, input_files)
+        for u in todo:
+            _clean_shard(out, u.name)
+        _run(config, str(tokenizer_path), tok_sha, out, todo, workers, input_files, split)
         _check_unchanged_while_read(input_files, out)
     seconds = time.perf_counter() - start
-    records = [_read_json(out / fmt.done_file(fmt.shard_name(s))) for s in todo]
+    records = [_read_json(out / fmt.done_file(u.name)) for u in todo]
     tokens = sum(r["tokens"] for r in records)
     summary = {
         "built": len(todo),
@@ -682,14 +879,32 @@ def build_shards(
     return summary
 
 
+@dataclass(frozen=True)
+class _Unit:
+    """One shard to build: training shard `index`, or validation shard `index`."""
+
+    validation: bool
+    index: int
+
+    @property
+    def name(self) -> str:
+        return fmt.valid_name(self.index) if self.validation else fmt.shard_name(self.index)
+
+
+def _done_records(out: Path) -> list[Path]:
+    """The done-records in `out`: training shards, then validation shards."""
+    return [*sorted(out.glob("shard_*.done.json")), *sorted(out.glob("valid_*.done.json"))]
+
+
 def _run(
     config: ShardConfig,
     tokenizer_path: str,
     tok_sha: str,
     out: Path,
-    todo: list[int],
+    todo: list[_Unit],
     workers: int,
     input_files: list[dict[str, Any]],
+    split: ValidationSplit | None = None,
 ) -> None:
     workers = min(workers, len(todo))
     tasks = [
@@ -698,9 +913,11 @@ def _run(
             tokenizer_path,
             tok_sha,
             str(out),
-            tuple(todo[w::workers]),
+            tuple(u.index for u in todo[w::workers] if not u.validation),
             w,
             tuple(input_files),
+            tuple(u.index for u in todo[w::workers] if u.validation),
+            split,
         )
         for w in range(workers)
     ]
@@ -730,8 +947,9 @@ def _run(
 def finalize(out_dir: str | os.PathLike) -> dict[str, Any]:
     """Checks that every shard's done-record exists and matches its files (sha256) and that all
     come from one config, tokenizer and input (the same input statistics and, where recorded,
-    the same input file contents); then writes manifest.json. Byte-identical to
-    the manifest of a single-job run. ShardError (naming the file) otherwise."""
+    the same input file contents), and the validation shards' too where the config has a
+    validation split (and the same held-out documents); then writes manifest.json.
+    Byte-identical to the manifest of a single-job run. ShardError (naming the file) otherwise."""
     out = Path(out_dir)
     done_paths = sorted(out.glob("shard_*.done.json"))
     if not done_paths:
@@ -748,12 +966,17 @@ def finalize(out_dir: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(config, dict) or "num_shards" not in config:
         raise fmt.ShardError(f"{done_paths[0]} has no config: not a done-record of this format")
     num_shards = int(config["num_shards"])
+    has_validation = bool(config.get("validation_fraction") or config.get("validation_documents"))
+    num_valid = int(config.get("validation_shards", 1)) if has_validation else 0
+    split_meta = first.get("validation")
+    names = [fmt.shard_name(s) for s in range(num_shards)]
+    names += [fmt.valid_name(v) for v in range(num_valid)]
     records = []
     missing = []
-    for s in range(num_shards):
-        path = out / fmt.done_file(fmt.shard_name(s))
+    for name in names:
+        path = out / fmt.done_file(name)
         if not path.is_file():
-            missing.append(fmt.shard_name(s))
+            missing.append(name)
             continue
         record = _read_json(path)
         _check_same_origin(path, record, config, tok_sha, input_files)
@@ -762,14 +985,21 @@ def finalize(out_dir: str | os.PathLike) -> dict[str, Any]:
                 f"{path} was made from different input than {done_paths[0].name} (input stats "
                 "differ: did the input files change between jobs?); rebuild the directory"
             )
+        if record.get("validation") != split_meta:
+            raise fmt.ShardError(
+                f"{path} holds out other validation documents than {done_paths[0].name} "
+                f"({record.get('validation')} vs {split_meta}); rebuild the directory"
+            )
         records.append(record)
     if missing:
         shown = ", ".join(missing[:10]) + (
             f" and {len(missing) - 10} more" if len(missing) > 10 else ""
         )
+        valid = f" and {num_valid} validation shards" if num_valid else ""
         raise fmt.ShardError(
-            f"{out}: {len(missing)} of {num_shards} shards are not done ({shown}); run the job(s) "
-            "that make them (with --num-jobs k, shard s is made by job s % k), then finalize"
+            f"{out}: {len(missing)} of {num_shards} shards{valid} are not done ({shown}); run "
+            "the job(s) that make them (with --num-jobs k, shard s is made by job s % k, "
+            "validation shard v by job v % k), then finalize"
         )
     tok_path = out / fmt.TOKENIZER
     if not tok_path.is_file() or fmt.sha256_file(tok_path) != tok_sha:
@@ -797,6 +1027,7 @@ def finalize(out_dir: str | os.PathLike) -> dict[str, Any]:
             len(empty),
             ", ".join(empty[:10]),
         )
+    train, valid = records[:num_shards], records[num_shards:]
     manifest = {
         "format_version": fmt.FORMAT_VERSION,
         "tokenizer_sha256": tok_sha,
@@ -807,31 +1038,76 @@ def finalize(out_dir: str | os.PathLike) -> dict[str, Any]:
         **({"layout": config["layout"]} if "layout" in config else {}),
         "config": config,
         "num_shards": num_shards,
-        "shards": [
-            {
-                "name": r["name"],
-                "examples": r["examples"],
-                "tokens": r["tokens"],
-                "documents": r["documents"],
-                "sha256": r["sha256"],
-            }
-            for r in records
-        ],
-        "totals": {
-            "examples": sum(r["examples"] for r in records),
-            "tokens": sum(r["tokens"] for r in records),
-            "documents": sum(r["documents"] for r in records),
-            "dropped_tokens": sum(r["dropped_tokens"] for r in records),
-        },
+        "shards": _shard_entries(train),
+        "totals": _totals(train),
+        **({fmt.VALIDATION_KEY: _validation_section(config, split_meta, valid)} if valid else {}),
         "input": input_stats,
         **({"input_files": input_files} if input_files is not None else {}),
     }
     _atomic_write_json(out / fmt.MANIFEST, manifest)
     log.info(
-        "wrote %s: %d shards, %d examples, %d tokens",
+        "wrote %s: %d shards, %d examples, %d tokens%s",
         out / fmt.MANIFEST,
         num_shards,
         manifest["totals"]["examples"],
         manifest["totals"]["tokens"],
+        (
+            f"; validation: {num_valid} shard(s), {manifest['validation']['totals']['examples']} "
+            f"examples, {manifest['validation']['totals']['tokens']} tokens, "
+            f"{manifest['validation']['totals']['documents']} documents"
+            if valid
+            else ""
+        ),
     )
     return manifest
+
+
+def _shard_entries(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": r["name"],
+            "examples": r["examples"],
+            "tokens": r["tokens"],
+            "documents": r["documents"],
+            "sha256": r["sha256"],
+        }
+        for r in records
+    ]
+
+
+def _totals(records: list[dict[str, Any]]) -> dict[str, int]:
+    return {
+        "examples": sum(r["examples"] for r in records),
+        "tokens": sum(r["tokens"] for r in records),
+        "documents": sum(r["documents"] for r in records),
+        "dropped_tokens": sum(r["dropped_tokens"] for r in records),
+    }
+
+
+def _validation_section(
+    config: dict[str, Any], meta: dict[str, Any] | None, records: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The manifest's "validation" section (format.py) from the validation done-records."""
+    if not isinstance(meta, dict) or "selection" not in meta:
+        raise fmt.ShardError(
+            f"{records[0]['name']}: its done-record does not say how the validation documents "
+            "were chosen; rebuild the directory"
+        )
+    sel = meta["selection"]
+    threshold = sel["threshold"] if sel["rule"] == "fraction" else tuple(sel["threshold"])
+    requested = sel["fraction"] if sel["rule"] == "fraction" else sel["documents"]
+    split = ValidationSplit(int(config["seed"]), sel["rule"], threshold, requested)
+    totals = _totals(records)
+    if totals["documents"] != meta["documents"]:
+        raise fmt.ShardError(
+            f"the validation shards hold {totals['documents']} documents, but "
+            f"{meta['documents']} were held out; rebuild the directory"
+        )
+    return {
+        "selection": sel,
+        "how": split.describe(len(records)),
+        "seed": int(config["seed"]),
+        "num_shards": len(records),
+        "shards": _shard_entries(records),
+        "totals": totals,
+    }
