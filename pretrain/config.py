@@ -43,6 +43,10 @@ class DataConfig:
     verify_checksums: bool = True
     """Check every shard's sha256 against the manifest before training (rank 0; reads the
     whole corpus once: turn off for very large corpora that were verified already)."""
+    validation_batches: int = 20
+    """Micro-batches per process of the held-out validation set evaluated every
+    ``train.eval_every`` steps (the same examples and masks every time; the shards need a
+    validation split: ``data_prep shards --validation-fraction``)."""
 
     def __post_init__(self) -> None:
         if not self.shards:
@@ -51,10 +55,16 @@ class DataConfig:
             raise ValueError(f"data.max_seq_length={self.max_seq_length} is invalid; valid: >= 5")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers={self.num_workers} is invalid; valid: >= 0")
+        if self.validation_batches < 1:
+            raise ValueError(
+                f"data.validation_batches={self.validation_batches} is invalid; valid: >= 1"
+            )
 
 
 RESUMABLE_CHANGES = (
     "train.steps",
+    "train.eval_every",
+    "data.validation_batches",
     "train.log_every",
     "train.diagnostics_every",
     "train.checkpoint_every",
@@ -96,6 +106,9 @@ class TrainConfig:
     order and masking."""
     log_every: int = 10
     """Steps between TensorBoard scalars / progress lines."""
+    eval_every: int = 0
+    """Steps between evaluations on the shards' held-out validation split (MLM loss and
+    accuracy, SOP accuracy; TensorBoard ``eval/...``, status.json); 0: none."""
     diagnostics_every: int = 0
     """Steps between model diagnostics (activation factors, entropy, expert and residual
     weights, orthogonality error, TISA curves); 0 turns them off."""
@@ -121,7 +134,7 @@ class TrainConfig:
         for name in ("log_every", "keep_last", "max_nonfinite_in_a_row"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}={getattr(self, name)} is invalid; valid: >= 1")
-        for name in ("diagnostics_every", "checkpoint_every"):
+        for name in ("diagnostics_every", "checkpoint_every", "eval_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name}={getattr(self, name)} is invalid; valid: >= 0")
         if self.time_budget_minutes is not None and self.time_budget_minutes <= 0:

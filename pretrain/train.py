@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from data_prep.format import TOKENIZER, ShardError, sha256_file
-from data_prep.loader import PretrainingData, PretrainingLoader
+from data_prep.loader import PretrainingData, PretrainingLoader, validation_batches
 from engine import checkpoint as ckpt
 from engine.distributed import detect
 from engine.engine import Engine, StepResult, shutdown
@@ -128,6 +128,21 @@ def open_phases(cfg: PretrainConfig, rank: int) -> tuple[list[PretrainingData], 
     return datas, tokenizers[0]
 
 
+def open_validation(cfg: PretrainConfig) -> list[PretrainingData]:
+    """Every phase's held-out validation split (a ShardError naming the flags when its shards
+    have none: ``train.eval_every`` needs one)."""
+    return [
+        PretrainingData(
+            Path(phase.shards),
+            max_seq_length=phase.max_seq_length,
+            masking=cfg.data.masking,
+            seed=cfg.train.seed,
+            split="validation",
+        )
+        for phase in cfg.resolved_phases()
+    ]
+
+
 def data_identity(
     datas: list[PretrainingData], tokenizer: Path, init: str | None = None
 ) -> dict[str, str]:
@@ -199,6 +214,9 @@ class Trainer:
         self.phases = cfg.resolved_phases()
         self.datas, self.tokenizer = open_phases(cfg, self.rank)
         self.data = self.datas[0]
+        self.valid_datas = open_validation(cfg) if cfg.train.eval_every else []
+        self._valid_batches: dict[int, list[dict[str, torch.Tensor]]] = {}
+        self.last_eval: dict[str, float] = {}
         self.model_cfg: EncoderConfig = cfg.encoder_config(
             self.data.vocab_size, self.data.special.pad
         )
@@ -355,6 +373,62 @@ class Trainer:
     def _any_rank_failed(self, failed: bool) -> bool:
         return bool(self.engine.all_reduce_max([float(failed)])[0])
 
+    # -- validation --------------------------------------------------------------------------
+
+    def evaluate(self, writer: MetricsWriter) -> dict[str, float]:
+        """Collective. MLM loss and accuracy and SOP loss and accuracy on the current phase's
+        fixed validation batches (the same examples and masks every time, each rank its own
+        share), summed over ranks; logged as ``eval/...`` at this step. Eval mode, no
+        gradients, no draw from the training RNG streams."""
+        start = time.perf_counter()
+        phase = self.phase
+        if phase.index not in self._valid_batches:
+            self._valid_batches[phase.index] = validation_batches(
+                self.valid_datas[phase.index],
+                phase.micro_batch_size,
+                max_batches=self.cfg.data.validation_batches,
+                rank=self.rank,
+                world_size=self.dist.world_size,
+            )
+        batches = self._valid_batches[phase.index]
+        # The fewest batches any rank has: every rank runs as many forwards (collective
+        # under ZeRO-3).
+        (fewest,) = self.engine.all_reduce_max([-float(len(batches))])
+        sums = torch.zeros(6, dtype=torch.float64)
+        self.engine.train(False)
+        with torch.no_grad():
+            for cpu_batch in batches[: int(-fewest)]:
+                batch = self.engine.to_device(cpu_batch)
+                loss = pretraining_loss(self.engine.forward(**model_inputs(batch)), batch)
+                c = {k: float(v) for k, v in loss.counts.items()}
+                sums += torch.tensor(
+                    [
+                        float(loss.parts["mlm"]) * c["mlm_total"],
+                        c["mlm_total"],
+                        c["mlm_correct"],
+                        float(loss.parts["sop"]) * c["sop_total"],
+                        c["sop_total"],
+                        c["sop_correct"],
+                    ],
+                    dtype=torch.float64,
+                )
+        self.engine.train(True)
+        mlm_sum, mlm_n, mlm_ok, sop_sum, sop_n, sop_ok = (
+            self.engine.all_reduce_mean(sums) * self.dist.world_size
+        ).tolist()
+        values = {
+            "eval/loss/mlm": mlm_sum / max(mlm_n, 1.0),
+            "eval/accuracy/mlm": mlm_ok / max(mlm_n, 1.0),
+            "eval/masked_tokens": mlm_n,
+            "eval/seconds": time.perf_counter() - start,
+        }
+        if sop_n:
+            values["eval/loss/sop"] = sop_sum / sop_n
+            values["eval/accuracy/sop"] = sop_ok / sop_n
+        writer.scalars(self.step, values)
+        self.last_eval = {"step": float(self.step), **values}
+        return values
+
     # -- logging -----------------------------------------------------------------------------
 
     def diagnostics(self, writer: MetricsWriter, batch: dict[str, torch.Tensor]) -> None:
@@ -500,6 +574,17 @@ class Trainer:
                     )  # fmt: skip
                 if cfg.train.diagnostics_every and self.step % cfg.train.diagnostics_every == 0:
                     self.diagnostics(writer, batch)
+                if cfg.train.eval_every and (
+                    self.step % cfg.train.eval_every == 0 or self.step == total
+                ):
+                    evaluation = self.evaluate(writer)
+                    if self.is_main:
+                        progress.write(
+                            f"pretrain: step {self.step}: validation mlm "
+                            f"{evaluation['eval/loss/mlm']:.4f} "
+                            f"(accuracy {evaluation['eval/accuracy/mlm']:.3f}), "
+                            f"{evaluation['eval/seconds']:.1f} s"
+                        )
                 if self.nonfinite_in_a_row >= cfg.train.max_nonfinite_in_a_row:
                     path = self.save_checkpoint("non-finite loss")
                     raise NonFiniteLossError(
@@ -551,6 +636,7 @@ class Trainer:
                 "tokens": self.tokens,
                 "skipped_steps": self.skipped,
                 "last": last,
+                "validation": self.last_eval or None,
                 "release": None if release is None else str(release),
             }
             _write_json_atomically(self.run_dir / STATUS_FILE, status)
