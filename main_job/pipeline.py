@@ -7,7 +7,8 @@
        configs/pretrain/debug[-<family>].yaml ...``): checkpoints, TensorBoard, a release;
     3. export: ``python -m pretrain.export`` of each run's final checkpoint, reloaded and
        checked against the run's own release;
-    4. a summary: MLM loss first -> last, SOP accuracy, where the logs and releases are;
+    4. a summary: MLM loss first -> last, the held-out validation MLM loss (5% of the
+       documents, evaluated every 50 steps), SOP accuracy, where the logs and releases are;
     5. LRA (``--lra-scale main``, the default; ``none`` skips it): generated short ListOps,
        self-pretraining of a softmax encoder on its training inputs (``python -m finetune
        lra-shards`` + ``python -m pretrain``), then fine-tuning from that release and from
@@ -44,6 +45,12 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "pretrain"
 SEQ = 64
 
 
+VALIDATION_FRACTION = 0.05
+"""Share of the embedded corpus's documents held out as the validation split."""
+VALIDATION = ["train.eval_every=50", "data.validation_batches=8"]
+"""Every run's held-out evaluation: 8 fixed micro-batches per process every 50 steps."""
+
+
 def recipe(family: str) -> Path:
     return CONFIGS / ("debug.yaml" if family == "softmax" else f"debug-{family}.yaml")
 
@@ -52,13 +59,15 @@ def prepare_data(out: Path, vocab_size: int) -> Path:
     tok = out / "data" / "tokenizer" / TOKENIZER
     if not tok.is_file():
         write_tokenizer(tok.parent, inputs=["embedded"], vocab_size=vocab_size)
-    shards = out / "data" / "shards"
-    build_shards(
-        ShardConfig(inputs=("embedded",), num_shards=2, max_seq_length=SEQ, seed=0),
-        tok,
-        shards,
-        workers=1,
+    shards = out / "data" / "shards-val5"  # 5% of the documents held out for validation
+    config = ShardConfig(
+        inputs=("embedded",),
+        num_shards=2,
+        max_seq_length=SEQ,
+        seed=0,
+        validation_fraction=VALIDATION_FRACTION,
     )
+    build_shards(config, tok, shards, workers=1)
     return shards
 
 
@@ -76,6 +85,7 @@ def pretrain(family: str, shards: Path, run_dir: Path, nproc: int, overrides: li
         f"data.shards={shards}",
         f"train.run_dir={run_dir}",
         "train.progress=false",
+        *VALIDATION,
         *overrides,
     ]
     env = dict(os.environ)
@@ -99,6 +109,9 @@ def summarize(family: str, run_dir: Path, out: Path) -> dict:
         "mlm_loss_first": logged[0]["loss/mlm"],
         "mlm_loss_last": logged[-1]["loss/mlm"],
         "sop_accuracy_last": logged[-1]["accuracy/sop"],
+        "validation_mlm_loss": (status.get("validation") or {}).get("eval/loss/mlm"),
+        "validation_mlm_accuracy": (status.get("validation") or {}).get("eval/accuracy/mlm"),
+        "validation_sop_accuracy": (status.get("validation") or {}).get("eval/accuracy/sop"),
         "tokens_per_s": logged[-1]["throughput/tokens_per_s"],
         "skipped_steps": status["skipped_steps"],
         "tensorboard": str(run_dir / "tensorboard"),
@@ -174,12 +187,15 @@ def main(argv: list[str] | None = None) -> int:
         if not row["export_matches_run"]:
             failed.append(f"{family} (exported release differs from the run's)")
     print(
-        f"\n{'family':<10} {'steps':>5} {'mlm first':>9} {'mlm last':>9} {'sop acc':>7} {'tok/s':>8}"
+        f"\n{'family':<10} {'steps':>5} {'mlm first':>9} {'mlm last':>9} {'val mlm':>8} "
+        f"{'sop acc':>7} {'tok/s':>8}"
     )
     for r in rows:
+        val = r["validation_mlm_loss"]
         print(
             f"{r['family']:<10} {r['steps']:>5} {r['mlm_loss_first']:>9.3f} "
-            f"{r['mlm_loss_last']:>9.3f} {r['sop_accuracy_last']:>7.2f} {r['tokens_per_s']:>8.0f}"
+            f"{r['mlm_loss_last']:>9.3f} {'-' if val is None else f'{val:.3f}':>8} "
+            f"{r['sop_accuracy_last']:>7.2f} {r['tokens_per_s']:>8.0f}"
         )
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     if args.lra_scale != "none":

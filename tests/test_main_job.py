@@ -15,13 +15,15 @@ def test_main_job_end_to_end(tmp_path):
     args = ["--out", str(out), "--families", "softmax", "transject", "--lra-scale", "tiny"]
     args += ["--", "train.steps=12"]
     assert pipeline.main(args) == 0
-    manifest = json.loads((out / "data" / "shards" / "manifest.json").read_text())
+    manifest = json.loads((out / "data" / "shards-val5" / "manifest.json").read_text())
     assert manifest["totals"]["examples"] > 1000
+    assert manifest["validation"]["totals"]["examples"] > 0
     summary = json.loads((out / "summary.json").read_text())
     assert [r["family"] for r in summary] == ["softmax", "transject"]
     for row in summary:
         assert row["state"] == "completed" and row["steps"] == 12
         assert row["mlm_loss_last"] < row["mlm_loss_first"]
+        assert 0 < row["validation_mlm_loss"] < row["mlm_loss_first"]  # evaluated at step 12
         assert row["export_matches_run"]
         release = out / "releases" / row["family"]
         assert (release / "tokenizer.json").read_bytes() == (
@@ -40,7 +42,7 @@ def test_main_job_end_to_end(tmp_path):
         == 19
     )
     # A second run reuses the shards and the finished runs (they resume at their last step).
-    before = (out / "data" / "shards" / "shard_00000.tokens.npy").stat().st_mtime_ns
+    before = (out / "data" / "shards-val5" / "shard_00000.tokens.npy").stat().st_mtime_ns
     again = ["--out", str(out), "--families", "softmax", "--lra-scale", "none"]
     assert pipeline.main([*again, "--", "train.steps=12"]) == 0
-    assert (out / "data" / "shards" / "shard_00000.tokens.npy").stat().st_mtime_ns == before
+    assert (out / "data" / "shards-val5" / "shard_00000.tokens.npy").stat().st_mtime_ns == before
