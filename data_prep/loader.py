@@ -22,6 +22,20 @@ Position p of the epoch maps to example `perm(p)`, computed per batch (vectorise
 batch): nothing of size N is ever built, and resuming at batch b costs nothing (the skipped
 batches are not decoded). Rank r of W takes positions r, r+W, r+2W, ... of the first
 W * (N // W) positions (the ragged tail is dropped so every rank has the same batch count).
+With `global_batch_size` G (micro-batch x accumulation x ranks) an epoch ends after the first
+floor(N / G) * G positions instead, so that optimizer steps never straddle two epochs and the
+positions of step s of an epoch are [s G, (s + 1) G) on any number of ranks.
+
+Another number of ranks (elastic resume). After k batches of b on W ranks, the ranks have
+together consumed positions [0, k b W) of the epoch's order (interleaved); the state records
+that global offset (`samples_in_epoch`). `load_state_dict(state, elastic=True)` on W' ranks
+continues from that position: rank r takes positions o + r, o + r + W', ... (o the offset) to
+the epoch's end, and the next epoch starts at 0 on W' ranks. So the positions consumed in every
+epoch are a prefix of its order, each exactly once, however often the rank count changed; with
+`global_batch_size` (the same G before and after) the prefix, hence the multiset of examples of
+the whole run, is the one an uninterrupted run consumes, and each optimizer step gets the same
+examples. Without it an epoch's length follows the micro-step b W of the layout that finishes
+it (the dropped tail, under one micro-step, may differ).
 
 Shards are memory-mapped (format.open_shard) on first use in each process and kept in a small
 LRU (`max_open_shards`), so neither memory nor open file descriptors grow with the corpus.
@@ -62,7 +76,7 @@ from data_prep import format as fmt
 from data_prep.masking import IGNORE_INDEX, MaskingConfig, mask_example, word_start_table
 from data_prep.transport import loader_batches
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: start_in_epoch, samples_in_epoch, global_batch_size (1 still loads)
 _SHUFFLE_DOMAIN = 0x5348_5546  # spawn_key tag: shuffle keys never collide with example seeds
 VALIDATION_DOMAIN = 0x5641_4C49  # spawn_key tag of validation examples' masks and order
 
@@ -515,7 +529,16 @@ class PretrainingCollator:
 
 
 class EpochPlan:
-    """Which examples make batch b of epoch e on this rank: pure index arithmetic, O(batch)."""
+    """Which examples make batch b of epoch e on this rank: pure index arithmetic, O(batch).
+
+    An epoch consumes the first `epoch_length` positions of its order: with drop_last
+    floor(N / q) * q, q = `global_batch_size` or, when None, one micro-step of all ranks
+    (batch_size * world_size); without drop_last world_size * (N // world_size) (each rank's
+    last batch may be partial). From a global position `start` of the epoch (0 unless the epoch
+    was begun on another number of ranks), batch b of rank r holds positions
+    start + r + world_size * j, j in [b * batch_size, (b + 1) * batch_size), up to the epoch's
+    end (a remainder under world_size positions is dropped so every rank has the same count).
+    """
 
     def __init__(
         self,
@@ -525,6 +548,7 @@ class EpochPlan:
         world_size: int,
         seed: int,
         drop_last: bool,
+        global_batch_size: int | None = None,
     ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(
@@ -532,48 +556,82 @@ class EpochPlan:
             )
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if global_batch_size is not None:
+            if not drop_last:
+                raise ValueError("global_batch_size needs drop_last=True")
+            step = batch_size * world_size
+            if (
+                isinstance(global_batch_size, bool)
+                or not isinstance(global_batch_size, int)
+                or global_batch_size < step
+                or global_batch_size % step
+            ):
+                raise ValueError(
+                    f"global_batch_size={global_batch_size!r} is invalid; valid: a multiple of "
+                    f"batch_size x world_size = {step}"
+                )
         self.num_examples = num_examples
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
+        self.drop_last = drop_last
+        self.global_batch_size = global_batch_size
         self.per_rank = num_examples // world_size  # the ragged tail is dropped on every rank
         if drop_last:
-            self.batches_per_epoch = self.per_rank // batch_size
+            quantum = global_batch_size or batch_size * world_size
+            self.epoch_length = num_examples // quantum * quantum
         else:
-            self.batches_per_epoch = math.ceil(self.per_rank / batch_size)
+            self.epoch_length = world_size * self.per_rank
+        self.batches_per_epoch = self.batches_from(0)
         if self.batches_per_epoch == 0:
+            what = f" (global batch {global_batch_size})" if global_batch_size else ""
             raise ValueError(
                 f"{num_examples} examples over {world_size} rank(s) give no full batch of "
-                f"{batch_size}"
+                f"{batch_size}{what}"
             )
         self._perm: tuple[int, FeistelPermutation] | None = None
+
+    def rank_positions(self, start: int = 0) -> int:
+        """Positions this rank takes from global position `start` to the epoch's end."""
+        return max(0, self.epoch_length - start) // self.world_size
+
+    def batches_from(self, start: int = 0) -> int:
+        """This rank's batches from global position `start` to the epoch's end."""
+        n = self.rank_positions(start)
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def permutation(self, epoch: int) -> FeistelPermutation:
         if self._perm is None or self._perm[0] != epoch:
             self._perm = (epoch, FeistelPermutation(self.num_examples, (self.seed, epoch)))
         return self._perm[1]
 
-    def batch_indices(self, epoch: int, batch: int) -> np.ndarray:
-        """Global example indices of batch `batch` of `epoch` for this rank."""
-        start = batch * self.batch_size
-        j = np.arange(start, min(start + self.batch_size, self.per_rank), dtype=np.int64)
-        return self.permutation(epoch)(j * self.world_size + self.rank)
+    def batch_indices(self, epoch: int, batch: int, start: int = 0) -> np.ndarray:
+        """Global example indices of batch `batch` (counted from `start`) of `epoch` for this
+        rank."""
+        first = batch * self.batch_size
+        end = min(first + self.batch_size, self.rank_positions(start))
+        j = np.arange(first, end, dtype=np.int64)
+        return self.permutation(epoch)(start + j * self.world_size + self.rank)
 
 
 class _BatchSampler:
-    """Yields [(epoch, index), ...] lists from (epoch, batch) on, across epochs."""
+    """Yields [(epoch, index), ...] lists from (epoch, batch) on (batch counted from the global
+    position `start` of that epoch), across epochs (later epochs start at position 0)."""
 
-    def __init__(self, plan: EpochPlan, epoch: int, batch: int, num_epochs: int | None):
+    def __init__(
+        self, plan: EpochPlan, epoch: int, batch: int, num_epochs: int | None, start: int = 0
+    ):
         self.plan, self.epoch, self.batch, self.num_epochs = plan, epoch, batch, num_epochs
+        self.start = start
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        epoch, batch = self.epoch, self.batch
+        epoch, batch, start = self.epoch, self.batch, self.start
         while self.num_epochs is None or epoch < self.num_epochs:
-            while batch < self.plan.batches_per_epoch:
-                yield [(epoch, i) for i in self.plan.batch_indices(epoch, batch).tolist()]
+            while batch < self.plan.batches_from(start):
+                yield [(epoch, i) for i in self.plan.batch_indices(epoch, batch, start).tolist()]
                 batch += 1
-            epoch, batch = epoch + 1, 0
+            epoch, batch, start = epoch + 1, 0, 0
 
 
 class PretrainingLoader:
@@ -589,6 +647,12 @@ class PretrainingLoader:
     drop_last: drop the last partial batch of each epoch (same count on every rank either way).
     static_shapes: pad every batch to max_seq_length (compiled models). None: on when the
         masking config has static_masked_positions.
+    global_batch_size: examples per optimizer step over all ranks (batch_size x gradient
+        accumulation x world_size; drop_last only). Epochs then end on a step boundary, the
+        same on any number of ranks, which makes an elastic resume (`load_state_dict(...,
+        elastic=True)`) consume exactly what an uninterrupted run does. None: epochs end on a
+        micro-step boundary (batch_size x world_size), as before this option existed; the same
+        thing when there is no gradient accumulation.
     """
 
     def __init__(
@@ -604,6 +668,7 @@ class PretrainingLoader:
         static_shapes: bool | None = None,
         pin_memory: bool = False,
         prefetch_factor: int | None = None,
+        global_batch_size: int | None = None,
     ):
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
@@ -612,7 +677,15 @@ class PretrainingLoader:
         if prefetch_factor is not None and num_workers == 0:
             raise ValueError("prefetch_factor needs num_workers > 0")
         self.data = data
-        self.plan = EpochPlan(data.num_examples, batch_size, rank, world_size, data.seed, drop_last)
+        self.plan = EpochPlan(
+            data.num_examples,
+            batch_size,
+            rank,
+            world_size,
+            data.seed,
+            drop_last,
+            global_batch_size,
+        )
         self.num_workers = num_workers
         self.num_epochs = num_epochs
         self.drop_last = drop_last
@@ -625,7 +698,8 @@ class PretrainingLoader:
         self.pin_memory = pin_memory
         self.prefetch_factor = prefetch_factor
         self.epoch = 0
-        self.batch_in_epoch = 0  # batches of `epoch` already handed out
+        self.batch_in_epoch = 0  # batches of `epoch` handed out (since `start_in_epoch`)
+        self.start_in_epoch = 0  # positions of `epoch` consumed under an earlier rank count
 
     @property
     def batch_size(self) -> int:
@@ -635,10 +709,19 @@ class PretrainingLoader:
     def batches_per_epoch(self) -> int:
         return self.plan.batches_per_epoch
 
+    @property
+    def samples_in_epoch(self) -> int:
+        """Positions of the current epoch's order consumed by all ranks together (the global
+        offset an elastic resume continues from)."""
+        plan = self.plan
+        return self.start_in_epoch + self.batch_in_epoch * plan.batch_size * plan.world_size
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         if self.num_epochs is not None and self.epoch >= self.num_epochs:
             return
-        sampler = _BatchSampler(self.plan, self.epoch, self.batch_in_epoch, self.num_epochs)
+        sampler = _BatchSampler(
+            self.plan, self.epoch, self.batch_in_epoch, self.num_epochs, self.start_in_epoch
+        )
         extra = {} if self.prefetch_factor is None else {"prefetch_factor": self.prefetch_factor}
         batches = loader_batches(
             self.data,
@@ -654,45 +737,85 @@ class PretrainingLoader:
         for batch in batches:
             # Counted when handed out: a state saved after this batch resumes at the next one.
             self.batch_in_epoch += 1
-            if self.batch_in_epoch == self.plan.batches_per_epoch:
-                self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+            if self.batch_in_epoch == self.plan.batches_from(self.start_in_epoch):
+                self.epoch, self.batch_in_epoch, self.start_in_epoch = self.epoch + 1, 0, 0
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
+        """The position (``epoch``; ``batch_in_epoch`` batches of this rank since
+        ``start_in_epoch``; ``samples_in_epoch``, the same position as a count of the epoch's
+        positions consumed by all ranks) and what it is valid for."""
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
+            "start_in_epoch": self.start_in_epoch,
+            "samples_in_epoch": self.samples_in_epoch,
             "seed": self.data.seed,
             "rank": self.plan.rank,
             "world_size": self.plan.world_size,
             "batch_size": self.plan.batch_size,
+            "global_batch_size": self.plan.global_batch_size,
             "drop_last": self.drop_last,
             "data": self.data.fingerprint(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, elastic: bool = False) -> None:
         """Resumes at the saved position (ValueError if the state is from a different setup:
-        another seed, rank layout, batch size or data, where exact resume is impossible)."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(
-                f"loader state version {state.get('version')!r}, expected {STATE_VERSION}"
-            )
+        another seed, rank layout, batch size or data, where exact resume is impossible).
+
+        elastic: also accept a state saved by another number of ranks (any of its ranks' states:
+        they hold the same global position), with the same seed, data, batch size and
+        drop_last. This loader then continues at the state's ``samples_in_epoch``: the first
+        position of the epoch that no rank consumed, interleaved over this loader's ranks (see
+        the module docstring). With the same number of ranks it is the exact resume above.
+        A state whose epoch is already complete under this loader's epoch length (possible
+        when ``global_batch_size`` is not given and the micro-step changes) continues at the
+        next epoch."""
+        version = state.get("version")
+        if version not in (1, STATE_VERSION):
+            raise ValueError(f"loader state version {version!r}, expected 1 or {STATE_VERSION}")
         mine = self.state_dict()
-        diff = [
-            k
-            for k in ("seed", "rank", "world_size", "batch_size", "drop_last", "data")
-            if _jsonish(state.get(k)) != _jsonish(mine[k])
-        ]
+        same_world = _jsonish(state.get("world_size")) == mine["world_size"]
+        keys = ["seed", "batch_size", "drop_last", "data"]
+        if not (elastic and not same_world):
+            keys[1:1] = ["rank", "world_size"]
+        diff = [k for k in keys if _jsonish(state.get(k)) != _jsonish(mine[k])]
         if diff:
             raise ValueError(
                 "loader state does not match this loader in "
                 + ", ".join(f"{k} (saved {state.get(k)!r}, now {mine[k]!r})" for k in diff)
+                + (
+                    "; a state of another number of ranks loads with elastic=True"
+                    if diff == ["world_size"] or diff == ["rank", "world_size"]
+                    else ""
+                )
             )
         epoch, batch = int(state["epoch"]), int(state["batch_in_epoch"])
-        if epoch < 0 or not 0 <= batch < self.plan.batches_per_epoch:
+        start = int(state.get("start_in_epoch", 0))
+        saved_world, saved_batch = int(state["world_size"]), int(state["batch_size"])
+        if epoch < 0 or batch < 0 or start < 0:
+            raise ValueError(
+                f"loader state position epoch={epoch} batch={batch} start={start} is out of range"
+            )
+        samples = start + batch * saved_batch * saved_world
+        recorded = int(state.get("samples_in_epoch", samples))
+        if recorded != samples and not same_world:  # the position an elastic resume uses
+            raise ValueError(
+                f"loader state is inconsistent: samples_in_epoch={state['samples_in_epoch']} "
+                f"but start_in_epoch + batch_in_epoch x batch_size x world_size = {samples}"
+            )
+        # Another global batch (e.g. a state saved before it was given) changes the epoch's
+        # length, and the position may lie beyond the new end: the epoch is then over.
+        same_length = _jsonish(state.get("global_batch_size")) == mine["global_batch_size"]
+        if same_world and batch < self.plan.batches_from(start):
+            self.epoch, self.batch_in_epoch, self.start_in_epoch = epoch, batch, start
+        elif same_world and same_length:
             raise ValueError(f"loader state position epoch={epoch} batch={batch} is out of range")
-        self.epoch, self.batch_in_epoch = epoch, batch
+        elif self.plan.batches_from(samples) == 0:  # the epoch is over at this epoch length
+            self.epoch, self.batch_in_epoch, self.start_in_epoch = epoch + 1, 0, 0
+        else:
+            self.epoch, self.batch_in_epoch, self.start_in_epoch = epoch, 0, samples
 
 
 def _jsonish(x: Any) -> Any:

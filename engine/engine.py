@@ -839,7 +839,11 @@ class Engine:
         """Collective. Writes the engine state (model, optimizer, loss scaler; schedule) into
         ``directory`` (an existing, empty staging directory shared by all ranks)."""
         directory = Path(directory)
-        extra = {"scheduler": self.scheduler.state_dict(), "micro_step": int(self.micro_step)}
+        extra = {
+            "scheduler": self.scheduler.state_dict(),
+            "micro_step": int(self.micro_step),
+            "layout": self.layout(),
+        }
         if self._ds is not None:
             self._ds.save_checkpoint(
                 str(directory.parent),
@@ -860,22 +864,53 @@ class Engine:
             torch.save(state, tmp)
             os.replace(tmp, directory / "engine.pt")
 
-    def load(self, directory: Path) -> None:
+    def layout(self) -> dict[str, Any]:
+        """How this engine splits the global batch and its state: recorded in every checkpoint
+        (the ``"albatross"`` state's ``"layout"``) so that a load on another world size can
+        convert the counters."""
+        return {
+            "world_size": int(self.world_size),
+            "micro_batch_size": int(self.cfg.micro_batch_size),
+            "gradient_accumulation_steps": int(self.cfg.gradient_accumulation_steps),
+            "backend": self.cfg.backend,
+            "zero_stage": int(self.cfg.zero_stage),
+            "precision": self.cfg.precision,
+        }
+
+    def load(self, directory: Path, *, universal_dir: Path | None = None) -> None:
         """Collective. Restores what ``save`` wrote; raises when it cannot. ``engine.pt``
         (``backend="torch"``) is loaded with ``weights_only=True``: a file holding anything but
         tensors and plain data raises ``CheckpointError`` naming it. DeepSpeed loads its own
-        files with ``weights_only=False`` (see the module docstring)."""
+        files with ``weights_only=False`` (see the module docstring).
+
+        Another world size. ``engine.pt`` and DeepSpeed ZeRO-0 checkpoints hold the whole
+        optimizer state and load on any number of processes as they are. A DeepSpeed ZeRO 1-3
+        checkpoint written by another number of processes is converted first into DeepSpeed's
+        universal checkpoint (``engine.reshard.to_universal``: by rank 0, into
+        ``universal_dir``, default ``<directory>/universal``, reused when already there; the
+        other ranks wait) and loaded from there with DeepSpeed's ``load_universal`` mode:
+        weights, fp32 master weights and optimizer moments re-partitioned for this world size;
+        the schedule and the counters come from the checkpoint as usual (``micro_step`` is
+        rescaled to this engine's gradient accumulation). The caller keeps the global batch
+        (``engine.reshard.gradient_accumulation_for``) and moves the data loader
+        (``PretrainingLoader.load_state_dict`` with a state of another world size)."""
+        from engine import reshard
+
         directory = Path(directory)
         if self._ds is not None:
-            path, client = self._ds.load_checkpoint(
-                str(directory.parent),
-                tag=directory.name,
-                load_optimizer_states=True,
-                load_lr_scheduler_states=False,
-            )
-            if path is None or client is None or "albatross" not in client:
-                raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory}")
-            extra = client["albatross"]
+            saved_world = reshard.saved_world_size(directory)
+            if saved_world is not None and saved_world != self.world_size:
+                extra = self._load_universal(directory, universal_dir)
+            else:
+                path, client = self._ds.load_checkpoint(
+                    str(directory.parent),
+                    tag=directory.name,
+                    load_optimizer_states=True,
+                    load_lr_scheduler_states=False,
+                )
+                if path is None or client is None or "albatross" not in client:
+                    raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory}")
+                extra = client["albatross"]
         else:
             state = load_engine_file(directory / "engine.pt", self.device)
             self.module.load_state_dict(state["model"])
@@ -888,7 +923,48 @@ class Engine:
         # does not restore param-group lrs under ZeRO either. Put the schedule's lr back.
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
-        self.micro_step = int(extra["micro_step"])
+        self.micro_step = _rescaled_micro_step(
+            int(extra["micro_step"]), extra.get("layout"), self.cfg.gradient_accumulation_steps
+        )
+
+    def _load_universal(self, directory: Path, universal_dir: Path | None) -> dict[str, Any]:
+        """Collective: convert (rank 0; cached) and load ``directory`` in DeepSpeed's universal
+        mode. Returns the ``"albatross"`` client state."""
+        from engine import reshard
+
+        target = reshard.universal_path(directory) if universal_dir is None else universal_dir
+        error: Exception | None = None
+        if self.rank == 0:
+            try:
+                reshard.to_universal(directory, target)
+            except Exception as exc:  # reported on every rank below, not left in a barrier
+                error = exc
+        (failed,) = self.all_reduce_max([float(error is not None)])
+        if error is not None:
+            raise error
+        if failed:
+            raise reshard.ReshardError(
+                f"{directory}: the conversion to a universal checkpoint failed on rank 0"
+            )
+        config = self._ds._config
+        config.load_universal_checkpoint = True
+        try:
+            path, client = self._ds.load_checkpoint(
+                str(target.parent),
+                tag=target.name,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=False,
+            )
+        finally:
+            config.load_universal_checkpoint = False
+        if self.cfg.zero_stage == 3:
+            reshard.repair_zero3_load(self._ds.optimizer, target)
+        if path is None or client is None or "albatross" not in client:
+            raise RuntimeError(
+                f"DeepSpeed could not load the universal checkpoint in {target} "
+                f"(converted from {directory})"
+            )
+        return client["albatross"]
 
     # -- collectives for the trainer -----------------------------------------------------------
 
@@ -912,6 +988,20 @@ class Engine:
             torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
             t = t / self.world_size
         return t.cpu()
+
+
+def _rescaled_micro_step(saved: int, layout: Any, accumulation: int) -> int:
+    """``micro_step`` (backward calls on each rank) of a checkpoint written with the gradient
+    accumulation in ``layout``, for an engine that accumulates ``accumulation`` micro-batches
+    per step: the same number of optimizer steps. Unchanged without a layout (checkpoints
+    written before layouts were recorded) or with the same accumulation."""
+    if not isinstance(layout, dict):
+        return saved
+    before = int(layout.get("gradient_accumulation_steps", accumulation))
+    if before == accumulation or before < 1:
+        return saved
+    steps, within = divmod(saved, before)
+    return steps * accumulation + within
 
 
 ENGINE_STATE_KEYS = ("model", "optimizer", "scaler", "albatross")
