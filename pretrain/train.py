@@ -13,6 +13,8 @@ A checkpoint (``engine/checkpoint.py`` for the directory protocol) holds:
       <DeepSpeed's files>           model, optimizer (partitioned under ZeRO), loss scaler
       rank_00000.pt, rank_00001.pt  per rank: RNG states, loader position, counters, schedule
       release/                      consolidated fp32 weights + config + tokenizer (a release)
+      universal/                    only after a resume on another number of processes (ZeRO
+                                    1-3): DeepSpeed's universal checkpoint, a cached conversion
       COMPLETE.json                 written last; lists every file with its size
 
 Exit: the run returns a ``RunResult``; ``state`` is ``"completed"``, ``"stopped"`` (signal or
@@ -21,10 +23,12 @@ time budget; a checkpoint was saved, re-run the same command to resume) or raise
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import os
+import random
 import resource
 import time
 import warnings
@@ -39,6 +43,7 @@ import torch
 from data_prep.format import TOKENIZER, ShardError, sha256_file
 from data_prep.loader import PretrainingData, PretrainingLoader, validation_batches
 from engine import checkpoint as ckpt
+from engine import reshard
 from engine.distributed import detect
 from engine.engine import Engine, StepResult, shutdown
 from engine.metrics import MetricsWriter, Progress, mfu, peak_flops
@@ -228,6 +233,9 @@ class Trainer:
         )
         self.resolved = resolved
         self.resuming = check_run_dir(self.run_dir, resolved)
+        self.accumulation = cfg.engine.gradient_accumulation_steps
+        """Micro-batches per optimizer step on this world size: the config's, or what keeps
+        the checkpoint's global batch when resuming on another number of processes."""
         if self.resuming:
             self._check_resumable()
 
@@ -236,7 +244,8 @@ class Trainer:
         self.init_report: InitReport | None = None
         if INIT_KEY in cfg.model and not self.resuming:  # a resume loads its checkpoint instead
             self.init_report = load_init(model, cfg.model)
-        self.engine = Engine(model, cfg.engine, cfg.optimizer, cfg.schedule, self.dist)
+        engine_cfg = dataclasses.replace(cfg.engine, gradient_accumulation_steps=self.accumulation)
+        self.engine = Engine(model, engine_cfg, cfg.optimizer, cfg.schedule, self.dist)
         torch.manual_seed(_rank_seed(cfg.train.seed, self.rank))  # dropout differs per rank
         self.phase = self.phases[0]
         self.loader = self._make_loader(self.phase)
@@ -265,6 +274,7 @@ class Trainer:
 
     def _make_loader(self, phase: Phase) -> PretrainingLoader:
         """A fresh loader over ``phase``'s data (its position: the phase's first batch)."""
+        accumulation = self.engine.cfg.gradient_accumulation_steps
         return PretrainingLoader(
             self.datas[phase.index],
             phase.micro_batch_size,
@@ -272,6 +282,9 @@ class Trainer:
             world_size=self.dist.world_size,
             num_workers=self.cfg.data.num_workers,
             pin_memory=self.engine.device.type == "cuda",
+            # Epochs end on optimizer-step boundaries, so a resume on another number of
+            # processes gives every step the examples an uninterrupted run gives it.
+            global_batch_size=phase.micro_batch_size * accumulation * self.dist.world_size,
         )
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -308,19 +321,37 @@ class Trainer:
             "tokens": self.tokens,
             "zero_stage": self.cfg.engine.zero_stage,
             "backend": self.cfg.engine.backend,
+            "micro_batches_per_step": self.engine.cfg.gradient_accumulation_steps
+            * self.dist.world_size,
+            "gradient_accumulation_steps": self.engine.cfg.gradient_accumulation_steps,
         }
         return self.store.commit(self.step, meta)
 
-    def _restore(self, path: Path) -> None:
+    def _restore(self, path: Path, saved_world: int) -> None:
+        """Loads a checkpoint; on another number of processes (``saved_world``) the engine
+        re-partitions the state (`engine.reshard`), every rank continues the data at rank 0's
+        global position, and dropout is reseeded per rank (it cannot match an uninterrupted
+        run's anyway)."""
         self.engine.load(path)
-        state = ckpt.load_rank_state(path, self.rank)
+        elastic = saved_world != self.dist.world_size
+        state = ckpt.load_rank_state(path, 0 if elastic else self.rank)
         # The phase of the next step. A checkpoint at a phase's last step holds that phase's
         # loader position: the next phase starts at its own first batch.
         self.phase = self.cfg.phase_at(int(state["step"]))
         self.loader = self._make_loader(self.phase)
         if int(state.get("phase", 0)) == self.phase.index:
-            self.loader.load_state_dict(state["loader"])
-        ckpt.set_rng_state(state["rng"])
+            self.loader.load_state_dict(state["loader"], elastic=elastic)
+        if elastic:
+            seed = int(
+                np.random.SeedSequence(
+                    [self.cfg.train.seed, self.rank, int(state["step"])]
+                ).generate_state(1)[0]
+            )
+            torch.manual_seed(seed)
+            np.random.seed(seed % 2**32)
+            random.seed(seed)
+        else:
+            ckpt.set_rng_state(state["rng"])
         self.step = int(state["step"])
         self.tokens = int(state["tokens"])
         self.samples = int(state["samples"])
@@ -330,8 +361,10 @@ class Trainer:
     def _check_resumable(self) -> None:
         """Before the process group and the engine: the checkpoint a resume would start from
         fits this run (its COMPLETE.json, sizes only; the content is checked when it loads).
-        Raises ValueError (the CLI's exit 2) for a different number of processes and for
-        ``train.steps`` below the checkpoint's step."""
+        On another number of processes the global batch is kept: ``self.accumulation`` becomes
+        global / (micro-batch x processes). Raises ValueError (the CLI's exit 2) when the
+        number of processes does not divide that, when the checkpoint's optimizer state cannot
+        be re-partitioned, and for ``train.steps`` below the checkpoint's step."""
         store = ckpt.CheckpointStore(
             self.run_dir / "checkpoints", rank=self.rank, world_size=self.dist.world_size
         )
@@ -340,13 +373,20 @@ class Trainer:
                 record = store.read_complete(tag, checksums=False)
             except ckpt.CheckpointError:
                 continue  # resume() reports it and falls back
-            saved_world, step = record.get("world_size"), int(record["step"])
-            if saved_world != self.dist.world_size:
-                raise ValueError(
-                    f"checkpoint {store.root / tag} was written by {saved_world} processes; "
-                    f"this run has {self.dist.world_size}. An exact resume needs the same "
-                    f"number: launch {saved_world} processes, or start a new train.run_dir"
-                )
+            saved_world, step = int(record["world_size"]), int(record["step"])
+            per_step = record["meta"].get(  # micro-batches per optimizer step, all ranks
+                "micro_batches_per_step",
+                self.cfg.engine.gradient_accumulation_steps * saved_world,  # older checkpoints
+            )
+            micro = self.cfg.phase_at(step).micro_batch_size
+            self.accumulation = reshard.gradient_accumulation_for(
+                micro * per_step, micro, self.dist.world_size
+            )
+            if (
+                saved_world != self.dist.world_size
+                and reshard.saved_world_size(store.root / tag) is not None
+            ):
+                reshard.check_convertible(store.root / tag)
             if step > self.cfg.total_steps:
                 raise ValueError(
                     f"train.steps={self.cfg.total_steps} is below the step of the checkpoint "
@@ -362,8 +402,7 @@ class Trainer:
         content checksums; every rank checks sizes."""
 
         def restore(path: Path, record: dict[str, Any]) -> None:
-            ckpt.same_world_size(record, self.dist.world_size)
-            self._restore(path)
+            self._restore(path, int(record["world_size"]))
 
         found = ckpt.resume_collectively(
             self.store, restore, self._any_rank_failed, checksums=self.is_main
@@ -653,7 +692,7 @@ class Trainer:
         tokens = samples = 0
         flops = 0.0
         batch: dict[str, torch.Tensor] = {}
-        for _ in range(self.cfg.engine.gradient_accumulation_steps):
+        for _ in range(self.engine.cfg.gradient_accumulation_steps):
             t0 = time.perf_counter()
             cpu_batch = next(batches)  # time/data: the wait for the batch and its copy only
             batch = engine.to_device(cpu_batch)
