@@ -49,6 +49,17 @@ def pretrain_job(shards: Path, run_dir: Path, steps: int, log: Path) -> str:
     return submit(args, env=sbatch_env())
 
 
+def wait_for_lines(metrics: Path, lines: int, job: str, log: Path, timeout: float = 300) -> None:
+    """Until the job has logged ``lines`` metric lines (it trains); fails if the job vanished."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= lines:
+            return
+        assert job_state(job) is not None, log.read_text() if log.exists() else "job vanished"
+        time.sleep(0.2)
+    pytest.fail("the job did not start training in time")
+
+
 def final_row(run_dir: Path) -> dict:
     rows = read_jsonl(run_dir / "tensorboard")
     return rows[max(rows)]
@@ -79,15 +90,7 @@ def test_pretrain_sbatch_two_tasks(reference):
 def test_preemption_requeues_and_resumes_exactly(reference, shards, tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     job = pretrain_job(shards, run_dir, 24, log)
-    metrics = run_dir / "tensorboard" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        assert job_state(job) is not None, log.read_text() if log.exists() else "job vanished"
-        time.sleep(0.2)
-    else:
-        pytest.fail("the job did not start training in time")
+    wait_for_lines(run_dir / "tensorboard" / "metrics.jsonl", 3, job, log)
     # What Slurm sends <margin> seconds before the time limit (--signal=USR1@margin).
     subprocess.run(["scancel", "--signal=USR1", job], check=True)
     wait_for_job(job)
@@ -192,15 +195,7 @@ def test_finetune_preemption_requeues_and_resumes_exactly(tmp_path):
         [*args, str(REPO / "slurm" / "finetune.sbatch"), *_lra_args(data, run_dir)],
         env=sbatch_env(),
     )
-    metrics = run_dir / "seed_0" / "tensorboard" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 5:
-            break
-        assert job_state(job) is not None, log.read_text() if log.exists() else "job vanished"
-        time.sleep(0.2)
-    else:
-        pytest.fail("the job did not start training in time")
+    wait_for_lines(run_dir / "seed_0" / "tensorboard" / "metrics.jsonl", 5, job, log)
     subprocess.run(["scancel", "--signal=USR1", job], check=True)
     wait_for_job(job)
     text = log.read_text()
