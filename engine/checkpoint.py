@@ -111,6 +111,7 @@ __all__ = [
     "file_checksum",
     "load_rank_state",
     "rank_state_path",
+    "remove_tree",
     "resume_collectively",
     "rng_state",
     "same_world_size",
@@ -118,6 +119,7 @@ __all__ = [
     "set_rng_state",
     "step_of",
     "tag_for",
+    "write_json_atomically",
 ]
 
 CHECKPOINT_DIR_PATTERN = "step_%08d"
@@ -265,8 +267,16 @@ def _write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     _fsync_dir(path.parent)
 
 
-def _remove(path: Path) -> None:
+def write_json_atomically(path: str | os.PathLike[str], value: Any) -> None:
+    """``value`` as indented JSON at ``path``, atomically and durably (see
+    ``_write_atomically``): a status or results file is never seen half-written."""
+    data = (json.dumps(value, indent=2) + "\n").encode()
+    _write_atomically(Path(path), lambda f: f.write(data))
+
+
+def remove_tree(path: str | os.PathLike[str]) -> None:
     """Delete a directory tree (or a file); missing is fine."""
+    path = Path(path)
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
@@ -277,9 +287,9 @@ def _remove_via_rename(path: Path) -> None:
     """Delete a checkpoint directory so that a crash midway never leaves a half-deleted
     directory under its tag: rename it to ``<tag>.removing`` first."""
     aside = path.with_name(path.name + REMOVING_SUFFIX)
-    _remove(aside)
+    remove_tree(aside)
     os.replace(path, aside)
-    _remove(aside)
+    remove_tree(aside)
 
 
 def _file_sizes(directory: Path) -> dict[str, int]:
@@ -387,7 +397,7 @@ class CheckpointStore:
             )
         staging = self.root / self.staging_tag(step)
         if self.rank == 0:
-            _remove(staging)
+            remove_tree(staging)
             staging.mkdir(parents=True)
             _fsync_dir(self.root)
         self._barrier()
@@ -453,11 +463,11 @@ class CheckpointStore:
     def _publish(self, staging: Path, final: Path) -> None:
         aside = final.with_name(final.name + REMOVING_SUFFIX)
         if final.exists():
-            _remove(aside)
+            remove_tree(aside)
             os.replace(final, aside)  # the new checkpoint is sealed: the old one may go
         os.replace(staging, final)
         _fsync_dir(self.root)
-        _remove(aside)
+        remove_tree(aside)
 
     def _prune(self, step: int) -> None:
         latest = self.latest_tag()
@@ -471,7 +481,7 @@ class CheckpointStore:
             if (staged is not None and staged < step) or _step_of_prefixed(
                 path.name, REMOVING_SUFFIX
             ) is not None:
-                _remove(path)
+                remove_tree(path)
 
     # ---------------------------------------------------------------------------- reading
 

@@ -980,6 +980,10 @@ class Engine:
             torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
         return t.cpu().tolist()
 
+    def any_rank(self, flag: bool) -> bool:
+        """Collective: whether ``flag`` is true on any rank."""
+        return bool(self.all_reduce_max([float(flag)])[0])
+
     def all_reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Mean of a float64 CPU vector over ranks (for logged metrics)."""
         t = values.detach().to(torch.float64)

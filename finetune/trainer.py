@@ -57,7 +57,7 @@ from engine.optim import OptimizerConfig, ScheduleConfig
 from engine.recipe import diff_keys
 from engine.signals import StopWatch
 from finetune.batching import LengthGroupedBatchSampler, collate, example_lengths
-from model.release import directory_digest, save_release
+from model.release import save_release
 
 ScoreFn = Callable[[np.ndarray, np.ndarray], dict[str, float]]
 
@@ -178,12 +178,6 @@ def run_identity(config: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
     return {**out, **extra}
 
 
-def content_digest(path: str | Path | None) -> str | None:
-    """sha256 of everything below ``path`` (an ``--init`` directory), wherever it is; None for
-    None (`model.release.directory_digest`)."""
-    return None if path is None else directory_digest(path)
-
-
 def check_run_identity(run_dir: str | Path, identity: Mapping[str, Any]) -> bool:
     """True when ``run_dir`` was started with this identity (a resume or a finished run), False
     when it holds no run. ValueError naming the differing keys when it holds another run, so
@@ -226,14 +220,8 @@ def write_finished(run_dir: str | Path, results: Mapping[str, Any]) -> Path:
     """Writes ``results.json`` with ``"finished": true``, atomically: the last file a run
     writes (after its predictions), so a sweep that finds it may skip the run."""
     path = Path(run_dir) / RESULTS_FILE
-    _write_json(path, {**results, "finished": True})
+    ckpt.write_json_atomically(path, {**results, "finished": True})
     return path
-
-
-def _write_json(path: Path, value: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def _link_tree(source: Path, target: Path) -> None:
@@ -457,10 +445,10 @@ class Finetuner:
         if self.is_main:
             # The best release as it was at the checkpoint (a later best written before the
             # interruption is not this run's any more: the resumed run writes it again).
-            _remove_tree(self.run_dir / BEST)
+            ckpt.remove_tree(self.run_dir / BEST)
             if (path / BEST).is_dir():
                 tmp = self.run_dir / (BEST + ".restoring")
-                _remove_tree(tmp)
+                ckpt.remove_tree(tmp)
                 _link_tree(path / BEST, tmp)
                 os.replace(tmp, self.run_dir / BEST)
         if result.best_step is not None and self.cfg.save_best:
@@ -476,10 +464,7 @@ class Finetuner:
             return self._restore(path, result)
 
         found = ckpt.resume_collectively(
-            self.store,
-            restore,
-            lambda failed: bool(self.engine.all_reduce_max([float(failed)])[0]),
-            checksums=self.is_main,
+            self.store, restore, self.engine.any_rank, checksums=self.is_main
         )
         if found is None:
             return None
@@ -493,7 +478,7 @@ class Finetuner:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if not (self.run_dir / RUN_FILE).is_file():
-                _write_json(self.run_dir / RUN_FILE, json.loads(json.dumps(self.identity)))
+                ckpt.write_json_atomically(self.run_dir / RUN_FILE, self.identity)
         self.engine.barrier()
         result = FinetuneResult(best_step=None, best={})
         self._window: dict[str, Any] = {"loss_sum": 0.0, "count": 0}
@@ -616,7 +601,7 @@ class Finetuner:
                 "history": result.history,
                 "best_release": None if result.best_release is None else str(result.best_release),
             }
-            _write_json(self.run_dir / RESULTS_FILE, summary)
+            ckpt.write_json_atomically(self.run_dir / RESULTS_FILE, summary)
         return result
 
     def discard_checkpoints(self) -> None:
@@ -624,11 +609,4 @@ class Finetuner:
         written everything the run produces: the checkpoints are its only way back)."""
         self.engine.barrier()
         if self.is_main and not self.cfg.keep_checkpoints:
-            _remove_tree(self.store.root)
-
-
-def _remove_tree(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
+            ckpt.remove_tree(self.store.root)

@@ -148,6 +148,17 @@ def export_release(
     )
 
 
+def is_release(path: str | os.PathLike) -> bool:
+    """A release dir (ours) rather than, e.g., an HF checkpoint: its config.json carries a
+    ``format_version``."""
+    config = Path(path) / CONFIG_FILE
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "format_version" in data
+
+
 def read_release_config(release_dir: str | os.PathLike) -> dict[str, Any]:
     """The release's config.json, checked to be a release config of this format version
     (`ReleaseError` naming the file if not; FileNotFoundError if there is none)."""

@@ -29,7 +29,7 @@ from typing import Any
 
 from model.config import SIZE_FIELDS, EncoderConfig
 from model.heads import EncoderForPretraining
-from model.release import CONFIG_FILE, load_release, read_release_config
+from model.release import CONFIG_FILE, is_release, load_release, read_release_config
 
 INIT_KEY = "init_from"
 """The model-section key naming the checkpoint to start from."""
@@ -58,15 +58,6 @@ class InitReport:
         if self.unused:
             line += f"; not used: {', '.join(self.unused)}"
         return line
-
-
-def is_release(path: Path) -> bool:
-    """A release dir (ours) rather than an HF checkpoint: its config.json has a format version."""
-    try:
-        read_release_config(path)
-    except (ValueError, FileNotFoundError):
-        return False
-    return True
 
 
 def checkpoint_encoder(init: Path) -> tuple[dict[str, Any], str]:
@@ -163,6 +154,5 @@ __all__ = [
     "InitReport",
     "checkpoint_encoder",
     "encoder_config",
-    "is_release",
     "load_init",
 ]

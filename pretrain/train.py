@@ -405,12 +405,9 @@ class Trainer:
             self._restore(path, int(record["world_size"]))
 
         found = ckpt.resume_collectively(
-            self.store, restore, self._any_rank_failed, checksums=self.is_main
+            self.store, restore, self.engine.any_rank, checksums=self.is_main
         )
         return None if found is None else found[0]
-
-    def _any_rank_failed(self, failed: bool) -> bool:
-        return bool(self.engine.all_reduce_max([float(failed)])[0])
 
     # -- validation --------------------------------------------------------------------------
 
@@ -521,7 +518,7 @@ class Trainer:
         # was; a stale "stopped" from an earlier attempt must not survive a later crash.
         if self.is_main:
             status = {"state": "running", "step": self.step}
-            _write_json_atomically(self.run_dir / STATUS_FILE, status)
+            ckpt.write_json_atomically(self.run_dir / STATUS_FILE, status)
         total = cfg.total_steps
         writer = MetricsWriter(
             self.run_dir / "tensorboard",
@@ -678,7 +675,7 @@ class Trainer:
                 "validation": self.last_eval or None,
                 "release": None if release is None else str(release),
             }
-            _write_json_atomically(self.run_dir / STATUS_FILE, status)
+            ckpt.write_json_atomically(self.run_dir / STATUS_FILE, status)
         return RunResult(state, self.step, self.run_dir, release, last, reason)
 
     def _train_step(
@@ -774,12 +771,6 @@ class Trainer:
             values["throughput/mfu"] = achieved
         writer.scalars(self.step, values)
         return {k: float(v) for k, v in values.items() if v is not None}
-
-
-def _write_json_atomically(path: Path, value: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def _synchronizer(device: torch.device):

@@ -81,12 +81,18 @@ from finetune.trainer import (
     EXIT_STOPPED,
     FinetuneConfig,
     Finetuner,
-    content_digest,
     finished_run,
     run_identity,
     write_finished,
 )
-from model.release import CONFIG_FILE, TOKENIZER_FILE, load_release, save_release
+from model.release import (
+    CONFIG_FILE,
+    TOKENIZER_FILE,
+    directory_digest,
+    is_release,
+    load_release,
+    save_release,
+)
 
 log = logging.getLogger("finetune.glue")
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "finetune" / "glue"
@@ -149,18 +155,12 @@ class GlueConfig:
     """A learning-rate sweep (each with every seed); None: optimizer.lr alone."""
 
 
-def _is_release(path: Path) -> bool:
-    if not (path / CONFIG_FILE).is_file():
-        return False
-    return "format_version" in json.loads((path / CONFIG_FILE).read_text())
-
-
 def prepare_init(init: Path, cfg: GlueConfig, work: Path) -> Path:
     """A release dir to fine-tune from: ``init`` itself, or an HF ALBERT checkpoint imported
     (with the attention switch of ``model.attention``) into ``work``."""
     if not init.exists():
         raise ValueError(f"--init {init}: no such directory")
-    if _is_release(init):
+    if is_release(init):
         if cfg.model.attention is not None:
             raise ValueError(
                 "model.attention switches the attention of an HF ALBERT import; --init is a "
@@ -446,7 +446,7 @@ def main(args, overrides: list[str]) -> int:
             if args.attention:
                 cfg.model.attention = args.attention
             release = prepare_init(Path(args.init), cfg, Path(work))
-            digest = content_digest(Path(args.init))
+            digest = directory_digest(Path(args.init))
             task = get_task(name)
             for lr in cfg.lrs or [cfg.optimizer.lr]:
                 for seed in cfg.seeds:

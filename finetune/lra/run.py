@@ -45,14 +45,13 @@ from finetune.trainer import (
     EXIT_STOPPED,
     FinetuneConfig,
     Finetuner,
-    content_digest,
     finished_run,
     run_identity,
     write_finished,
 )
 from model.config import EncoderConfig, deep_merge
 from model.heads import build_model
-from model.release import load_release, read_release_config
+from model.release import directory_digest, load_release, read_release_config
 
 
 @dataclass
@@ -334,7 +333,7 @@ def main(args, overrides: list[str]) -> int:
     init = Path(args.init) if args.init else None
     if init is not None and not init.is_dir():
         raise ValueError(f"--init {init}: no such directory")
-    digest = content_digest(init)
+    digest = None if init is None else directory_digest(init)
     rows = []
     for seed in cfg.seeds:
         rows.append(run_seed(cfg, Path(args.data), init, seed, digest))
