@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from itertools import product
@@ -69,6 +70,19 @@ class DistEnv:
     def is_distributed(self) -> bool:
         """True when there is more than one process."""
         return self.world_size > 1
+
+    def describe(self, environ: Mapping[str, str] | None = None) -> str:
+        """One line for the job log: which process this is, where, and how it meets the others,
+        e.g. ``rank 3/4 on node albatross-node2 (node 1, local rank 1/2), rendezvous
+        albatross-node1:12817 (slurm)``. The node name is Slurm's (``SLURMD_NODENAME``) or
+        the host name."""
+        environ = os.environ if environ is None else environ
+        node = environ.get("SLURMD_NODENAME") or socket.gethostname()
+        return (
+            f"rank {self.rank}/{self.world_size} on node {node} (node {self.node_rank}, "
+            f"local rank {self.local_rank}/{self.local_world_size}), rendezvous "
+            f"{self.master_addr}:{self.master_port} ({self.launcher})"
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -509,6 +509,8 @@ def init_distributed(dist: DistEnv, cfg: EngineConfig, device: torch.device) -> 
     if not dist.is_distributed and cfg.backend == "torch":
         return
     export_torch_env(dist)
+    if dist.is_distributed:  # one line per process: where each rank runs, for the job log
+        print(f"distributed: {dist.describe()}", file=sys.stderr, flush=True)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(minutes=cfg.dist_timeout_minutes)
     if device.type == "cuda":
