@@ -50,15 +50,25 @@ class TISAConfig:
 
     backend: Literal["auto", "sdpa", "flex"] = "auto"
     """How the positional score reaches the softmax. `sdpa`: an (H, N, N) float bias built from
-    the 2N-1 values of f per head, passed to scaled_dot_product_attention. `flex`: FlexAttention
-    with a score_mod (no N x N tensor in memory; CUDA, or CPU without gradients, where eager flex
-    still materialises the scores). `auto`: flex on CUDA when attention dropout is off, else sdpa."""
+    the 2N-1 values of f per head (plus the key padding, when the batch is padded), passed to
+    scaled_dot_product_attention. `flex`: FlexAttention with a score_mod adding f(j - i) and the
+    key padding in a block mask (no N x N tensor in memory; CUDA, or CPU without gradients,
+    where eager flex still materialises the scores). `auto`: per sequence length, flex on CUDA
+    when attention dropout is off and N >= `flex_min_length`, else sdpa."""
+
+    flex_min_length: int = 1024
+    """With `backend: auto` on CUDA: the shortest sequence length that uses FlexAttention; shorter
+    batches use SDPA with the materialised bias, whose (B, H, N, N) tensor is affordable there.
+    Provisional: to be set from the GPU measurement of both backends per length
+    (`python bench/bench_fast_paths.py tisa-backends`), which picks the length where flex
+    becomes the faster of the two."""
 
     def __post_init__(self) -> None:
         _check_positive("tisa.num_kernels", self.num_kernels)
         _check_choice("tisa.scope", self.scope, ("shared", "per_layer"))
         _check_choice("tisa.init", self.init, ("random", "zero_amplitude"))
         _check_choice("tisa.backend", self.backend, ("auto", "sdpa", "flex"))
+        _check_positive("tisa.flex_min_length", self.flex_min_length)
 
 
 @dataclass

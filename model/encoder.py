@@ -16,6 +16,7 @@ Activation checkpointing is applied from outside: `Encoder.checkpoint_fn` is cal
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,15 +26,15 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from model.attention import ATTENTION_REGISTRY, LayerContext, MultiHeadAttention
-from model.attention.base import AuxLosses, key_mask, make_linear
+from model.attention.base import AuxLosses, batch_is_padded, key_mask, make_linear
 from model.config import EncoderConfig
 from model.embeddings import AlbertEmbeddings
 from model.norm import LayerNorm
 from model.orthogonal import (
     active_orthogonal_cache,
+    evaluate_orthogonal_maps,
     is_orthogonal_parametrized,
     orthogonal_cache,
-    orthogonal_modules,
 )
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -125,6 +126,10 @@ class Encoder(nn.Module):
             else None
         )
         self.family_state = family.state(cfg) if family.state else None
+        # A state may take the host-side padding flag as a third argument (TISA's does).
+        self._state_takes_padded = self.family_state is not None and (
+            "padded" in inspect.signature(self.family_state.forward).parameters
+        )
         self.final_norm = (
             LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
             if cfg.residual == "pre_ln" and family.layer is None
@@ -160,9 +165,10 @@ class Encoder(nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         mask_BN = key_mask(input_ids, attention_mask)
+        padded = batch_is_padded(attention_mask)
         # Each orthogonal map is evaluated once per forward, whatever the number of applications.
         with orthogonal_cache():
-            return self._forward(input_ids, mask_BN, token_type_ids, output_hidden_states)
+            return self._forward(input_ids, mask_BN, padded, token_type_ids, output_hidden_states)
 
     @torch.no_grad()
     def trace(
@@ -176,30 +182,35 @@ class Encoder(nn.Module):
         The first entry's states are the embeddings' output h_0. Used by `model.diagnostics`.
         """
         mask_BN = key_mask(input_ids, attention_mask)
+        padded = batch_is_padded(attention_mask)
         steps: list[tuple[Tensor, LayerContext | None]] = []
         with orthogonal_cache():
-            out = self._forward(input_ids, mask_BN, token_type_ids, False, steps)
+            out = self._forward(input_ids, mask_BN, padded, token_type_ids, False, steps)
         steps.append((out.last_hidden_state, None))
         return steps
 
     def _forward(
-        self, input_ids, mask_BN, token_type_ids, output_hidden_states, trace=None
+        self, input_ids, mask_BN, padded, token_type_ids, output_hidden_states, trace=None
     ) -> EncoderOutput:
+        store = active_orthogonal_cache()
+        checkpointing = self.checkpoint_fn is not None and self.training
+        # Every orthogonal map up front, those of one shape in one batched solve (CUDA): before
+        # the first checkpointed region, so forward and recomputation find the same matrices
+        # (same saved tensors); and one factorisation instead of one per map. In inference
+        # (no grad) the maps are evaluated lazily, reusing the matrices kept across forwards.
+        if checkpointing or torch.is_grad_enabled():
+            evaluate_orthogonal_maps(self, store)
         x_BND = self.embeddings(input_ids, token_type_ids)
         aux: AuxLosses = {}
         extras = {}
         if self.family_state is not None:
-            extras, state_aux = self.family_state(x_BND, mask_BN)
+            if self._state_takes_padded:
+                extras, state_aux = self.family_state(x_BND, mask_BN, padded=padded)
+            else:
+                extras, state_aux = self.family_state(x_BND, mask_BN)
             add_aux(aux, state_aux)
         hidden_states = [x_BND] if output_hidden_states else None
         inner = self.config.inner_group_num
-        store = active_orthogonal_cache()
-        checkpointing = self.checkpoint_fn is not None and self.training
-        if checkpointing:
-            # Evaluate every orthogonal map before the first checkpointed region, so forward and
-            # recomputation both find them in the cache (same saved tensors).
-            for _, module, name in orthogonal_modules(self):
-                getattr(module, name)
         used: set[int] = set()
         for index, layer in self.layer_applications():
             gate = self.residual_gates[index] if self.residual_gates is not None else None
@@ -209,6 +220,7 @@ class Encoder(nn.Module):
                 first_use=id(layer) not in used,
                 residual_gate=gate,
                 extras=extras,
+                padded=padded,
             )
             used.add(id(layer))
             if trace is not None:

@@ -21,7 +21,7 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 from test_engine import ONE  # the one-process DistEnv
-from test_model_core import count_map_evaluations
+from test_model_core import count_map_evaluations, orthogonal_matrices
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -35,10 +35,15 @@ from model import EncoderConfig, EncoderForPretraining, EncoderForSequenceClassi
 from model.attention import LayerContext
 from model.attention.base import key_padding_bias
 from model.attention.kernel import KernelAttention
-from model.attention.tisa import PositionScorer, tisa_score_mod, toeplitz_bias
+from model.attention.tisa import (
+    PositionScorer,
+    key_padding_block_mask,
+    tisa_score_mod,
+    toeplitz_bias,
+)
 from model.attention.transject import LAMBDA_KEY, TransJectAttention
 from model.norm import LayerNorm, apex_layer_norm_fn, layer_norm_backend
-from model.orthogonal import orthogonal_cache, orthogonal_modules
+from model.orthogonal import orthogonal_cache
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -167,8 +172,8 @@ def test_compile_config_errors():
 
 
 def test_flex_score_mod_compiles_once_and_equals_the_sdpa_bias():
-    """A new score_mod closure over new tensors at every call (every layer and step) reuses the
-    compiled graph; only a new sequence length compiles again (once, then dynamic). Compiled
+    """A new score_mod closure and a new key-padding block mask over new tensors at every call
+    (every layer and step) reuse the compiled graph; only a new sequence length compiles again (once, then dynamic). Compiled
     with Dynamo's eager backend: the recompilation decision is Dynamo's, whatever the backend
     (FlexAttention has no CPU backward and inductor's CPU flex template fails to build this
     score_mod in torch 2.13, so the CUDA kernel itself is checked on GPU)."""
@@ -185,7 +190,8 @@ def test_flex_score_mod_compiles_once_and_equals_the_sdpa_bias():
             mask = torch.rand(B, N) > 0.3
             mask[:, 0] = True
             values = scorer.values(N) * (1 + step)  # new values every "step"
-            out = attend(q, k, v, score_mod=tisa_score_mod(values, mask))
+            block_mask = key_padding_block_mask(mask)  # new mask tensors every "step" too
+            out = attend(q, k, v, score_mod=tisa_score_mod(values), block_mask=block_mask)
             bias = toeplitz_bias(values) + key_padding_bias(mask, q.dtype)
             ref = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -214,22 +220,25 @@ class MatmulLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_kernel_attention_is_two_batched_fp32_products_whatever_the_heads():
-    """phi(K)^T V and phi(Q) KV are one batched product each over all batches and heads (the
-    count does not grow with H), and run in fp32 under bf16 autocast."""
-    counts = []
-    for heads in (2, 8):
-        # elu: a parameter-free phi, so only the two core products remain
-        kernel_cfg = {"dropout": 0.0, "feature_map": "elu"}
-        cfg = tiny("kernel", hidden_size=32, num_attention_heads=heads, kernel=kernel_cfg)
-        kernel = KernelAttention(cfg)
-        q, k, v = torch.randn(3, 2, heads, 10, 32 // heads).bfloat16().unbind(0)
-        log = MatmulLog()
-        with log, torch.autocast("cpu", dtype=torch.bfloat16):
-            kernel(q, k, v, LayerContext(mask_BN=torch.ones(2, 10, dtype=torch.bool)))
-        counts.append(len(log.calls))
-        assert all(dt == torch.float32 for _, dtypes in log.calls for dt in dtypes), log.calls
-    assert counts == [2, 2]
+def test_kernel_attention_products_are_batched_whatever_the_heads():
+    """phi(K)^T V and phi(Q) [KV | z] (numerator and normaliser together) are one batched
+    product each over all batches and heads (the count does not grow with H). Under bf16
+    autocast the second is two (the fp32 [KV | z] split into bf16 hi + lo halves), and on the
+    CPU every product runs in fp32 (CUDA: bf16 inputs, fp32 accumulation and result)."""
+    counts = {}
+    for autocast in (False, True):
+        for heads in (2, 8):
+            # elu: a parameter-free phi, so only the core products remain
+            kernel_cfg = {"dropout": 0.0, "feature_map": "elu"}
+            cfg = tiny("kernel", hidden_size=32, num_attention_heads=heads, kernel=kernel_cfg)
+            kernel = KernelAttention(cfg)
+            q, k, v = torch.randn(3, 2, heads, 10, 32 // heads).unbind(0)
+            log = MatmulLog()
+            with log, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                kernel(q, k, v, LayerContext(mask_BN=torch.ones(2, 10, dtype=torch.bool)))
+            counts[autocast, heads] = len(log.calls)
+            assert all(dt == torch.float32 for _, dtypes in log.calls for dt in dtypes), log.calls
+    assert counts == {(False, 2): 2, (False, 8): 2, (True, 2): 3, (True, 8): 3}, counts
 
 
 def test_transject_experts_are_batched_not_looped():
@@ -273,7 +282,7 @@ def test_orthogonal_maps_once_per_micro_batch_with_accumulation_and_checkpointin
     engine = accumulating_engine(model, lr=1e-3, total_steps=2)
     ids, mask = batch(B=4)
     step_in_two_micro_batches(engine, ids, mask)
-    maps = len(orthogonal_modules(model))
+    maps = orthogonal_matrices(model)
     assert maps > 0 and len(calls) == 2 * maps, (len(calls), maps)
 
 

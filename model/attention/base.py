@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import EncoderConfig
@@ -78,6 +79,12 @@ class LayerContext:
 
     extras: dict[str, Any] = field(default_factory=dict)
     """Per-forward values from the family's `FamilyState` (e.g. TISA scores, TransJect Lambda)."""
+
+    padded: bool = True
+    """False only when the host knows, without reading the device, that no token of the batch
+    is padding (`batch_is_padded`): a kernel may then pass no mask at all to SDPA or
+    FlexAttention, which keeps their fastest kernels eligible. True means "may be padded":
+    `mask_BN` is always valid either way."""
 
 
 @dataclass
@@ -122,7 +129,22 @@ def make_linear(cfg: EncoderConfig, d_in: int, d_out: int, bias: bool = True) ->
 
 
 class MultiHeadAttention(Attention):
-    """Query/key/value/output projections around a `ScoreKernel` (softmax, TISA, linear kernels)."""
+    """Query/key/value/output projections around a `ScoreKernel` (softmax, TISA, linear kernels).
+
+    Q, K and V come from ONE matrix product, x [W_q; W_k; W_v]^T + [b_q; b_k; b_v] (one GEMM
+    instead of three), while the weights stay three parameters, `query`, `key` and `value`:
+    state-dict keys, the HF ALBERT mapping, releases and checkpoints are unchanged, and LAMB
+    keeps one trust ratio per matrix, as in ALBERT (a single (3d, d) parameter would share one).
+    The concatenation costs a copy of 3 d^2 weights per layer application, against the product's
+    2 B N d 3d FLOPs. The result is laid out (B, N, 3, H, h), the "packed QKV" layout SDPA's
+    cuDNN kernel accepts.
+
+    Under DeepSpeed ZeRO-3, which gathers a module's own parameters around its forward, the
+    module is marked a ZeRO-3 leaf (`_z3_leaf`): its forward reads its children's weights
+    directly, so it gathers all of them at once. With `cfg.orthogonal` (weights produced by
+    parametrizations that ZeRO-3 gathers through their own module calls) the three projections
+    stay three products, as before.
+    """
 
     def __init__(self, cfg: EncoderConfig, kernel: ScoreKernel):
         super().__init__()
@@ -133,15 +155,36 @@ class MultiHeadAttention(Attention):
         self.value = make_linear(cfg, d, d)
         self.output = make_linear(cfg, d, d)
         self.kernel = kernel
+        self.fused_qkv = not cfg.orthogonal
+        self._z3_leaf = self.fused_qkv  # read by deepspeed.utils.z3_leaf_module
 
     def _split(self, x_BND: Tensor) -> Tensor:
         B, N, _ = x_BND.shape
         return x_BND.view(B, N, self.num_heads, -1).transpose(1, 2)  # (B, H, N, h)
 
+    def qkv_weight(self) -> tuple[Tensor, Tensor | None]:
+        """([W_q; W_k; W_v] (3d, d), [b_q; b_k; b_v] (3d,) or None): the fused projection."""
+        linears = (self.query, self.key, self.value)
+        weight = torch.cat([lin.weight for lin in linears])
+        biases = [lin.bias for lin in linears]
+        bias = None if any(b is None for b in biases) else torch.cat(biases)
+        return weight, bias
+
+    def project_qkv(self, x_BND: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(q, k, v), each (B, H, N, h), from one matrix product (views of one tensor)."""
+        if not self.fused_qkv:
+            return tuple(self._split(lin(x_BND)) for lin in (self.query, self.key, self.value))
+        weight, bias = self.qkv_weight()
+        if weight.dtype != x_BND.dtype and not torch.is_autocast_enabled(x_BND.device.type):
+            weight = weight.to(x_BND.dtype)  # the orthogonal map returns fp32 (as `Linear`)
+            bias = None if bias is None else bias.to(x_BND.dtype)
+        B, N, _ = x_BND.shape
+        qkv_BN3Hh = F.linear(x_BND, weight, bias).view(B, N, 3, self.num_heads, -1)
+        q_BHNh, k_BHNh, v_BHNh = qkv_BN3Hh.permute(2, 0, 3, 1, 4).unbind(0)
+        return q_BHNh, k_BHNh, v_BHNh
+
     def forward(self, x_BND: Tensor, ctx: LayerContext) -> AttentionOutput:
-        q_BHNh = self._split(self.query(x_BND))
-        k_BHNh = self._split(self.key(x_BND))
-        v_BHNh = self._split(self.value(x_BND))
+        q_BHNh, k_BHNh, v_BHNh = self.project_qkv(x_BND)
         o_BHNh, aux = self.kernel(q_BHNh, k_BHNh, v_BHNh, ctx)
         B, H, N, h = o_BHNh.shape
         o_BND = o_BHNh.transpose(1, 2).reshape(B, N, H * h)
@@ -214,6 +257,27 @@ class AttentionRegistry:
 
     def __contains__(self, name: object) -> bool:
         return name in self._families
+
+
+def batch_is_padded(attention_mask: Tensor | None) -> bool:
+    """Whether the batch may hold padding, decided on the host without a device sync.
+
+    No mask: no padding. A mask on the CPU (read for free) with no zero: no padding. A mask on
+    an accelerator: assumed padded (reading it would stop the host until the device catches
+    up); callers that know a batch is unpadded pass no mask. Inside a `torch.compile` trace a
+    mask is assumed padded too (reading it would break the graph).
+    """
+    if attention_mask is None:
+        return False
+    if attention_mask.device.type == "cpu" and not torch.compiler.is_compiling():
+        return not bool(attention_mask.all())
+    return True
+
+
+def sdpa_key_mask(ctx: LayerContext) -> Tensor | None:
+    """The `attn_mask` of an SDPA call with key padding only: None for an unpadded batch (the
+    flash and cuDNN kernels stay eligible), else bool (B, 1, 1, N), True at real keys."""
+    return ctx.mask_BN[:, None, None, :] if ctx.padded else None
 
 
 def key_mask(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:

@@ -80,6 +80,75 @@ def _matmul(x: Tensor, w: Tensor) -> Tensor:
     return x @ w
 
 
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the feature maps run in: autocast's (bf16 on GPU), else x's own."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b (batched, same batch shape) with fp32 accumulation and an fp32 result.
+
+    CUDA, fp16/bf16 inputs: one tensor-core product with `out_dtype=torch.float32` (also
+    immune to cuBLAS's reduced-precision split-K reductions, which
+    `allow_bf16_reduced_precision_reduction` permits for bf16 results). Elsewhere (CPU, fp32
+    inputs): the inputs upcast to fp32, an fp32 product.
+    """
+    if a.is_cuda and a.dtype in (torch.float16, torch.bfloat16) and b.dtype == a.dtype:
+        batch = a.shape[:-2]
+        out = torch.bmm(
+            a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=torch.float32
+        )
+        return out.reshape(*batch, a.size(-2), b.size(-1))
+    return a.float() @ b.float()
+
+
+class MatmulFp32(torch.autograd.Function):
+    """a @ b with fp32 accumulation and an fp32 result, for fp16/bf16 `a` and `b` either of a's
+    dtype or fp32. An fp32 `b` is split into two of a's dtype, b = hi + lo (hi = b rounded,
+    lo = the rest rounded), and a @ b = a @ hi + a @ lo: two tensor-core products as accurate
+    as one fp32 product of the (exact) low-precision `a` with `b` (error ~2^-16 relative to
+    |a| |b| instead of 2^-8). The gradients accumulate in fp32 too (`_mm_fp32`; dL/db sums over
+    the long dimension of a) and come back in a's and b's dtypes. `torch.bmm(..., out_dtype=)`
+    has no autograd formula, hence this Function."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor) -> Tensor:
+        if b.dtype == a.dtype:
+            b_hi, out = b, _mm_fp32(a, b)
+        else:
+            b_hi = b.to(a.dtype)
+            b_lo = (b - b_hi.float()).to(a.dtype)
+            out = _mm_fp32(a, b_hi) + _mm_fp32(a, b_lo)
+        ctx.b_dtype = b.dtype
+        ctx.save_for_backward(a, b_hi)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        a, b_hi = ctx.saved_tensors
+        g = grad_out.to(a.dtype)
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = _mm_fp32(g, b_hi.mT).to(a.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_b = _mm_fp32(a.mT, g).to(ctx.b_dtype)
+        return grad_a, grad_b
+
+
+def matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b with fp32 accumulation and result: `MatmulFp32` for an fp16/bf16 `a`, a plain
+    fp32 product otherwise (the fp32 path, unchanged)."""
+    if a.dtype in (torch.float16, torch.bfloat16):
+        batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        a = a.expand(*batch, *a.shape[-2:])
+        b = b.expand(*batch, *b.shape[-2:])
+        return MatmulFp32.apply(a, b)
+    return a.float() @ b.float()
+
+
 def _he_normal_(w: Tensor) -> None:
     """The authors' HWLinear init for a stack of (fan_in, fan_out) matrices: N(0, 2 / fan_in)."""
     nn.init.normal_(w, mean=0.0, std=math.sqrt(2.0 / w.size(-2)))
@@ -128,14 +197,19 @@ class FeatureMapUnit(nn.Module):
                 _he_normal_(param)
 
     def forward(self, x_BHNh: Tensor) -> Tensor:
+        """One unit in the compute dtype (`compute_dtype`: bf16 under autocast): the products
+        through autocast, the element-wise softplus / sigmoid / product in that dtype too
+        (autocast alone would run softplus in fp32, and everything after it)."""
+        dtype = compute_dtype(x_BHNh)
         x_BHNh = self.dropout(x_BHNh)
-        y_BHNh = _matmul(x_BHNh, self.w_Hhh)
+        y_BHNh = _matmul(x_BHNh, self.w_Hhh).to(dtype)
         if self.last:
-            y_BHNh = F.softplus(y_BHNh)
+            with torch.autocast(x_BHNh.device.type, enabled=False):
+                y_BHNh = F.softplus(y_BHNh)
         if self.feature_map in ("glu", "oglu"):
-            y_BHNh = y_BHNh * torch.sigmoid(_matmul(x_BHNh, self.v_Hhh))
+            y_BHNh = y_BHNh * torch.sigmoid(_matmul(x_BHNh, self.v_Hhh).to(dtype))
         elif self.feature_map == "aoglu":
-            gate_BHNh = _matmul(_matmul(x_BHNh, self.a_Hhr), self.b_Hrh)
+            gate_BHNh = _matmul(_matmul(x_BHNh, self.a_Hhr), self.b_Hrh).to(dtype)
             y_BHNh = y_BHNh * torch.sigmoid(gate_BHNh)
         return y_BHNh
 
@@ -217,19 +291,26 @@ class KernelAttention(ScoreKernel):
     def forward(
         self, q_BHNh: Tensor, k_BHNh: Tensor, v_BHNh: Tensor, ctx: LayerContext
     ) -> tuple[Tensor, AuxLosses]:
+        dtype = compute_dtype(q_BHNh)
         phi_q_BHNh = self.phi(q_BHNh)  # each unit drops out its own input
         phi_k_BHNh = self.phi(k_BHNh)
-        # The two sums over keys and the normaliser in fp32, whatever the autocast dtype.
+        # phi(Q), phi(K) and V in the compute dtype (bf16 under autocast: half the memory
+        # traffic, tensor cores); the sums over keys, the numerator and the normaliser
+        # accumulated in fp32 with fp32 results (`matmul_fp32`). fp32 without autocast.
         with torch.autocast(q_BHNh.device.type, enabled=False):
-            pad_B1N1 = ~ctx.mask_BN[:, None, :, None]
-            phi_q_BHNh = phi_q_BHNh.float()
-            # Padding keys contribute nothing (masked_fill, not a product: safe if phi is inf).
-            phi_k_BHNh = phi_k_BHNh.float().masked_fill(pad_B1N1, 0.0)
-            kv_BHhh = phi_k_BHNh.transpose(-1, -2) @ v_BHNh.float()  # sum_j phi(k_j) v_j^T
-            z_BH1h = phi_k_BHNh.sum(dim=-2, keepdim=True)  # sum_j phi(k_j)
-            num_BHNh = phi_q_BHNh @ kv_BHhh
-            den_BHN1 = (phi_q_BHNh * z_BH1h).sum(dim=-1, keepdim=True) + self.eps
-            out_BHNh = (num_BHNh / den_BHN1).to(v_BHNh.dtype)
+            phi_q_BHNh = phi_q_BHNh.to(dtype)
+            phi_k_BHNh = phi_k_BHNh.to(dtype)
+            if ctx.padded:
+                # Padding keys contribute nothing (masked_fill, not a product: safe if phi is inf).
+                phi_k_BHNh = phi_k_BHNh.masked_fill(~ctx.mask_BN[:, None, :, None], 0.0)
+            kv_BHhh = matmul_fp32(phi_k_BHNh.mT, v_BHNh.to(dtype))  # sum_j phi(k_j) v_j^T
+            z_BHh1 = phi_k_BHNh.sum(dim=-2, dtype=torch.float32)[..., None]  # sum_j phi(k_j)
+            # Numerator phi(q_i)^T KV and normaliser phi(q_i)^T z in one product with the fp32
+            # [KV | z] (h, h + 1), as accurate as an fp32 product (`MatmulFp32`).
+            kvz_BHhH1 = torch.cat([kv_BHhh, z_BHh1], dim=-1)
+            numden_BHNH1 = matmul_fp32(phi_q_BHNh, kvz_BHhH1)
+            num_BHNh, den_BHN1 = numden_BHNH1.split([kv_BHhh.size(-1), 1], dim=-1)
+            out_BHNh = (num_BHNh / (den_BHN1 + self.eps)).to(v_BHNh.dtype)
         aux: AuxLosses = {}
         if ctx.first_use:
             loss = self.orthogonality_loss()
@@ -253,13 +334,14 @@ def _feature_map_unit_flops(cfg: EncoderConfig, seq_len: int) -> int:
 
 
 def kernel_mixing_flops(cfg: EncoderConfig, seq_len: int) -> int:
-    """phi(q), phi(k) (`num_stacked` units each; none for elu), then phi(K)^T V and phi(Q) KV:
-    2 x units x 2 N h (h [+ h | + 2 r]) + 4 N h d."""
+    """phi(q), phi(k) (`num_stacked` units each; none for elu), then phi(K)^T V, phi(Q) KV and
+    the normaliser phi(Q) z: 2 x units x 2 N h (h [+ h | + 2 r]) + 4 N h d + 2 N d."""
     units = 0 if cfg.kernel.feature_map == "elu" else cfg.kernel.num_stacked
     phi = 2 * units * _feature_map_unit_flops(cfg, seq_len)  # queries and keys
     h = cfg.head_dim
     linear = cfg.num_attention_heads * 2 * matmul_flops(h, seq_len, h)  # (h, N) x (N, h), twice
-    return phi + linear
+    normaliser = cfg.num_attention_heads * matmul_flops(seq_len, h, 1)  # (N, h) x (h, 1)
+    return phi + linear + normaliser
 
 
 def validate(cfg: EncoderConfig) -> None:

@@ -1,8 +1,16 @@
 """Softmax attention through PyTorch's scaled_dot_product_attention, with a key-padding mask.
 
-SDPA picks the fastest kernel it can (flash / memory-efficient on GPU, a fused C++ kernel on
-CPU). `naive_softmax_attention` is the O(N^2) reference every softmax-based kernel is tested
-against.
+SDPA picks the fastest kernel it can (cuDNN / flash / memory-efficient on GPU, a fused C++
+kernel on CPU). What decides which CUDA kernels are eligible is the mask (torch 2.x,
+aten/src/ATen/native/transformers/cuda/sdp_utils.cpp): flash attention takes **no** mask at
+all; cuDNN (first in line on H100-class GPUs with a recent cuDNN) takes a float or boolean mask
+of shape (1 or B, 1 or H, 1 or N, N) that does not require grad; the memory-efficient kernel
+takes any mask; a boolean mask is turned into a float one (-inf at False) before the kernel.
+So an unpadded batch passes `attn_mask=None` (the flash and cuDNN kernels stay eligible) and a
+padded one a boolean (B, 1, 1, N) key mask, never a float bias of zeros. Whether the batch is
+padded is known on the host without a device sync (`LayerContext.padded`, see
+`base.batch_is_padded`). `naive_softmax_attention` is the O(N^2) reference every softmax-based
+kernel is tested against.
 """
 
 from __future__ import annotations
@@ -17,8 +25,8 @@ from model.attention.base import (
     AuxLosses,
     LayerContext,
     ScoreKernel,
-    key_padding_bias,
     matmul_flops,
+    sdpa_key_mask,
 )
 from model.config import EncoderConfig
 
@@ -44,12 +52,11 @@ class SoftmaxKernel(ScoreKernel):
     def forward(
         self, q_BHNh: Tensor, k_BHNh: Tensor, v_BHNh: Tensor, ctx: LayerContext
     ) -> tuple[Tensor, AuxLosses]:
-        bias_B11N = key_padding_bias(ctx.mask_BN, q_BHNh.dtype)
         out_BHNh = F.scaled_dot_product_attention(
             q_BHNh,
             k_BHNh,
             v_BHNh,
-            attn_mask=bias_B11N,
+            attn_mask=sdpa_key_mask(ctx),  # None (unpadded) or bool (B, 1, 1, N)
             dropout_p=self.dropout_p if self.training else 0.0,
         )
         return out_BHNh, {}

@@ -12,7 +12,11 @@ position) to its attention logits:
 F_P is Toeplitz, so one forward needs f at only M = 2N - 1 offsets per head. `TISAState` computes
 those once per forward (METHODS.md section 2); every `TISAKernel` then applies them either as an
 (H, N, N) bias built by indexing (`sdpa` backend) or inside FlexAttention as a `score_mod`
-(`flex` backend, no N x N tensor in memory).
+(`flex` backend, no N x N tensor in memory). On the flex path the `score_mod` is one gather from
+the (H, 2N - 1) table and an add, with no branch on the data; the key padding is a FlexAttention
+block mask (`key_padding_block_mask`: key blocks of padding only are skipped, the mask is read
+only in blocks that mix real keys and padding), and an unpadded batch has no mask at all.
+`tisa.backend: auto` picks the backend per sequence length (`select_backend`).
 
 Decision (METHODS.md): we use the paper's convention F_P[i, j] = f(j - i). The authors' code
 indexes f(i - j - 1), which is only a reparameterisation (c -> -c - 1), but plots of f here are
@@ -86,16 +90,20 @@ def toeplitz_bias(values_HM: Tensor) -> Tensor:
     return values_HM[:, index_NN]
 
 
-def select_backend(cfg: EncoderConfig, device: torch.device, dropout_active: bool) -> str:
+def select_backend(
+    cfg: EncoderConfig, device: torch.device, dropout_active: bool, seq_len: int | None = None
+) -> str:
     """The backend one kernel call uses: "sdpa" or "flex" (see `TISAConfig.backend`).
 
-    `auto` takes flex on CUDA when attention dropout is off (flex has no dropout), else sdpa.
-    An explicit `flex` with active dropout falls back to sdpa (the kernel warns once); explicit
+    `auto` takes flex on CUDA when attention dropout is off (flex has no dropout) and the
+    sequence is at least `tisa.flex_min_length` long (None: long enough), else sdpa. An
+    explicit `flex` with active dropout falls back to sdpa (the kernel warns once); explicit
     `flex` on CPU with gradients enabled raises, since FlexAttention has no CPU backward.
     """
     backend = cfg.tisa.backend
     if backend == "auto":
-        return "flex" if device.type == "cuda" and not dropout_active else "sdpa"
+        long_enough = seq_len is None or seq_len >= cfg.tisa.flex_min_length
+        return "flex" if device.type == "cuda" and not dropout_active and long_enough else "sdpa"
     if backend == "flex" and not dropout_active:
         if device.type != "cuda" and torch.is_grad_enabled():
             raise ValueError(
@@ -118,35 +126,86 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention)
 
 
-def tisa_score_mod(values_HM: Tensor, mask_BN: Tensor):
-    """The FlexAttention `score_mod` adding f_h(j - i) and masking padding keys.
+def tisa_score_mod(values_HM: Tensor):
+    """The FlexAttention `score_mod` adding f_h(j - i): one gather from the (H, 2N - 1) table.
 
-    values_HM holds f at offsets -(N-1) .. N-1 (offset k at index k + N - 1), mask_BN is True at
-    real keys. Both are captured tensors (graph inputs under torch.compile, not constants).
+    values_HM holds f at offsets -(N-1) .. N-1 (offset k at index k + N - 1), a captured tensor
+    (a graph input under torch.compile, not a constant). No data-dependent branch: the key
+    padding is in the block mask (`key_padding_block_mask`).
     """
     N = (values_HM.size(-1) + 1) // 2
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        score = score + values_HM[h, kv_idx - q_idx + N - 1]
-        return torch.where(mask_BN[b, kv_idx], score, float("-inf"))
+        return score + values_HM[h, kv_idx - q_idx + N - 1]
 
     return score_mod
 
 
+FLEX_BLOCK_SIZE = 128
+"""FlexAttention's default sparse block size (`_DEFAULT_SPARSE_BLOCK_SIZE`)."""
+
+
+def key_padding_block_mask(mask_BN: Tensor, block_size: int = FLEX_BLOCK_SIZE):
+    """The FlexAttention `BlockMask` of a key-padding mask (B, N), True at real keys, built in
+    O(B (N / block)^2) from the mask itself (no N x N tensor, no host sync).
+
+    It equals `create_block_mask(lambda b, h, q, kv: mask_BN[b, kv], B, None, N, N)` (tested):
+    a (query block, key block) pair is *empty* (skipped) when the key block holds padding only,
+    *full* (the mask is not read) when every key of the block is real and the query block lies
+    inside the sequence, and *partial* (the `mask_mod` reads the mask) otherwise.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, N = mask_BN.shape
+    num_blocks = -(-N // block_size)
+    grid_BM = torch.cat([mask_BN, mask_BN.new_zeros(B, num_blocks * block_size - N)], dim=1)
+    real_keys_BK = grid_BM.view(B, num_blocks, block_size).sum(-1)
+    q_inside_Q = (torch.arange(1, num_blocks + 1, device=mask_BN.device) * block_size) <= N
+    full_BQK = (real_keys_BK == block_size)[:, None, :] & q_inside_Q[None, :, None]
+    partial_BQK = (real_keys_BK > 0)[:, None, :] & ~full_BQK
+
+    def ordered(dense_BQK: Tensor) -> tuple[Tensor, Tensor]:
+        """(number of blocks per row, their key-block indices first) as `BlockMask` wants."""
+        dense_B1QK = dense_BQK[:, None].to(torch.int32)
+        count = dense_B1QK.sum(-1).to(torch.int32)
+        order = torch.argsort(dense_B1QK, dim=-1, descending=True, stable=True)
+        return count, order.to(torch.int32)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return mask_BN[b, kv_idx]
+
+    return BlockMask.from_kv_blocks(
+        *ordered(partial_BQK),
+        *ordered(full_BQK),
+        BLOCK_SIZE=block_size,
+        mask_mod=mask_mod,
+        seq_lengths=(N, N),
+    )
+
+
 def tisa_flex_attention(
-    q_BHNh: Tensor, k_BHNh: Tensor, v_BHNh: Tensor, values_HM: Tensor, mask_BN: Tensor
+    q_BHNh: Tensor,
+    k_BHNh: Tensor,
+    v_BHNh: Tensor,
+    values_HM: Tensor,
+    mask_BN: Tensor | None,
+    block_mask=None,
 ) -> Tensor:
-    """softmax(Q K^T / sqrt(h) + F_P + key_padding) V through FlexAttention's score_mod."""
+    """softmax(Q K^T / sqrt(h) + F_P + key_padding) V through FlexAttention: F_P in the
+    score_mod, the key padding in a block mask (`block_mask`, else built from `mask_BN`; no mask
+    when `mask_BN` is None, i.e. the batch is unpadded)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    score_mod = tisa_score_mod(values_HM.to(q_BHNh.dtype), mask_BN)
+    score_mod = tisa_score_mod(values_HM.to(q_BHNh.dtype))
+    if block_mask is None and mask_BN is not None:
+        block_mask = key_padding_block_mask(mask_BN)
     if torch.compiler.is_compiling() or not q_BHNh.is_cuda:
         # Inside a compiled encoder (EngineConfig.compile) Dynamo captures flex_attention itself;
         # on CPU (no grad) eager flex is the tested reference.
         attend = flex_attention
     else:
         attend = _compiled_flex_attention()
-    return attend(q_BHNh, k_BHNh, v_BHNh, score_mod=score_mod)
+    return attend(q_BHNh, k_BHNh, v_BHNh, score_mod=score_mod, block_mask=block_mask)
 
 
 class TISAState(FamilyState):
@@ -154,9 +213,11 @@ class TISAState(FamilyState):
 
     Extras for the kernels: `tisa_values` (P, H, 2N-1), P = 1 (`shared`) or L (`per_layer`).
     With the shared scope and the sdpa backend it also builds the bias every layer uses,
-    `tisa_bias` (B, H, N, N) = F_P + key padding, once. It is built here rather than lazily by
-    the first kernel: a kernel-side cache would make activation checkpointing recompute a
-    different graph than the original forward.
+    `tisa_bias` = F_P + key padding, (B, H, N, N), or F_P alone, (1, H, N, N), for an unpadded
+    batch; with the flex backend and a padded batch, the key-padding block mask every layer
+    uses, `tisa_block_mask`. Both are built once per forward, here rather than lazily by the
+    first kernel: a kernel-side cache would make activation checkpointing recompute a different
+    graph than the original forward.
     """
 
     def __init__(self, cfg: EncoderConfig):
@@ -168,15 +229,17 @@ class TISAState(FamilyState):
             for _ in range(num_scorers)
         )
 
-    def forward(self, x0_BND: Tensor, mask_BN: Tensor) -> tuple[dict[str, Any], AuxLosses]:
+    def forward(
+        self, x0_BND: Tensor, mask_BN: Tensor, padded: bool = True
+    ) -> tuple[dict[str, Any], AuxLosses]:
         N = x0_BND.size(1)
         values_PHM = torch.stack([scorer.values(N) for scorer in self.scorers])
         extras: dict[str, Any] = {"tisa_values": values_PHM}
         dropout_active = self.training and self.cfg.attention_probs_dropout_prob > 0
-        if (
-            self.cfg.tisa.scope == "shared"
-            and select_backend(self.cfg, x0_BND.device, dropout_active) == "sdpa"
-        ):
+        backend = select_backend(self.cfg, x0_BND.device, dropout_active, N)
+        if backend == "flex" and padded:
+            extras["tisa_block_mask"] = key_padding_block_mask(mask_BN)
+        if self.cfg.tisa.scope == "shared" and backend == "sdpa":
             # The dtype the kernels' queries will have (autocast's, else the weights').
             device_type = x0_BND.device.type
             dtype = (
@@ -184,10 +247,17 @@ class TISAState(FamilyState):
                 if torch.is_autocast_enabled(device_type)
                 else x0_BND.dtype
             )
-            extras["tisa_bias"] = toeplitz_bias(values_PHM[0]).to(dtype) + key_padding_bias(
-                mask_BN, dtype
-            )
+            extras["tisa_bias"] = sdpa_bias(values_PHM[0], mask_BN if padded else None, dtype)
         return extras, {}
+
+
+def sdpa_bias(values_HM: Tensor, mask_BN: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """The SDPA `attn_mask`: F_P + key padding, (B, H, N, N); F_P alone, (1, H, N, N), when
+    `mask_BN` is None (an unpadded batch: B times less memory)."""
+    bias_HNN = toeplitz_bias(values_HM).to(dtype)
+    if mask_BN is None:
+        return bias_HNN[None]
+    return bias_HNN + key_padding_bias(mask_BN, dtype)  # (H, N, N) + (B, 1, 1, N)
 
 
 class TISAKernel(ScoreKernel):
@@ -207,7 +277,7 @@ class TISAKernel(ScoreKernel):
         scorer = ctx.layer_index if self.per_layer else 0
         assert scorer < values_PHM.size(0), "per_layer TISA needs one scorer per application"
         dropout_p = self.dropout_p if self.training else 0.0
-        backend = select_backend(self.cfg, q_BHNh.device, dropout_p > 0)
+        backend = select_backend(self.cfg, q_BHNh.device, dropout_p > 0, q_BHNh.size(-2))
         if self.cfg.tisa.backend == "flex" and dropout_p > 0 and not self._warned_flex_dropout:
             warnings.warn(
                 "tisa.backend='flex' with attention_probs_dropout_prob > 0 in training: "
@@ -216,16 +286,17 @@ class TISAKernel(ScoreKernel):
             )
             self._warned_flex_dropout = True
 
+        mask_BN = ctx.mask_BN if ctx.padded else None
         if backend == "flex":
-            out = tisa_flex_attention(q_BHNh, k_BHNh, v_BHNh, values_PHM[scorer], ctx.mask_BN)
+            block_mask = ctx.extras.get("tisa_block_mask")  # built once per forward by the state
+            out = tisa_flex_attention(
+                q_BHNh, k_BHNh, v_BHNh, values_PHM[scorer], mask_BN, block_mask
+            )
             return out, {}
 
         bias = ctx.extras.get("tisa_bias")  # shared scope: built once per forward by the state
         if bias is None or bias.dtype != q_BHNh.dtype:
-            dtype = q_BHNh.dtype
-            bias = toeplitz_bias(values_PHM[scorer]).to(dtype) + key_padding_bias(
-                ctx.mask_BN, dtype
-            )  # (H, N, N) + (B, 1, 1, N) -> (B, H, N, N)
+            bias = sdpa_bias(values_PHM[scorer], mask_BN, q_BHNh.dtype)
         out = F.scaled_dot_product_attention(
             q_BHNh, k_BHNh, v_BHNh, attn_mask=bias, dropout_p=dropout_p
         )
@@ -276,6 +347,8 @@ __all__ = [
     "PositionScorer",
     "TISAKernel",
     "TISAState",
+    "key_padding_block_mask",
+    "sdpa_bias",
     "select_backend",
     "tisa_curves",
     "tisa_figures",
