@@ -22,16 +22,42 @@ Precision (``EngineConfig.precision``):
   ``torch.amp.GradScaler`` with ``backend="torch"``). CUDA only.
 
 LAMB and ZeRO: ZeRO stage >= 1, and DeepSpeed's ``bf16``/``fp16`` modes, hand the optimizer
-flattened fp32 buffers instead of parameter tensors, so LAMB's trust ratio is computed per
-flat partition rather than per tensor (DeepSpeed issue #490). ALBERT models are small (12M
-parameters for albert-base: ZeRO saves little), so the LAMB recipes use ZeRO-0 with
-``bf16-mixed``; other combinations run, with a warning at start-up.
+flattened fp32 buffers instead of parameter tensors, so a LAMB that does not know where the
+tensors lie computes its trust ratio per flat partition rather than per tensor. The project's
+LAMB (``engine.lamb.Lamb``, ``optimizer.implementation`` ``auto`` / ``foreach``) is told the
+layout of DeepSpeed's ZeRO 1-2 partitions (``engine.lamb.attach_zero_layouts``) and stays per
+tensor there, the pieces of a tensor split across ranks joined by an all-reduce of their
+squared norms. Where LAMB is exact (:func:`lamb_exactness`):
+
+    backend / ZeRO stage     fp32, bf16-mixed     bf16                 fp16
+    torch, 0                 exact (per tensor)   -                    exact (per tensor)
+    deepspeed, 0             exact (per tensor)   flat: inexact        flat: inexact
+    deepspeed, 1             exact (layout)       flat: inexact        exact (layout)
+    deepspeed, 2             exact (layout)       exact (layout)       exact (layout)
+    deepspeed, 3             inexact              inexact              inexact
+
+("layout": ``foreach`` only; DeepSpeed's FusedLamb and apex's FusedLAMB are refused where the
+buffers are flat, ``pytorch_optimizer.Lamb`` runs with a warning; the inexact cells warn.)
 
 Non-finite losses: ``backward`` agrees across ranks whether every rank's loss is finite. If
 not, the micro-batch is backpropagated as ``0 * loss`` (DeepSpeed needs the backward call to
 keep its state consistent), and at the accumulation boundary the optimizer update is skipped:
 the weights, the optimizer state and the schedule stay as they were and ``StepResult.skipped``
 says so. The caller counts skips and decides when to give up.
+
+Without host synchronisation (``backward(loss, defer=True)``, ``step(defer=True)``): the same,
+decided on the device. Each loss's finiteness goes into a device flag (all-reduced across ranks
+at the boundary, on the device), the gradient norm and clipping stay tensors, and the optimizer
+is told on the device whether to apply the update (``engine.lamb.Lamb.skip``) and at which
+schedule position (``Lamb.lr_multiplier``: a device table of the schedule indexed by a device
+count of the applied steps, so a skipped step does not advance it). ``step`` then returns a
+:class:`DeferredStep` of device tensors; nothing reads them until the caller does (the trainer:
+once per logging window), and :meth:`Engine.sync_schedule` brings the host's scheduler to the
+device's count (``save`` does it). Available with the ``foreach`` LAMB on the torch backend and
+DeepSpeed ZeRO 0-2 in fp32 / ``bf16-mixed`` (``Engine.deferred``); elsewhere ``defer=True``
+falls back to the synchronising step and returns its result as a :class:`DeferredStep`.
+Bit for bit the same updates as the synchronising step (tests/test_host_syncs.py). DeepSpeed's
+ZeRO 1-2 step still reads its own gradient-norm check back to the host (inside DeepSpeed).
 
 Checkpoint files and pickles. ``save``/``load`` with ``backend="torch"`` write and read
 ``engine.pt`` (model, optimizer and loss-scaler state dicts, plus an ``"albatross"`` dict of the
@@ -101,7 +127,14 @@ from torch import nn
 
 from engine.checkpoint import CheckpointError
 from engine.distributed import DistEnv, detect, export_torch_env
-from engine.optim import OptimizerConfig, ScheduleConfig, build_optimizer, build_scheduler
+from engine.lamb import Lamb, attach_zero_layouts
+from engine.optim import (
+    OptimizerConfig,
+    ScheduleConfig,
+    build_optimizer,
+    build_scheduler,
+    resolve_lamb_implementation,
+)
 from model.typed_config import deep_merge
 
 BACKENDS = ("deepspeed", "torch")
@@ -257,6 +290,34 @@ class StepResult:
     """Current fp16 loss scale (1.0 without loss scaling)."""
 
 
+@dataclass
+class DeferredStep:
+    """What one optimizer step did, as device tensors nobody has read yet (``step(defer=True)``):
+    read them together, when the host needs them (:meth:`resolve` reads them one by one)."""
+
+    skipped: torch.Tensor
+    """0-dim bool: the update was not applied."""
+    nonfinite_loss: torch.Tensor
+    """0-dim bool: some rank's loss was not finite in one of the step's micro-batches."""
+    grad_norm: torch.Tensor | None
+    """0-dim float: the global gradient norm before clipping (None: not computed)."""
+    lr: float
+    """The learning rate of this step as the host knows it: exact unless a step was skipped
+    since the host last synchronised the schedule (:meth:`Engine.sync_schedule`)."""
+    loss_scale: float
+    """Current fp16 loss scale (1.0 without loss scaling)."""
+
+    def resolve(self) -> StepResult:
+        """The host values (synchronises)."""
+        return StepResult(
+            skipped=bool(self.skipped),
+            nonfinite_loss=bool(self.nonfinite_loss),
+            grad_norm=None if self.grad_norm is None else float(self.grad_norm),
+            lr=self.lr,
+            loss_scale=self.loss_scale,
+        )
+
+
 class _StepGuard:
     """Lets the engine veto the wrapped optimizer's update while DeepSpeed still runs its step
     bookkeeping (zeroing and re-partitioning gradients) around it."""
@@ -298,15 +359,57 @@ def check_compatible(cfg: EngineConfig, opt_cfg: OptimizerConfig, device: torch.
                 "engine.backend='deepspeed' but DeepSpeed is not importable "
                 f"({e}); pip install deepspeed, or use engine.backend='torch'"
             ) from e
-    flattened = cfg.zero_stage >= 1 or cfg.precision in ("bf16", "fp16")
-    if opt_cfg.name == "lamb" and cfg.backend == "deepspeed" and flattened:
-        warnings.warn(
-            f"LAMB with engine.zero_stage={cfg.zero_stage} and engine.precision="
-            f"{cfg.precision!r}: DeepSpeed hands the optimizer flattened buffers, so the "
-            "trust ratio is computed per flat partition, not per tensor (DeepSpeed issue "
-            "#490). For exact LAMB use zero_stage=0 with precision 'bf16-mixed' or 'fp32'.",
-            stacklevel=2,
+    if opt_cfg.name != "lamb":
+        return
+    exact, why = lamb_exactness(cfg, opt_cfg, device.type)
+    if exact:
+        return
+    try:
+        impl = resolve_lamb_implementation(opt_cfg.implementation, device.type)
+    except RuntimeError:  # not usable here: build_optimizer says why
+        impl = opt_cfg.implementation
+    if impl in ("deepspeed", "apex"):
+        raise ValueError(
+            f"optimizer.implementation={opt_cfg.implementation!r} with engine.zero_stage="
+            f"{cfg.zero_stage} and engine.precision={cfg.precision!r}: {why}, so its fused "
+            "LAMB would compute the trust ratio per flat buffer, not per tensor. Use "
+            "optimizer.implementation='foreach' (exact on ZeRO 0-2), or zero_stage=0 with "
+            "precision 'bf16-mixed' or 'fp32'"
         )
+    warnings.warn(
+        f"LAMB ({impl}) with engine.zero_stage={cfg.zero_stage} and engine.precision="
+        f"{cfg.precision!r}: {why}, so the trust ratio is computed per flat partition, not per "
+        "tensor. Exact LAMB: optimizer.implementation 'foreach' (the default) with ZeRO 0-2 in "
+        "'fp32' / 'bf16-mixed' or ZeRO-2 in any precision (see README, Engine).",
+        stacklevel=2,
+    )
+
+
+def lamb_exactness(
+    cfg: EngineConfig, opt_cfg: OptimizerConfig, device_type: str = "cpu"
+) -> tuple[bool, str]:
+    """Whether LAMB's trust ratio is per parameter tensor in this configuration, and if not
+    why. The optimizer sees parameter tensors on the torch backend and on DeepSpeed ZeRO-0 in
+    fp32 / bf16-mixed; flat buffers otherwise, where only the ``foreach`` LAMB, given the layout
+    of DeepSpeed's ZeRO 1-2 optimizer (``DeepSpeedZeroOptimizer``: ZeRO-2 in any precision,
+    ZeRO-1 except in bf16, which DeepSpeed gives its BF16_Optimizer), is still per tensor."""
+    if cfg.backend == "torch" or (cfg.zero_stage == 0 and cfg.precision in ("fp32", "bf16-mixed")):
+        return True, ""
+    try:
+        impl = resolve_lamb_implementation(opt_cfg.implementation, device_type)
+    except RuntimeError:
+        impl = opt_cfg.implementation
+    if cfg.zero_stage == 3:
+        why = "ZeRO-3 hands the optimizer flat partitions (no per-tensor layout is read there)"
+    elif cfg.zero_stage == 0:
+        why = f"DeepSpeed's {cfg.precision} mode on ZeRO-0 hands the optimizer flat buffers"
+    elif cfg.zero_stage == 1 and cfg.precision == "bf16":
+        why = "DeepSpeed's bf16 mode on ZeRO-1 hands the optimizer flat buffers (BF16_Optimizer)"
+    elif impl != "foreach":
+        why = f"ZeRO-{cfg.zero_stage} hands the optimizer flat partitions"
+    else:
+        return True, ""
+    return False, why
 
 
 def compile_encoder(model: nn.Module, backend: str = "inductor") -> nn.Module:
@@ -601,6 +704,27 @@ class Engine:
                     init_scale=2.0**cfg.fp16_initial_scale_power,
                     growth_interval=cfg.fp16_loss_scale_window,
                 )
+        self.schedule_cfg = schedule
+        self._lamb: Lamb | None = self.optimizer if isinstance(self.optimizer, Lamb) else None
+        self.flat_layouts = 0
+        """Flat ZeRO partitions whose tensor layout the LAMB was given (0: none, or not LAMB)."""
+        if self._lamb is not None and self._ds is not None and cfg.zero_stage in (1, 2):
+            zero_optimizer = self._ds.optimizer
+            if type(zero_optimizer).__name__ == "DeepSpeedZeroOptimizer":
+                self.flat_layouts = attach_zero_layouts(self._lamb, zero_optimizer)
+        self.deferred = (
+            self._lamb is not None
+            and cfg.precision in ("fp32", "bf16-mixed")
+            and cfg.zero_stage <= 2
+            and (cfg.zero_stage == 0 or self.flat_layouts > 0)
+        )
+        """True when ``step(defer=True)`` decides skips and the schedule on the device (the
+        ``foreach`` LAMB; torch backend or DeepSpeed ZeRO 0-2; fp32 or bf16-mixed)."""
+        self._bad: torch.Tensor | None = None  # some loss of this step was not finite (device)
+        self._applied: torch.Tensor | None = None  # optimizer updates applied (device)
+        self._lr_table: torch.Tensor | None = None  # the schedule's multiplier per position
+        self._unsynced_steps = 0  # deferred steps since the host's schedule was last synced
+        self._host_group: Any = None  # a gloo group for host flags when the default is NCCL
 
     # -- configuration -------------------------------------------------------------------------
 
@@ -610,7 +734,9 @@ class Engine:
         config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
             "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-            "gradient_clipping": float(cfg.gradient_clipping),
+            # ZeRO-0 in fp32 / bf16-mixed: the gradients sit on the parameters and the engine
+            # clips them itself (one norm, kept on the device), so DeepSpeed does not.
+            "gradient_clipping": 0.0 if self._clips_gradients() else float(cfg.gradient_clipping),
             "zero_optimization": {"stage": cfg.zero_stage},
             # Our LAMB / AdamW are ordinary torch optimizers: ZeRO partitions their state fine.
             "zero_allow_untested_optimizer": True,
@@ -629,6 +755,14 @@ class Engine:
                 "min_loss_scale": cfg.fp16_min_loss_scale,
             }
         return deep_merge(config, copy.deepcopy(cfg.deepspeed))
+
+    def _clips_gradients(self) -> bool:
+        """True when the engine clips the gradients itself (torch backend; DeepSpeed ZeRO-0 in
+        fp32 / bf16-mixed, where the reduced gradients sit on the parameters)."""
+        cfg = self.cfg
+        return cfg.backend == "torch" or (
+            cfg.zero_stage == 0 and cfg.precision in ("fp32", "bf16-mixed")
+        )
 
     # -- properties ----------------------------------------------------------------------------
 
@@ -701,13 +835,22 @@ class Engine:
             torch_dist.all_reduce(bad, op=torch_dist.ReduceOp.MAX)
         return bad.item() == 0.0
 
-    def backward(self, loss: torch.Tensor) -> bool:
+    def backward(self, loss: torch.Tensor, defer: bool = False) -> bool | None:
         """Backpropagates one micro-batch's loss (averaged over accumulation steps by the engine).
-        Returns False when some rank's loss is not finite; that step's update will be skipped."""
-        finite = self.all_finite(loss)
-        if not finite:
-            self._poisoned = True
-            loss = loss * 0.0  # keeps DeepSpeed's per-micro-step bookkeeping intact
+        Returns False when some rank's loss is not finite; that step's update will be skipped.
+        ``defer=True``: no host synchronisation; the finiteness goes into a device flag that
+        the step reads (all ranks agree there), and None is returned."""
+        finite: bool | None
+        if defer:
+            ok = torch.isfinite(loss.detach()).all()
+            self._bad = ~ok if self._bad is None else self._bad | ~ok
+            loss = torch.where(ok, loss, torch.zeros_like(loss))  # = loss * 0 when not finite
+            finite = None
+        else:
+            finite = self.all_finite(loss)
+            if not finite:
+                self._poisoned = True
+                loss = loss * 0.0  # keeps DeepSpeed's per-micro-step bookkeeping intact
         if self._ds is not None:
             self._ds.backward(loss)
             # DeepSpeed counts micro-steps in its step(), which updates only at the boundary;
@@ -732,22 +875,43 @@ class Engine:
     def _next_is_boundary(self) -> bool:
         return self._accumulated + 1 == self.cfg.gradient_accumulation_steps
 
-    def step(self) -> StepResult:
+    def step(self, defer: bool = False) -> Any:
         """The optimizer step at an accumulation boundary: clip, update (unless skipped),
-        advance the schedule, zero the gradients."""
+        advance the schedule, zero the gradients. Returns a :class:`StepResult`; with
+        ``defer=True`` a :class:`DeferredStep` of device tensors, decided without a host
+        synchronisation where ``self.deferred`` (else the synchronising step's result)."""
         if not self.at_boundary:
             raise RuntimeError(
                 f"Engine.step() after {self._accumulated} backward() calls since the last step: "
                 f"call it once every {self.cfg.gradient_accumulation_steps} backward() calls"
             )
         self._accumulated = 0
+        if defer and self.deferred:
+            return self._deferred_step()
+        result = self._synchronising_step()
+        if not defer:
+            return result
+        return DeferredStep(
+            skipped=torch.tensor(result.skipped),
+            nonfinite_loss=torch.tensor(result.nonfinite_loss),
+            grad_norm=None if result.grad_norm is None else torch.tensor(result.grad_norm),
+            lr=result.lr,
+            loss_scale=result.loss_scale,
+        )
+
+    def _synchronising_step(self) -> StepResult:
         poisoned, self._poisoned = self._poisoned, False
+        if self._bad is not None:  # from backward(defer=True): ask the host now
+            bad, self._bad = self._bad, None
+            poisoned = self._any_rank_flag(bad) or poisoned
+        self.sync_schedule()  # the host decides this step: it needs the schedule's position
         self._guard.skip = poisoned
         lr = self.lr
         grad_norm: float | None
         try:
             if self._ds is not None:
-                grad_norm = self._grad_norm_before_deepspeed_step()
+                norm = self._clip_gradients() if self._clips_gradients() else None
+                grad_norm = None if norm is None else float(norm)
                 self._ds.step()
                 applied = (not poisoned) and bool(self._ds.was_step_applied())
                 if grad_norm is None:
@@ -759,6 +923,8 @@ class Engine:
             self._guard.skip = False
         if applied:
             self.scheduler.step()
+            if self._applied is not None:
+                self._applied += 1
         if grad_norm is not None and not math.isfinite(grad_norm):
             grad_norm = float("nan") if math.isnan(grad_norm) else float("inf")
         return StepResult(
@@ -769,22 +935,109 @@ class Engine:
             loss_scale=self.loss_scale,
         )
 
-    def _grad_norm_before_deepspeed_step(self) -> float | None:
-        """DeepSpeed reports no norm for fp32 ZeRO-0; there the (already all-reduced) gradients
-        sit on the parameters, so it is measured here."""
-        if self.cfg.zero_stage != 0 or self.cfg.precision in ("bf16", "fp16"):
-            return None
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if not grads:
-            return 0.0
-        return float(torch.nn.utils.get_total_norm(grads))
+    def _deferred_step(self) -> DeferredStep:
+        """The step decided on the device (see the module docstring)."""
+        lamb = self._lamb
+        assert lamb is not None
+        self._schedule_on_device()
+        assert self._applied is not None and self._lr_table is not None
+        bad = self._bad if self._bad is not None else torch.zeros((), dtype=torch.bool)
+        bad = bad.to(self.device)
+        self._bad = None
+        if self._poisoned:  # a synchronising backward() in this step saw a non-finite loss
+            bad = torch.ones_like(bad)
+            self._poisoned = False
+        if self._collective:
+            flag = bad.to(torch.float32)
+            torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
+            bad = flag > 0
+        grad_norm: Any = None
+        ok = ~bad
+        if self._clips_gradients():
+            grad_norm = self._clip_gradients()
+            ok = ok & torch.isfinite(grad_norm)
+        position = self._applied.clamp(max=self._lr_table.numel() - 1).reshape(1)
+        lamb.skip = ~ok
+        lamb.lr_multiplier = self._lr_table.index_select(0, position).reshape(())
+        lr = self.lr
+        try:
+            if self._ds is not None:
+                self._ds.step()
+                if self.cfg.zero_stage > 0:  # DeepSpeed checked the norm itself (on the host)
+                    if not self._ds.was_step_applied():
+                        ok = torch.zeros_like(ok)
+                    norm = self._ds.get_global_grad_norm()
+                    if norm is not None:
+                        grad_norm = norm if torch.is_tensor(norm) else torch.tensor(float(norm))
+            else:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        finally:
+            lamb.skip = None
+            lamb.lr_multiplier = None
+        self._applied += ok.to(self._applied.dtype)
+        # The host's schedule advances as if the update was applied; sync_schedule() corrects it
+        # to the device's count when the host reads it (logging, checkpoints).
+        self.scheduler.step()
+        self._unsynced_steps += 1
+        return DeferredStep(
+            skipped=~ok, nonfinite_loss=bad, grad_norm=grad_norm, lr=lr, loss_scale=1.0
+        )
+
+    def _schedule_on_device(self) -> None:
+        """The schedule's multipliers for positions 0 .. total_steps (its first group's
+        lambda; held after the end, as ``lr_multiplier``) and the count of applied updates, on
+        the device. Made through pinned memory: no host synchronisation."""
+        if self._lr_table is None:
+            fn = self.scheduler.lr_lambdas[0]
+            values = [fn(k) for k in range(self.schedule_cfg.total_steps + 1)]
+            self._lr_table = _to_device(torch.tensor(values, dtype=torch.float64), self.device)
+        if self._applied is None:
+            self._applied = _to_device(
+                torch.tensor(self.scheduler.last_epoch, dtype=torch.long), self.device
+            )
+
+    def sync_schedule(self) -> None:
+        """Bring the host's scheduler (and the optimizer's ``lr``) to the number of updates the
+        device applied, after deferred steps (synchronises once; nothing to do otherwise)."""
+        if not self._unsynced_steps or self._applied is None:
+            return
+        applied = int(self._applied)
+        self._unsynced_steps = 0
+        sched = self.scheduler
+        if sched.last_epoch == applied:
+            return
+        sched.last_epoch = applied
+        sched._step_count = applied + 1  # what as many scheduler.step() calls leave
+        lrs = [
+            base * fn(applied) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)
+        ]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        sched._last_lr = lrs
+
+    def _any_rank_flag(self, flag: torch.Tensor) -> bool:
+        """Collective when distributed: whether the device flag is set on any rank."""
+        t = flag.to(device=self.device, dtype=torch.float32).reshape(1)
+        if self._collective:
+            torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    def _clip_gradients(self) -> torch.Tensor:
+        """The global norm of the gradients on the parameters (a device tensor), which are then
+        clipped to ``gradient_clipping`` (no host synchronisation: torch's foreach clip)."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if not params:
+            return torch.zeros((), device=self.device)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if self.cfg.gradient_clipping > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.gradient_clipping, norm)
+        return norm
 
     def _torch_step(self, poisoned: bool) -> tuple[float, bool]:
-        params = [p for p in self.module.parameters() if p.requires_grad]
         if self._scaler is not None:
             self._scaler.unscale_(self.optimizer)
-        max_norm = self.cfg.gradient_clipping if self.cfg.gradient_clipping > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        norm = float(self._clip_gradients())
         applied = not poisoned
         if self._scaler is not None:
             if poisoned:
@@ -841,6 +1094,7 @@ class Engine:
         """Collective. Writes the engine state (model, optimizer, loss scaler; schedule) into
         ``directory`` (an existing, empty staging directory shared by all ranks)."""
         directory = Path(directory)
+        self.sync_schedule()
         extra = {
             "scheduler": self.scheduler.state_dict(),
             "micro_step": int(self.micro_step),
@@ -928,6 +1182,8 @@ class Engine:
         self.micro_step = _rescaled_micro_step(
             int(extra["micro_step"]), extra.get("layout"), self.cfg.gradient_accumulation_steps
         )
+        # Deferred steps restart from the loaded schedule position.
+        self._applied, self._unsynced_steps, self._bad = None, 0, None
 
     def _load_universal(self, directory: Path, universal_dir: Path | None) -> dict[str, Any]:
         """Collective: convert (rank 0; cached) and load ``directory`` in DeepSpeed's universal
@@ -975,12 +1231,32 @@ class Engine:
             torch_dist.barrier()
 
     def all_reduce_max(self, values: list[float]) -> list[float]:
-        """Element-wise max of ``values`` over ranks (for flags: stop requested, budget hit)."""
+        """Element-wise max of ``values`` over ranks (for flags: stop requested, budget hit).
+        Host values, exchanged without touching the GPU: one process needs no exchange, and on
+        NCCL they go through a gloo group made for them (an NCCL all-reduce would wait for the
+        GPU to finish its queued work: a host synchronisation at every step)."""
+        if not self._collective:
+            return [float(v) for v in values]
         t = torch.tensor(values, dtype=torch.float64)
-        if self._collective:
+        group = self._flags_group()
+        if group is None and torch_dist.get_backend() != "gloo":
             t = t.to(self.device)
-            torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
+        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX, group=group)
         return t.cpu().tolist()
+
+    def _flags_group(self) -> Any:
+        """Collective on first use: a gloo process group for host flags when the default group
+        is not gloo (None: use the default group, on the device, when gloo is not available)."""
+        if torch_dist.get_backend() == "gloo":
+            return None
+        if self._host_group is None:
+            try:
+                timeout = timedelta(minutes=self.cfg.dist_timeout_minutes)
+                self._host_group = torch_dist.new_group(backend="gloo", timeout=timeout)
+            except Exception as e:  # no gloo in this build: the device path, synchronising
+                log.warning("no gloo group for host flags (%s); using the default group", e)
+                self._host_group = False
+        return self._host_group or None
 
     def any_rank(self, flag: bool) -> bool:
         """Collective: whether ``flag`` is true on any rank."""
@@ -994,6 +1270,13 @@ class Engine:
             torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
             t = t / self.world_size
         return t.cpu()
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (on the CPU) on ``device``, copied without a host synchronisation on CUDA."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _rescaled_micro_step(saved: int, layout: Any, accumulation: int) -> int:

@@ -3,20 +3,28 @@
 Parameters are split into two groups: ``decay`` (matrices, embeddings) and ``no_decay`` (biases,
 LayerNorm weights and every other 1-D parameter), as BERT and ALBERT do.
 
-LAMB has three interchangeable implementations, picked by ``OptimizerConfig.implementation``:
+LAMB has four implementations, picked by ``OptimizerConfig.implementation``:
 
+- ``"foreach"``: ``engine.lamb.Lamb``, this project's, in ``torch._foreach_*`` (multi-tensor)
+  ops on any device. Per-tensor trust ratios also on DeepSpeed's flat ZeRO 1-2 partitions (the
+  engine tells it where the tensors lie), and no host synchronisation (the engine can skip a
+  step and keep the schedule on the device). The formula is ``pytorch_optimizer.Lamb``'s;
+- ``"torch"``: ``pytorch_optimizer.Lamb`` (the ``pytorch-optimizer`` package, any device; pinned
+  to >=3.11,<4 because 3.0 steps differently, see tests/test_optim.py): the reference the
+  tests compare ``"foreach"`` with. It reads every trust ratio back to the host (one
+  synchronisation per tensor on a GPU);
 - ``"deepspeed"``: ``deepspeed.ops.lamb.FusedLamb`` (CUDA only);
 - ``"apex"``: NVIDIA apex ``apex.optimizers.FusedLAMB`` (CUDA only; NVIDIA apex is built from
   source; the PyPI package called ``apex`` is an unrelated web toolkit and is not accepted);
-- ``"torch"``: ``pytorch_optimizer.Lamb`` (the ``pytorch-optimizer`` package, any device; pinned
-  to >=3.11,<4 because 3.0 steps differently, see tests/test_optim.py);
-- ``"auto"``: the first of those three that is usable on ``device_type``.
+- ``"auto"``: ``"foreach"``.
 
-All three are configured like ALBERT's original (TensorFlow) LAMB: no Adam bias correction, weight
+All are configured like ALBERT's original (TensorFlow) LAMB: no Adam bias correction, weight
 decay added to the update inside the trust ratio (You et al. 2019, Algorithm 2). Remaining
-differences: ``pytorch_optimizer.Lamb`` clamps the weight norm at 10 in the trust ratio, DeepSpeed
-clamps the trust ratio to [0.01, 10], apex clips the global gradient norm at 1.0 (a no-op when
-the engine already clips at <= 1.0). Gradient clipping is the engine's job, not the optimizer's.
+differences: ``foreach`` and ``pytorch_optimizer.Lamb`` clamp the weight norm at 10 in the trust
+ratio, DeepSpeed clamps the trust ratio to [0.01, 10], apex clips the global gradient norm at 1.0
+(a no-op when the engine already clips at <= 1.0). Gradient clipping is the engine's job, not
+the optimizer's. Only ``foreach`` stays per tensor on flat buffers (ZeRO 1-2); the engine
+refuses the others there (``engine.engine.check_compatible``).
 
 Example: ALBERT's pretraining recipe (Lan et al. 2020: LAMB, lr 0.00176, batch 4096, 125k steps,
 3125 warmup steps, linear decay). The batch size is the engine/data config's business; the
@@ -28,8 +36,8 @@ optimizer and schedule parts are the defaults:
 >>> sched_cfg = ScheduleConfig(warmup_steps=3125, total_steps=125_000, decay="linear")
 >>> opt = build_optimizer(net, opt_cfg, device_type="cpu")
 >>> sched = build_scheduler(opt, sched_cfg)
->>> [g["name"] for g in opt.param_groups], type(opt).__name__
-(['decay', 'no_decay'], 'Lamb')
+>>> [g["name"] for g in opt.param_groups], type(opt).__module__
+(['decay', 'no_decay'], 'engine.lamb')
 >>> round(lr_multiplier(3125, sched_cfg) * opt_cfg.lr, 6), lr_multiplier(125_000, sched_cfg)
 (0.00176, 0.0)
 """
@@ -50,7 +58,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 OPTIMIZERS = ("lamb", "adamw")
-LAMB_IMPLEMENTATIONS = ("auto", "torch", "apex", "deepspeed")
+LAMB_IMPLEMENTATIONS = ("auto", "foreach", "torch", "apex", "deepspeed")
 DECAYS = ("linear", "polynomial", "cosine", "constant")
 
 # Normalization layers whose parameters are never weight-decayed, whatever their names.
@@ -82,10 +90,10 @@ class OptimizerConfig:
     ``LayerNorm.weight``). Parameters of normalization modules and every parameter with fewer
     than 2 dimensions are excluded too, whatever their names."""
     implementation: str = "auto"
-    """LAMB implementation: ``"auto"`` (DeepSpeed FusedLamb on CUDA if importable, else NVIDIA
-    apex FusedLAMB on CUDA if importable, else ``pytorch_optimizer.Lamb``), ``"torch"``
-    (``pytorch_optimizer.Lamb``), ``"apex"`` or ``"deepspeed"`` (fail if not usable). Ignored by
-    AdamW."""
+    """LAMB implementation: ``"auto"`` (= ``"foreach"``), ``"foreach"`` (``engine.lamb.Lamb``:
+    multi-tensor ops, per-tensor trust ratios also on ZeRO 1-2's flat buffers, no host
+    synchronisation), ``"torch"`` (``pytorch_optimizer.Lamb``, the reference), ``"apex"`` or
+    ``"deepspeed"`` (fused CUDA kernels; ZeRO-0 only; fail if not usable). Ignored by AdamW."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -227,39 +235,35 @@ def resolve_lamb_implementation(implementation: str, device_type: str) -> str:
     ``RuntimeError`` saying what is missing when an explicitly requested one is not usable."""
     cuda = device_type == "cuda"
     if implementation == "auto":
-        if cuda and _deepspeed_fused_lamb() is not None:
-            return "deepspeed"
-        if cuda and _apex_fused_lamb() is not None:
-            return "apex"
-        implementation = "torch"
+        return "foreach"
     if implementation == "deepspeed":
         if not cuda:
             raise RuntimeError(
                 f"optimizer.implementation='deepspeed' needs CUDA (device_type={device_type!r}); "
-                "use 'torch' or 'auto'"
+                "use 'foreach' or 'auto'"
             )
         if _deepspeed_fused_lamb() is None:
             raise RuntimeError(
                 "optimizer.implementation='deepspeed' but deepspeed.ops.lamb.FusedLamb is not "
-                "importable: install DeepSpeed (pip install deepspeed), or use 'torch' or 'auto'"
+                "importable: install DeepSpeed (pip install deepspeed), or use 'foreach' or 'auto'"
             )
     elif implementation == "apex":
         if not cuda:
             raise RuntimeError(
                 f"optimizer.implementation='apex' needs CUDA (device_type={device_type!r}); "
-                "use 'torch' or 'auto'"
+                "use 'foreach' or 'auto'"
             )
         if _apex_fused_lamb() is None:
             raise RuntimeError(
                 "optimizer.implementation='apex' but NVIDIA apex (apex.optimizers.FusedLAMB) is "
                 "not importable: build NVIDIA apex from source with its CUDA extensions "
-                "(the PyPI package named 'apex' is an unrelated web toolkit), or use 'torch' or "
-                "'auto'"
+                "(the PyPI package named 'apex' is an unrelated web toolkit), or use 'foreach' "
+                "or 'auto'"
             )
     elif implementation == "torch" and _torch_lamb() is None:
         raise RuntimeError(
             "optimizer.implementation='torch' needs the pytorch-optimizer package: "
-            "pip install 'pytorch-optimizer>=3.11,<4'"
+            "pip install 'pytorch-optimizer>=3.11,<4'; or use 'foreach' or 'auto'"
         )
     return implementation
 
@@ -285,6 +289,10 @@ def build_optimizer(
         )
     impl = resolve_lamb_implementation(cfg.implementation, device_type)
     common = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if impl == "foreach":
+        from engine.lamb import Lamb
+
+        return Lamb(groups, **common)
     try:
         if impl == "deepspeed":
             cls = _deepspeed_fused_lamb()
@@ -302,18 +310,10 @@ def build_optimizer(
             if "TORCH_CUDA_ARCH_LIST" in os.environ
             else ""
         )
-        if cfg.implementation != "auto":
-            raise RuntimeError(
-                f"optimizer.implementation={cfg.implementation!r}: the fused LAMB could not be "
-                f"built: {type(e).__name__}: {e}{hint}; or use 'torch' or 'auto'"
-            ) from e
-        log.warning(
-            "fused LAMB (%s) could not be built (%s: %s)%s; using pytorch_optimizer.Lamb",
-            impl,
-            type(e).__name__,
-            e,
-            hint,
-        )
+        raise RuntimeError(
+            f"optimizer.implementation={cfg.implementation!r}: the fused LAMB could not be "
+            f"built: {type(e).__name__}: {e}{hint}; or use 'foreach' or 'auto'"
+        ) from e
     cls = _torch_lamb()
     assert cls is not None
     # weight_decouple=False: decay inside the trust ratio (You et al. 2019), as apex/DeepSpeed.

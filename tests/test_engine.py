@@ -177,12 +177,26 @@ def test_fp16_on_cpu_fails_before_any_work(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("zero_stage", "precision"), [(1, "bf16-mixed"), (2, "fp32"), (3, "bf16-mixed"), (0, "bf16")]
+    ("zero_stage", "precision", "implementation"),
+    [
+        (3, "bf16-mixed", "auto"),  # no layout read on ZeRO-3
+        (0, "bf16", "auto"),  # DeepSpeed's bf16 mode on ZeRO-0: flat buffers, no layout
+        (1, "bf16", "auto"),  # ... and on ZeRO-1 (BF16_Optimizer)
+        (1, "bf16-mixed", "torch"),  # pytorch_optimizer's LAMB knows no layout
+        (2, "fp32", "torch"),
+    ],
 )
-def test_lamb_with_flattened_buffers_warns(zero_stage, precision):
+def test_lamb_with_flattened_buffers_warns(zero_stage, precision, implementation):
     cfg = EngineConfig(backend="deepspeed", zero_stage=zero_stage, precision=precision)
     with pytest.warns(UserWarning, match="trust ratio"):
-        check_compatible(cfg, OptimizerConfig(name="lamb"), CPU)
+        check_compatible(cfg, OptimizerConfig(name="lamb", implementation=implementation), CPU)
+
+
+def test_fused_lamb_on_flattened_buffers_is_refused():
+    cfg = EngineConfig(backend="deepspeed", zero_stage=2, precision="bf16-mixed")
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match=r"per flat buffer.*'foreach'"):
+        check_compatible(cfg, OptimizerConfig(name="lamb", implementation="deepspeed"), cuda)
 
 
 @pytest.mark.parametrize(
@@ -190,6 +204,9 @@ def test_lamb_with_flattened_buffers_warns(zero_stage, precision):
     [
         ("deepspeed", "lamb", 0, "bf16-mixed"),  # the ALBERT recipes
         ("deepspeed", "lamb", 0, "fp32"),
+        ("deepspeed", "lamb", 1, "bf16-mixed"),  # the foreach LAMB reads ZeRO's layout
+        ("deepspeed", "lamb", 2, "fp32"),
+        ("deepspeed", "lamb", 2, "bf16"),
         ("deepspeed", "adamw", 2, "bf16"),  # AdamW is elementwise: flattening is harmless
         ("torch", "lamb", 0, "bf16-mixed"),
     ],
@@ -234,7 +251,13 @@ def test_deepspeed_config_batch_and_clipping(torch_engine):
     )
     assert cfg["train_micro_batch_size_per_gpu"] == 4
     assert cfg["gradient_accumulation_steps"] == 3
+    # ZeRO-0 in fp32 / bf16-mixed: the engine clips the gradients itself (one norm, on the
+    # device), so DeepSpeed's clipping is off; elsewhere DeepSpeed clips at the engine's value.
+    assert cfg["gradient_clipping"] == 0.0
+    cfg = ds_config(torch_engine, zero_stage=2, gradient_clipping=2)
     assert cfg["gradient_clipping"] == 2.0 and isinstance(cfg["gradient_clipping"], float)
+    cfg = ds_config(torch_engine, precision="bf16", gradient_clipping=2)
+    assert cfg["gradient_clipping"] == 2.0
     assert "train_batch_size" not in cfg  # DeepSpeed derives it from the world size
     assert "optimizer" not in cfg and "scheduler" not in cfg  # ours are passed as objects
     assert cfg["zero_allow_untested_optimizer"] is True

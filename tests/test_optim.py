@@ -166,10 +166,13 @@ def test_steps_lower_loss_of_tiny_encoder(cfg):
     assert after < before - 0.05, (before, after)
 
 
-def test_auto_on_cpu_is_pytorch_optimizer_lamb():
+def test_auto_is_the_foreach_lamb_on_every_device():
     opt = build_optimizer(nn.Linear(2, 2), OptimizerConfig(implementation="auto"), "cpu")
-    assert type(opt).__module__.startswith("pytorch_optimizer")
-    assert type(opt).__name__ == "Lamb"
+    assert type(opt).__module__ == "engine.lamb" and type(opt).__name__ == "Lamb"
+    ref = build_optimizer(nn.Linear(2, 2), OptimizerConfig(implementation="torch"), "cpu")
+    assert type(ref).__module__.startswith("pytorch_optimizer")
+    for device in ("cpu", "cuda"):
+        assert optim.resolve_lamb_implementation("auto", device) == "foreach"
 
 
 def test_adamw_is_torch_adamw_not_fused_on_cpu():
@@ -190,11 +193,12 @@ def _hand_lamb_step(x, g, lr, betas, eps, wd):
     return x - lr * trust * r, trust
 
 
+@pytest.mark.parametrize("impl", ["torch", "foreach"])
 @pytest.mark.parametrize("scale", [0.5, 3.0, 50.0])  # 50 exercises the clamp at 10
-def test_lamb_single_step_matches_hand_computed(scale):
+def test_lamb_single_step_matches_hand_computed(scale, impl):
     x0 = torch.randn(4, 5, dtype=torch.float64) * scale
     g = torch.randn(4, 5, dtype=torch.float64)
-    cfg = OptimizerConfig(name="lamb", implementation="torch", lr=0.01, weight_decay=0.1, eps=1e-6)
+    cfg = OptimizerConfig(name="lamb", implementation=impl, lr=0.01, weight_decay=0.1, eps=1e-6)
     holder = nn.Module()
     holder.w = nn.Parameter(x0.clone())
     opt = build_optimizer(holder, cfg, "cpu")
@@ -208,12 +212,13 @@ def test_lamb_single_step_matches_hand_computed(scale):
     assert trust > 0
 
 
-def test_lamb_update_norm_independent_of_gradient_scale():
+@pytest.mark.parametrize("impl", ["torch", "foreach"])
+def test_lamb_update_norm_independent_of_gradient_scale(impl):
     def delta(grad_scale: float) -> torch.Tensor:
         torch.manual_seed(1)
         lin = nn.Linear(6, 6, bias=False)
         x0 = lin.weight.detach().clone()
-        opt = build_optimizer(lin, OptimizerConfig(implementation="torch", lr=0.02), "cpu")
+        opt = build_optimizer(lin, OptimizerConfig(implementation=impl, lr=0.02), "cpu")
         lin.weight.grad = torch.randn(6, 6) * grad_scale
         opt.step()
         return lin.weight.detach() - x0, x0
@@ -246,25 +251,11 @@ def test_pypi_apex_web_toolkit_is_not_nvidia_apex(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(RuntimeError, match=r"NVIDIA apex .* not importable.*unrelated"):
         optim.resolve_lamb_implementation("apex", "cuda")
-    assert optim.resolve_lamb_implementation("auto", "cuda") == "torch"
 
 
-def test_auto_prefers_deepspeed_then_apex_on_cuda(monkeypatch):
-    fake_ds = types.ModuleType("deepspeed.ops.lamb")
-    fake_ds.FusedLamb = object
-    fake_apex = types.ModuleType("apex.optimizers")
-    fake_apex.FusedLAMB = object
-    monkeypatch.setitem(sys.modules, "deepspeed.ops.lamb", fake_ds)
-    monkeypatch.setitem(sys.modules, "apex.optimizers", fake_apex)
-    assert optim.resolve_lamb_implementation("auto", "cuda") == "deepspeed"
-    assert optim.resolve_lamb_implementation("auto", "cpu") == "torch"
-    monkeypatch.setitem(sys.modules, "deepspeed.ops.lamb", None)
-    assert optim.resolve_lamb_implementation("auto", "cuda") == "apex"
-
-
-def test_auto_falls_back_when_the_fused_lamb_does_not_build(monkeypatch, caplog):
+def test_explicit_fused_lamb_that_does_not_build_says_why(monkeypatch):
     # Seen on an H100 image with TORCH_CUDA_ARCH_LIST=9.0a: FusedLamb imports, then its JIT
-    # build fails when the optimizer is constructed. 'auto' must train on; explicit must say why.
+    # build fails when the optimizer is constructed ('auto' is the foreach LAMB: no build).
     class Unbuildable:
         def __init__(self, *args, **kwargs):
             raise ValueError("invalid literal for int() with base 10: '0a'")
@@ -273,12 +264,8 @@ def test_auto_falls_back_when_the_fused_lamb_does_not_build(monkeypatch, caplog)
     fake_ds.FusedLamb = Unbuildable
     monkeypatch.setitem(sys.modules, "deepspeed.ops.lamb", fake_ds)
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
-    model = nn.Linear(2, 2)
-    with caplog.at_level("WARNING", logger="engine.optim"):
-        opt = build_optimizer(model, OptimizerConfig(implementation="auto"), "cuda")
-    assert type(opt).__name__ == "Lamb" and "using pytorch_optimizer.Lamb" in caplog.text
     with pytest.raises(RuntimeError, match=r"could not be built.*TORCH_CUDA_ARCH_LIST"):
-        build_optimizer(model, OptimizerConfig(implementation="deepspeed"), "cuda")
+        build_optimizer(nn.Linear(2, 2), OptimizerConfig(implementation="deepspeed"), "cuda")
 
 
 # ----------------------------------------------------------------------------- validation
@@ -294,7 +281,7 @@ def test_auto_falls_back_when_the_fused_lamb_does_not_build(monkeypatch, caplog)
         ({"eps": -1.0}, r"optimizer\.eps"),
         ({"weight_decay": -0.1}, r"optimizer\.weight_decay.*>= 0"),
         ({"no_decay": "bias"}, r"optimizer\.no_decay"),
-        ({"implementation": "cuda"}, r"optimizer\.implementation='cuda'.*'auto'.*'deepspeed'"),
+        ({"implementation": "cuda"}, r"optimizer\.implementation='cuda'.*'auto'.*'foreach'"),
     ],
 )
 def test_optimizer_config_validation(kwargs, match):
