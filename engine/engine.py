@@ -712,6 +712,11 @@ class Engine:
             zero_optimizer = self._ds.optimizer
             if type(zero_optimizer).__name__ == "DeepSpeedZeroOptimizer":
                 self.flat_layouts = attach_zero_layouts(self._lamb, zero_optimizer)
+        if self._clips_flat() and not self.flat_layouts:  # DeepSpeed's clipping is off
+            raise RuntimeError(
+                f"ZeRO-{cfg.zero_stage} gave the optimizer a {type(self._ds.optimizer).__name__}, "
+                "not the DeepSpeedZeroOptimizer whose layout the LAMB reads"
+            )
         self.deferred = (
             self._lamb is not None
             and cfg.precision in ("fp32", "bf16-mixed")
@@ -736,13 +741,21 @@ class Engine:
             "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
             # ZeRO-0 in fp32 / bf16-mixed: the gradients sit on the parameters and the engine
             # clips them itself (one norm, kept on the device), so DeepSpeed does not.
-            "gradient_clipping": 0.0 if self._clips_gradients() else float(cfg.gradient_clipping),
+            "gradient_clipping": (
+                0.0
+                if self._clips_gradients() or self._clips_flat()
+                else float(cfg.gradient_clipping)
+            ),
             "zero_optimization": {"stage": cfg.zero_stage},
             # Our LAMB / AdamW are ordinary torch optimizers: ZeRO partitions their state fine.
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 2**62,  # the trainer logs; DeepSpeed stays quiet
             "wall_clock_breakdown": False,
         }
+        if self._clips_flat():
+            # ZeRO 1-2 with the foreach LAMB: the engine measures the norm (on the device) and
+            # the LAMB scales the gradients; DeepSpeed's own norm check reads it on the host.
+            config["zero_optimization"]["compute_grad_norm"] = False
         if cfg.precision == "bf16":
             config["bf16"] = {"enabled": True}
         elif cfg.precision == "fp16":
@@ -762,6 +775,17 @@ class Engine:
         cfg = self.cfg
         return cfg.backend == "torch" or (
             cfg.zero_stage == 0 and cfg.precision in ("fp32", "bf16-mixed")
+        )
+
+    def _clips_flat(self) -> bool:
+        """True when the engine measures the gradient norm on DeepSpeed's ZeRO 1-2 partitions
+        and the ``foreach`` LAMB applies the clipping (fp32 / bf16-mixed)."""
+        cfg = self.cfg
+        return (
+            cfg.backend == "deepspeed"
+            and cfg.zero_stage in (1, 2)
+            and cfg.precision in ("fp32", "bf16-mixed")
+            and isinstance(getattr(self, "optimizer", None), Lamb)
         )
 
     # -- properties ----------------------------------------------------------------------------
@@ -911,9 +935,13 @@ class Engine:
         try:
             if self._ds is not None:
                 norm = self._clip_gradients() if self._clips_gradients() else None
+                if self._clips_flat():
+                    norm = self._clip_flat_gradients()
                 grad_norm = None if norm is None else float(norm)
+                if grad_norm is not None and not math.isfinite(grad_norm):
+                    self._guard.skip = True  # as DeepSpeed skips a non-finite gradient norm
                 self._ds.step()
-                applied = (not poisoned) and bool(self._ds.was_step_applied())
+                applied = not self._guard.skip and bool(self._ds.was_step_applied())
                 if grad_norm is None:
                     norm = self._ds.get_global_grad_norm()
                     grad_norm = None if norm is None else float(norm)
@@ -921,6 +949,8 @@ class Engine:
                 grad_norm, applied = self._torch_step(poisoned)
         finally:
             self._guard.skip = False
+            if self._lamb is not None:
+                self._lamb.grad_scale = None
         if applied:
             self.scheduler.step()
             if self._applied is not None:
@@ -956,6 +986,9 @@ class Engine:
         if self._clips_gradients():
             grad_norm = self._clip_gradients()
             ok = ok & torch.isfinite(grad_norm)
+        elif self._clips_flat():
+            grad_norm = self._clip_flat_gradients()
+            ok = ok & torch.isfinite(grad_norm)
         position = self._applied.clamp(max=self._lr_table.numel() - 1).reshape(1)
         lamb.skip = ~ok
         lamb.lr_multiplier = self._lr_table.index_select(0, position).reshape(())
@@ -975,6 +1008,7 @@ class Engine:
         finally:
             lamb.skip = None
             lamb.lr_multiplier = None
+            lamb.grad_scale = None
         self._applied += ok.to(self._applied.dtype)
         # The host's schedule advances as if the update was applied; sync_schedule() corrects it
         # to the device's count when the host reads it (logging, checkpoints).
@@ -1032,6 +1066,31 @@ class Engine:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if self.cfg.gradient_clipping > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.cfg.gradient_clipping, norm)
+        return norm
+
+    def _clip_flat_gradients(self) -> torch.Tensor:
+        """ZeRO 1-2 with the foreach LAMB: the global norm of the reduced gradient partitions
+        (DeepSpeed's ``averaged_gradients``, summed over the data-parallel group: what its own
+        norm reads), kept on the device; the LAMB scales the gradients by
+        ``min(1, gradient_clipping / (norm + 1e-6))`` as it steps (DeepSpeed's formula)."""
+        zero = self._ds.optimizer
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for i in range(len(zero.bit16_groups)):
+            grads = [
+                g
+                for g in (zero.averaged_gradients.get(i) or [])
+                if not getattr(g, "_zero_padding", False)
+            ]
+            if not grads:
+                continue
+            squares = torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
+            group = zero.real_dp_process_group[i]
+            if self._collective and torch_dist.get_world_size(group) > 1:
+                torch_dist.all_reduce(squares, group=group)
+            total = total + squares
+        norm = total.sqrt()
+        if self.cfg.gradient_clipping > 0 and self._lamb is not None:
+            self._lamb.grad_scale = (self.cfg.gradient_clipping / (norm + 1e-6)).clamp(max=1.0)
         return norm
 
     def _torch_step(self, poisoned: bool) -> tuple[float, bool]:

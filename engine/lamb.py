@@ -70,7 +70,8 @@ class Lamb(torch.optim.Optimizer):
     ``step`` and read by every ``step`` until changed: ``skip`` (0-dim bool tensor or None),
     ``lr_multiplier`` (0-dim tensor or None: then each group's lr is ``group["initial_lr"] *
     lr_multiplier``; ``initial_lr`` is what ``torch.optim.lr_scheduler`` records, the group's
-    ``lr`` when absent)."""
+    ``lr`` when absent), ``grad_scale`` (0-dim tensor or None: multiplies the gradients first; the
+    engine's gradient clipping on flat buffers)."""
 
     def __init__(
         self,
@@ -89,6 +90,7 @@ class Lamb(torch.optim.Optimizer):
         self.layouts: dict[Tensor, FlatLayout] = {}
         self.skip: Tensor | None = None
         self.lr_multiplier: Tensor | None = None
+        self.grad_scale: Tensor | None = None
         self._indices: dict[tuple[tuple[int, ...], str], Tensor] = {}
         self.require_layouts = False
         """True once flat layouts were attached (ZeRO 1-2): a parameter without one is then an
@@ -166,6 +168,8 @@ class Lamb(torch.optim.Optimizer):
             count += layout.num_tensors
         if not w:
             return
+        if self.grad_scale is not None:
+            torch._foreach_mul_(g, self.grad_scale)
         skip = self.skip
         # The moments: in place, or new tensors committed below when the step may be skipped.
         if skip is None:
