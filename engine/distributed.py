@@ -28,7 +28,15 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Literal
 
-__all__ = ["DistEnv", "detect", "expand_nodelist", "export_torch_env", "parse_tasks_per_node"]
+__all__ = [
+    "DistEnv",
+    "detect",
+    "expand_nodelist",
+    "export_torch_env",
+    "lost_peer",
+    "lost_peer_message",
+    "parse_tasks_per_node",
+]
 
 Launcher = Literal["torchrun", "slurm", "single"]
 
@@ -71,13 +79,15 @@ class DistEnv:
         """True when there is more than one process."""
         return self.world_size > 1
 
-    def describe(self, environ: Mapping[str, str] | None = None) -> str:
+    def describe(self, environ: Mapping[str, str] | None = None, *, short: bool = False) -> str:
         """One line for the job log: which process this is, where, and how it meets the others,
         e.g. ``rank 3/4 on node albatross-node2 (node 1, local rank 1/2), rendezvous
         albatross-node1:12817 (slurm)``. The node name is Slurm's (``SLURMD_NODENAME``) or
         the host name."""
         environ = os.environ if environ is None else environ
         node = environ.get("SLURMD_NODENAME") or socket.gethostname()
+        if short:  # "rank 3/4 on node albatross-node2"
+            return f"rank {self.rank}/{self.world_size} on node {node}"
         return (
             f"rank {self.rank}/{self.world_size} on node {node} (node {self.node_rank}, "
             f"local rank {self.local_rank}/{self.local_world_size}), rendezvous "
@@ -399,3 +409,49 @@ def export_torch_env(env: DistEnv, environ: MutableMapping[str, str] | None = No
     for name, value in wanted.items():
         if environ.get(name) is None:
             environ[name] = value
+
+
+# ---------------------------------------------------------------------------------------------
+# A lost peer: what a collective raises when another process of the job died
+
+# What gloo, NCCL and the TCP store say when the other side of a collective went away (a node
+# died, a task was killed, the network broke) or never answered within the group's timeout.
+_PEER_FAILURE = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|Connection refused"
+    r"|remote process exited|NCCL communicator was aborted|ncclRemoteError|ncclSystemError"
+    r"|Timed out waiting|timed out after|Watchdog caught collective operation timeout"
+    r"|DistNetworkError|DistBackendError",
+    re.IGNORECASE,
+)
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """True when ``exc`` (raised in a run of several processes) says that another process of
+    the job is gone or unreachable, as opposed to a bug or bad input in this one."""
+    if not detect().is_distributed:  # (the group itself may be torn down by now)
+        return False
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:  # the cause chain too
+        seen.add(id(exc))
+        text = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, (RuntimeError, OSError)) and _PEER_FAILURE.search(text):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def lost_peer_message(exc: BaseException, program: str, checkpoint: str | None) -> str:
+    """The one paragraph a job log ends with when ``lost_peer(exc)``: who noticed, what the
+    backend said (its first line), and where the run resumes from."""
+    env = detect()
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    resume = (
+        f"the last complete checkpoint is {checkpoint}; requeue or resubmit the job to resume "
+        "from it"
+        if checkpoint
+        else "requeue or resubmit the job: it resumes from the run's last checkpoint, if any"
+    )
+    return (
+        f"{program}: {env.describe(short=True)} lost contact with another process of the job (a node "
+        f"or task died, or the network between them failed): {first}\n{program}: {resume}."
+    )

@@ -1,46 +1,107 @@
 #!/usr/bin/env bash
-# A one-node Slurm cluster on this machine, for the tests and for trying the sbatch templates.
+# A Slurm cluster of N nodes on this one machine, with accounting: for trying the sbatch
+# templates and the Python launcher across nodes on a workstation, and for the tests.
 #
-#   bash slurm/cluster.sh start [--install]   # --install: apt-get the Debian packages if missing
-#   bash slurm/cluster.sh status
-#   bash slurm/cluster.sh stop
+#   bash slurm/cluster.sh start [--nodes N] [--install] [--no-accounting]
+#   bash slurm/cluster.sh status              # sinfo, squeue and the last jobs from sacct
+#   bash slurm/cluster.sh stop [--purge]      # --purge also deletes the state and the job database
+#   bash slurm/cluster.sh kill-node NAME      # a node failure: its slurmd and its job tasks die
+#   bash slurm/cluster.sh revive-node NAME    # the node comes back (slurmd restarted, resumed)
 #
-# Needs root and Debian's slurmctld, slurmd, slurm-client and munge (--install gets them). It
-# writes /etc/slurm/slurm.conf for this machine (hostname, CPUs, memory; one partition "debug")
-# unless a slurm.conf not written by this script is there already: a real cluster's config is
-# never touched. State and logs go to $ALBATROSS_SLURM_DIR (default /tmp/albatross-slurm).
-# Exit codes: 0 ready, 1 failed to start, 3 cannot run here (not root, no packages).
+# Each node is its own slurmd (`slurmd -N <node>`) with its own port and its own loopback address
+# (albatross-node1 = 127.0.10.1, albatross-node2 = 127.0.10.2, ...; the names go into /etc/hosts
+# between marker lines and are removed by `stop`), so a job's node list, its master address and
+# every task's node and local rank are those of a real multi-node job; all traffic stays on
+# loopback. One munged and one slurmctld serve them. Accounting: slurmdbd on a MariaDB server of
+# its own (data in the state directory, listening on 127.0.0.1 only), so `sacct` and submitit
+# see the true job states (COMPLETED, FAILED, PREEMPTED, REQUEUED, NODE_FAIL, ...).
+#
+# `start` is idempotent: a cluster already running with the same settings is left alone; other
+# settings (another --nodes) restart the daemons with the new ones, keeping the job database.
+#
+# Needs root and Debian's slurmctld, slurmd, slurm-client, munge and (for accounting) slurmdbd
+# and mariadb-server; --install gets them with apt-get. It writes /etc/slurm/slurm.conf and
+# /etc/slurm/slurmdbd.conf unless a slurm.conf not written by this script is there already: a
+# real cluster's configuration is never touched. State and logs go to $ALBATROSS_SLURM_DIR
+# (default /tmp/albatross-slurm). Ports (loopback): slurmctld 16817, slurmdbd 16819, MariaDB
+# 16306, slurmd 17001.. (one per node).
+# Exit codes: 0 ready, 1 failed to start (logs named), 2 usage, 3 cannot run here (not root,
+# no packages, another cluster's config).
 set -euo pipefail
 
 STATE=${ALBATROSS_SLURM_DIR:-/tmp/albatross-slurm}
 CONF=/etc/slurm/slurm.conf
+DBD_CONF=/etc/slurm/slurmdbd.conf
 MARK="# written by albatross slurm/cluster.sh"
-HOST=$(hostname -s)
+HOSTS_BEGIN="# >>> albatross slurm/cluster.sh nodes"
+HOSTS_END="# <<< albatross slurm/cluster.sh nodes"
+PREFIX=albatross-node
+CTLD_PORT=16817
+DBD_PORT=16819
+DB_PORT=16306
+SLURMD_PORT0=17000
+DB_SOCKET=$STATE/db-run/mysqld.sock
+DB_PASS=albatross-local
 
 die() { echo "slurm/cluster.sh: $*" >&2; exit "${2:-1}"; }
+log() { echo "slurm/cluster.sh: $*" >&2; }
 
-have_packages() { command -v slurmctld >/dev/null && command -v slurmd >/dev/null \
+have_slurm() { command -v slurmctld >/dev/null && command -v slurmd >/dev/null \
   && command -v sbatch >/dev/null && command -v munged >/dev/null; }
+have_accounting() { command -v slurmdbd >/dev/null && command -v mariadbd >/dev/null \
+  && command -v mariadb-install-db >/dev/null; }
 
 install_packages() {
   [ "$(id -u)" = 0 ] || die "installing packages needs root" 3
-  command -v apt-get >/dev/null || die "no apt-get: install slurmctld slurmd slurm-client munge yourself" 3
+  command -v apt-get >/dev/null ||
+    die "no apt-get: install slurmctld slurmd slurm-client munge slurmdbd mariadb-server yourself" 3
   apt-get update -qq >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    slurmctld slurmd slurm-client munge slurmdbd mariadb-server >/dev/null
 }
 
-write_conf() {
+node_names() { local i; for i in $(seq 1 "$1"); do echo "$PREFIX$i"; done; }
+
+write_hosts() { # the node names -> 127.0.10.<i>, between marker lines in /etc/hosts
+  local n=$1 tmp i
+  tmp=$(mktemp)
+  sed "/^$HOSTS_BEGIN\$/,/^$HOSTS_END\$/d" /etc/hosts >"$tmp"
+  {
+    echo "$HOSTS_BEGIN"
+    for i in $(seq 1 "$n"); do echo "127.0.10.$i $PREFIX$i"; done
+    echo "$HOSTS_END"
+  } >>"$tmp"
+  cat "$tmp" >/etc/hosts # in place: /etc/hosts may be a bind mount
+  rm -f "$tmp"
+}
+
+remove_hosts() {
+  if grep -qF "$HOSTS_BEGIN" /etc/hosts 2>/dev/null; then
+    local tmp
+    tmp=$(mktemp)
+    sed "/^$HOSTS_BEGIN\$/,/^$HOSTS_END\$/d" /etc/hosts >"$tmp"
+    cat "$tmp" >/etc/hosts
+    rm -f "$tmp"
+  fi
+}
+
+check_conf_is_ours() {
   if [ -f "$CONF" ] && ! grep -qF "$MARK" "$CONF"; then
     die "$CONF exists and was not written by this script; not touching it" 3
   fi
-  local cpus mem
+}
+
+conf_text() { # conf_text N ACCOUNTING
+  local n=$1 accounting=$2 cpus mem host i nodes
+  host=$(hostname -s)
   cpus=$(nproc)
-  mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))
-  mkdir -p /etc/slurm "$STATE/ctld" "$STATE/d" "$STATE/log"
-  cat > "$CONF.tmp" <<EOF
-$MARK
+  mem=$((($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024) / n))
+  nodes="$PREFIX[1-$n]"
+  cat <<EOF
+$MARK (--nodes $n)
 ClusterName=albatross
-SlurmctldHost=$HOST
+SlurmctldHost=$host(127.0.0.1)
+SlurmctldPort=$CTLD_PORT
 AuthType=auth/munge
 # Requeued jobs may start again after this many seconds (Slurm default 120; a test cluster
 # should not idle that long). Slurm holds a requeued job until its old credential expired.
@@ -49,11 +110,13 @@ CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=$STATE/ctld
-SlurmdSpoolDir=$STATE/d
+SlurmdSpoolDir=$STATE/d/%n
 SlurmctldPidFile=$STATE/slurmctld.pid
-SlurmdPidFile=$STATE/slurmd.pid
+SlurmdPidFile=$STATE/slurmd-%n.pid
 SlurmctldLogFile=$STATE/log/slurmctld.log
-SlurmdLogFile=$STATE/log/slurmd.log
+SlurmdLogFile=$STATE/log/slurmd-%n.log
+# Every node is this machine: take the node sizes below as given.
+SlurmdParameters=config_overrides
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
@@ -67,11 +130,41 @@ KillWait=30
 InactiveLimit=0
 MinJobAge=300
 SlurmctldTimeout=30
-SlurmdTimeout=30
-NodeName=$HOST CPUs=$cpus RealMemory=$mem State=UNKNOWN
-PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+# A node whose slurmd stops answering is declared DOWN after this many seconds (its jobs:
+# NODE_FAIL, requeued when they allow it).
+SlurmdTimeout=20
 EOF
-  mv "$CONF.tmp" "$CONF"
+  if [ "$accounting" = 1 ]; then
+    cat <<EOF
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort=$DBD_PORT
+JobAcctGatherType=jobacct_gather/none
+EOF
+  fi
+  for i in $(seq 1 "$n"); do
+    echo "NodeName=$PREFIX$i NodeHostname=$host NodeAddr=127.0.10.$i Port=$((SLURMD_PORT0 + i)) CPUs=$cpus RealMemory=$mem State=UNKNOWN"
+  done
+  echo "PartitionName=debug Nodes=$nodes Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4"
+}
+
+dbd_conf_text() {
+  cat <<EOF
+$MARK
+DbdHost=localhost
+DbdAddr=127.0.0.1
+DbdPort=$DBD_PORT
+SlurmUser=root
+AuthType=auth/munge
+LogFile=$STATE/log/slurmdbd.log
+PidFile=$STATE/slurmdbd.pid
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$DB_PORT
+StorageUser=slurm
+StoragePass=$DB_PASS
+StorageLoc=slurm_acct_db
+EOF
 }
 
 start_munge() {
@@ -90,43 +183,198 @@ start_munge() {
   fi
 }
 
-wait_ready() {
-  for _ in $(seq 1 60); do
-    if sinfo -h -N -o '%T' 2>/dev/null | grep -qE '^(idle|mixed|allocated)'; then return 0; fi
-    sleep 0.5
+db_running() { [ -S "$DB_SOCKET" ] && mariadb-admin --socket="$DB_SOCKET" -u root ping >/dev/null 2>&1; }
+
+start_database() {
+  if db_running; then return; fi
+  if [ ! -d "$STATE/mysql/mysql" ]; then
+    rm -rf "$STATE/mysql"
+    mkdir -p "$STATE/mysql"
+    chown mysql:mysql "$STATE/mysql"
+    mariadb-install-db --user=mysql --datadir="$STATE/mysql" --skip-test-db \
+      --auth-root-authentication-method=socket >"$STATE/log/mariadb-install.log" 2>&1 ||
+      die "MariaDB could not initialise $STATE/mysql; see $STATE/log/mariadb-install.log"
+  fi
+  chmod o+x "$STATE" # the mysql user reaches its data directory and socket through here
+  mkdir -p "$STATE/db-run" && chown mysql:mysql "$STATE/db-run"
+  touch "$STATE/log/mariadb.log" && chown mysql:mysql "$STATE/log/mariadb.log"
+  # A small server: 16 MB of buffer pool and redo log are plenty for a job table.
+  setsid mariadbd --user=mysql --datadir="$STATE/mysql" --socket="$DB_SOCKET" \
+    --port="$DB_PORT" --bind-address=127.0.0.1 --pid-file="$STATE/db-run/mysqld.pid" \
+    --log-error="$STATE/log/mariadb.log" --skip-name-resolve --innodb-buffer-pool-size=16M \
+    --innodb-log-file-size=16M </dev/null >/dev/null 2>&1 &
+  for _ in $(seq 1 120); do
+    db_running && break
+    sleep 0.25
+  done
+  db_running || die "MariaDB did not start; see $STATE/log/mariadb.log"
+  mariadb --socket="$DB_SOCKET" -u root -e "
+    CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '$DB_PASS';
+    GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';" ||
+    die "could not create the accounting database user; see $STATE/log/mariadb.log"
+}
+
+dbd_ready() { timeout 10 sacctmgr -n -P show cluster format=cluster >/dev/null 2>&1; }
+
+start_dbd() {
+  if ! pgrep -x slurmdbd >/dev/null; then slurmdbd; fi
+  for _ in $(seq 1 80); do
+    dbd_ready && break
+    sleep 0.25
+  done
+  dbd_ready || die "slurmdbd did not answer; see $STATE/log/slurmdbd.log"
+  if ! sacctmgr -n -P show cluster format=cluster | grep -qx albatross; then
+    sacctmgr -i add cluster albatross >/dev/null || die "sacctmgr could not add the cluster"
+  fi
+}
+
+wait_ready() { # wait_ready N: every node idle/mixed/allocated
+  local n=$1
+  for _ in $(seq 1 80); do
+    if [ "$(sinfo -h -N -o '%N %T' 2>/dev/null | grep -cE ' (idle|mixed|allocated)')" -ge "$n" ]; then
+      return 0
+    fi
+    sleep 0.25
   done
   return 1
 }
 
+start_slurmd() { # start_slurmd NODE
+  local pidfile=$STATE/slurmd-$1.pid
+  if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then return; fi
+  mkdir -p "$STATE/d/$1"
+  slurmd -N "$1"
+}
+
+stop_daemons() { # slurmd + slurmctld + slurmdbd (the database stays)
+  local name
+  for name in slurmd slurmctld slurmdbd; do pkill -x "$name" 2>/dev/null || true; done
+  for _ in $(seq 1 40); do
+    pgrep -x slurmd >/dev/null || pgrep -x slurmctld >/dev/null || pgrep -x slurmdbd >/dev/null ||
+      return 0
+    sleep 0.25
+  done
+  for name in slurmd slurmctld slurmdbd; do pkill -9 -x "$name" 2>/dev/null || true; done
+}
+
 start() {
-  if [ "${1:-}" = "--install" ] && ! have_packages; then install_packages; fi
+  local n=2 install=0 accounting=1
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --nodes) n=${2:?--nodes needs a number}; shift 2 ;;
+      --nodes=*) n=${1#--nodes=}; shift ;;
+      --install) install=1; shift ;;
+      --no-accounting) accounting=0; shift ;;
+      *) die "unknown option '$1' (start [--nodes N] [--install] [--no-accounting])" 2 ;;
+    esac
+  done
+  [[ "$n" =~ ^[1-9][0-9]*$ ]] || die "--nodes must be a positive number, got '$n'" 2
+  [ "$n" -le 64 ] || die "--nodes $n: at most 64 nodes on one machine" 2
   [ "$(id -u)" = 0 ] || die "needs root (slurmd runs jobs as any user)" 3
-  have_packages || die "Slurm packages missing: run with --install (Debian: slurmctld slurmd slurm-client munge)" 3
-  write_conf
-  start_munge
-  pgrep -x slurmctld >/dev/null || slurmctld
-  pgrep -x slurmd >/dev/null || slurmd
-  if ! wait_ready; then
-    scontrol update nodename="$HOST" state=resume >/dev/null 2>&1 || true
-    wait_ready || die "the node did not become ready; logs in $STATE/log"
+  if [ "$install" = 1 ] && { ! have_slurm || { [ "$accounting" = 1 ] && ! have_accounting; }; }; then
+    install_packages
   fi
-  echo "slurm ready: node $HOST ($(nproc) CPUs), partition debug; logs in $STATE/log"
+  have_slurm || die "Slurm packages missing: run with --install (Debian: slurmctld slurmd slurm-client munge)" 3
+  if [ "$accounting" = 1 ] && ! have_accounting; then
+    die "accounting packages missing: run with --install (Debian: slurmdbd mariadb-server) or use --no-accounting" 3
+  fi
+  check_conf_is_ours
+  mkdir -p /etc/slurm "$STATE/ctld" "$STATE/d" "$STATE/log"
+  local new fresh_db=0
+  new=$(conf_text "$n" "$accounting")
+  if [ -f "$CONF" ] && [ "$new" != "$(cat "$CONF")" ]; then
+    log "settings changed: restarting the daemons"
+    stop_daemons
+    # Node names and the node table change: start the controller with a fresh state, and
+    # (since job ids start again at 1) a fresh job database.
+    rm -rf "$STATE/ctld" "$STATE/d" && mkdir -p "$STATE/ctld" "$STATE/d"
+    fresh_db=1
+  fi
+  printf '%s\n' "$new" >"$CONF.tmp" && mv "$CONF.tmp" "$CONF"
+  write_hosts "$n"
+  start_munge
+  if [ "$accounting" = 1 ]; then
+    (umask 077 && dbd_conf_text >"$DBD_CONF.tmp") && mv "$DBD_CONF.tmp" "$DBD_CONF"
+    start_database
+    if [ "$fresh_db" = 1 ]; then
+      mariadb --socket="$DB_SOCKET" -u root -e "DROP DATABASE IF EXISTS slurm_acct_db" || true
+    fi
+    start_dbd
+  fi
+  pgrep -x slurmctld >/dev/null || slurmctld
+  local node
+  for node in $(node_names "$n"); do start_slurmd "$node"; done
+  if ! wait_ready "$n"; then
+    scontrol update nodename="$PREFIX[1-$n]" state=resume >/dev/null 2>&1 || true
+    wait_ready "$n" || die "the nodes did not become ready ($(sinfo -h -N -o '%N %T' | tr '\n' ' ')); logs in $STATE/log"
+  fi
+  local acct="no accounting"
+  [ "$accounting" = 1 ] && acct="accounting: slurmdbd + MariaDB (sacct)"
+  echo "slurm ready: $n nodes $PREFIX[1-$n] ($(nproc) CPUs each), partition debug; $acct; logs in $STATE/log"
 }
 
 stop() {
+  local purge=0
+  [ "${1:-}" = "--purge" ] && purge=1
   scancel --full --quiet -u "$(id -un)" 2>/dev/null || true
-  pkill -x slurmd 2>/dev/null || true
-  pkill -x slurmctld 2>/dev/null || true
-  for _ in $(seq 1 20); do
-    pgrep -x slurmd >/dev/null || pgrep -x slurmctld >/dev/null || break
-    sleep 0.5
-  done
+  stop_daemons
+  if [ -f "$STATE/db-run/mysqld.pid" ]; then
+    local pid
+    pid=$(cat "$STATE/db-run/mysqld.pid")
+    kill "$pid" 2>/dev/null || true
+    for _ in $(seq 1 80); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
+  fi
+  remove_hosts
+  if [ -f "$CONF" ] && grep -qF "$MARK" "$CONF"; then rm -f "$CONF" "$DBD_CONF"; fi
+  if [ "$purge" = 1 ]; then rm -rf "$STATE"; fi
   echo "slurm stopped"
+}
+
+node_pids() { # the PIDs of the job tasks and step daemons running on node $1
+  local p env
+  for p in /proc/[0-9]*; do
+    env=$(tr '\0' '\n' <"$p/environ" 2>/dev/null) || continue
+    if grep -qx "SLURMD_NODENAME=$1" <<<"$env"; then
+      echo "${p#/proc/}"
+      cat "$p/stat" 2>/dev/null | awk '{print $4}' # its parent: slurmstepd or the batch shell
+    fi
+  done | sort -u
+}
+
+kill_node() { # slurmd, the node's slurmstepd daemons and its tasks, with SIGKILL
+  local node=${1:?kill-node needs a node name}
+  local pidfile=$STATE/slurmd-$node.pid pids p
+  [ -f "$pidfile" ] || die "no node '$node' running here (no $pidfile)" 2
+  kill -9 "$(cat "$pidfile")" 2>/dev/null || true
+  pids=$(node_pids "$node")
+  for p in $pids; do
+    case "$(cat "/proc/$p/comm" 2>/dev/null)" in
+      slurmstepd | python* | bash | sh | srun) kill -9 "$p" 2>/dev/null || true ;;
+    esac
+  done
+  echo "node $node killed (slurmd and $(echo "$pids" | grep -c .) job processes)"
+}
+
+revive_node() {
+  local node=${1:?revive-node needs a node name}
+  grep -q "NodeName=$node " "$CONF" 2>/dev/null || die "no node '$node' in $CONF" 2
+  start_slurmd "$node"
+  scontrol update nodename="$node" state=resume >/dev/null 2>&1 || true
+  for _ in $(seq 1 80); do
+    sinfo -h -n "$node" -o '%T' | grep -qE '^(idle|mixed|allocated)' && break
+    sleep 0.25
+  done
+  echo "node $node: $(sinfo -h -n "$node" -o '%T')"
 }
 
 case "${1:-}" in
   start) shift; start "$@" ;;
-  stop) stop ;;
-  status) sinfo && squeue ;;
-  *) die "usage: bash slurm/cluster.sh start [--install] | status | stop" 2 ;;
+  stop) shift; stop "$@" ;;
+  status)
+    sinfo -N && squeue
+    if command -v sacct >/dev/null; then sacct -X -a -S now-1hours -o JobID,JobName,NodeList,State,ExitCode 2>/dev/null | tail -20 || true; fi
+    ;;
+  kill-node) shift; kill_node "$@" ;;
+  revive-node) shift; revive_node "$@" ;;
+  *) die "usage: bash slurm/cluster.sh start [--nodes N] [--install] [--no-accounting] | status | stop [--purge] | kill-node NAME | revive-node NAME" 2 ;;
 esac

@@ -71,7 +71,7 @@ def _no_rendezvous_leaks():
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """A running one-node Slurm (see tests/slurm_support.py); skipped where it cannot run."""
+    """A running 2-node Slurm (see tests/slurm_support.py); skipped where it cannot run."""
     import subprocess
 
     from slurm_support import REPO, start_cluster

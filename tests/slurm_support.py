@@ -1,6 +1,8 @@
-"""A real one-node Slurm for the tests, started with the project's own script.
+"""A real 2-node Slurm for the tests (two slurmd daemons on this machine, accounting through
+slurmdbd + MariaDB), started with the project's own script.
 
-``slurm_cluster`` (a session fixture) runs ``bash slurm/cluster.sh start --install``; where it
+``slurm_cluster`` (a session fixture) runs ``bash slurm/cluster.sh start --nodes 2 --install``
+(one-node tests run on either node); where it
 cannot run (not root, no packages and no apt-get, another cluster's slurm.conf) the tests that
 use it are skipped with the script's reason, printed in the pytest summary (``-ra``). A start
 that fails for another reason is an error, not a skip.
@@ -20,7 +22,7 @@ CANNOT_RUN_HERE = 3  # cluster.sh's exit code for "not possible on this machine"
 
 def start_cluster() -> None:
     proc = subprocess.run(
-        ["bash", str(REPO / "slurm" / "cluster.sh"), "start", "--install"],
+        ["bash", str(REPO / "slurm" / "cluster.sh"), "start", "--nodes", "2", "--install"],
         capture_output=True,
         text=True,
         timeout=600,

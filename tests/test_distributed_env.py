@@ -227,3 +227,51 @@ def test_gloo_init_from_detected_env(monkeypatch):
     finally:
         dist.destroy_process_group()
     assert not dist.is_initialized()
+
+
+# -------------------------------------------------------------------------------- lost peer
+
+
+def test_a_dead_peer_is_named_as_such(tmp_path):
+    """A process of a 2-process gloo group dies; the survivor's collective fails and
+    lost_peer recognises it; the message names the rank, the node and the checkpoint."""
+    import subprocess
+    import sys
+
+    from pretrain_support import REPO, env
+
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        e = {**env(), "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+        e.update(MASTER_PORT=port, LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(REPO / "tests" / "multiproc" / "lost_peer.py")],
+                env=e,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    out, err = procs[0].communicate(timeout=120)
+    procs[1].communicate(timeout=120)
+    assert procs[0].returncode == 0, out + err
+    assert "lost_peer: True" in out
+    assert "rank 0/2 on node" in out and "lost contact with another process of the job" in out
+    assert "the last complete checkpoint is run/checkpoints/step_00000010" in out
+
+
+def test_a_bug_is_not_a_lost_peer(monkeypatch):
+    from engine.distributed import lost_peer
+
+    two = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    for name, value in {**two, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    assert not lost_peer(ValueError("Connection reset by peer"))  # not a backend error
+    assert not lost_peer(RuntimeError("shape mismatch"))
+    assert lost_peer(RuntimeError("gloo: Connection closed by peer [127.0.0.1]:5"))
+    for name in two:
+        monkeypatch.delenv(name)
+    assert not lost_peer(RuntimeError("Connection closed by peer"))  # one process: no peer
