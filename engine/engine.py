@@ -751,6 +751,9 @@ class Engine:
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 2**62,  # the trainer logs; DeepSpeed stays quiet
             "wall_clock_breakdown": False,
+            # DeepSpeed's throughput timer synchronises the device at every forward and step
+            # (a host stall twice per step on a GPU); the trainer measures throughput itself.
+            "timers": {"throughput": {"enabled": False}},
         }
         if self._clips_flat():
             # ZeRO 1-2 with the foreach LAMB: the engine measures the norm (on the device) and

@@ -72,6 +72,7 @@ RESUMABLE_CHANGES = (
     "train.time_budget_minutes",
     "train.max_nonfinite_in_a_row",
     "train.progress",
+    "train.time_split",
     "train.export_at_end",
     "train.fail_at_step",
     "data.num_workers",
@@ -105,7 +106,10 @@ class TrainConfig:
     """Seeds model initialisation (identical on every rank), dropout (per rank) and the data
     order and masking."""
     log_every: int = 10
-    """Steps between TensorBoard scalars / progress lines."""
+    """Steps between TensorBoard scalars / progress lines. Between logging steps a training
+    step never waits for the GPU (no host synchronisation): losses, accuracies, gradient norms
+    and skip counts stay on the device and are read once per window; a run of
+    ``max_nonfinite_in_a_row`` non-finite steps is noticed at the window's end."""
     eval_every: int = 0
     """Steps between evaluations on the shards' held-out validation split (MLM loss and
     accuracy, SOP accuracy; TensorBoard ``eval/...``, status.json); 0: none."""
@@ -119,7 +123,14 @@ class TrainConfig:
     time_budget_minutes: float | None = None
     """Stop (with a checkpoint) after this much wall-clock time; None: no budget."""
     max_nonfinite_in_a_row: int = 20
-    """Steps skipped in a row for a non-finite loss before the run saves and stops."""
+    """Steps skipped in a row for a non-finite loss before the run saves and stops (checked at
+    the end of each logging window, checkpoint and evaluation; the skipped steps leave weights,
+    optimizer and schedule as they were)."""
+    time_split: bool = False
+    """Log ``time/forward``, ``time/backward`` and ``time/step`` on a GPU: the device is
+    synchronised 3-4 times per micro-batch to measure them, which slows training; off, they are
+    logged on the CPU only (where they cost nothing). ``time/data`` and ``time/step_total`` are
+    always logged."""
     export_at_end: bool = True
     """Write the release (run_dir/release) when the run reaches its last step."""
     progress: bool = True
@@ -131,6 +142,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"train.steps={self.steps} is invalid; valid: >= 1 or null")
+        if not isinstance(self.time_split, bool):
+            raise ValueError(f"train.time_split={self.time_split!r} is invalid; valid: true, false")
         for name in ("log_every", "keep_last", "max_nonfinite_in_a_row"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}={getattr(self, name)} is invalid; valid: >= 1")

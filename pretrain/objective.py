@@ -2,9 +2,23 @@
 sentence-order prediction, plus the model's auxiliary losses (TransJect reconstruction, kernel
 orthogonality penalty), all returned in one place so the trainer logs each of them.
 
-The MLM head decodes only the masked positions (``masked_positions`` = ``mlm_labels != -100``),
-so the (B, N, V) logits tensor is never built. The MLM loss is the mean over the masked tokens
-of the micro-batch, as in BERT and ALBERT.
+The MLM head decodes only the masked positions, so the (B, N, V) logits tensor is never built,
+and it does so with **fixed shapes**, without asking the host how many positions are masked
+(which would stop the CPU until the GPU has caught up, at every micro-batch):
+``model_inputs(batch, max_masked=K)`` gives the model a (B, K) index of each row's masked
+positions (in order, then padding), computed on the device from ``mlm_labels != -100``; the head
+gathers those K hidden states per row and the loss is the cross-entropy over the real ones
+(padding slots carry the label -100). K is a static upper bound of the masked count per row: the
+trainer takes the masking budget of a full-length row (``data_prep.masking.masking_budget``),
+e.g. 77 of 512 tokens at 15%, so the head decodes about as many positions as there are masked
+tokens. A row with more masked tokens than K would lose some: ``counts["mlm_dropped"]`` counts
+them (the trainer fails at the next log if it is ever nonzero). Batches of the loader's static
+mode (``data.masking.static_masked_positions``) bring their own ``masked_positions`` and
+``masked_labels`` (B, K), used as they are.
+
+The MLM loss is the mean over the masked tokens of the micro-batch, as in BERT and ALBERT (a
+micro-batch without any contributes 0). Everything returned is a device tensor; nothing here
+synchronises with the host.
 """
 
 from __future__ import annotations
@@ -26,44 +40,92 @@ class PretrainingLoss:
     """Detached scalars: ``mlm``, ``sop``, ``aux/<name>``."""
     counts: dict[str, Tensor]
     """Detached sums for accuracies: ``mlm_correct``, ``mlm_total``, ``sop_correct``,
-    ``sop_total``."""
+    ``sop_total``; ``mlm_dropped``: masked tokens beyond the head's K slots (0 unless the bound
+    was wrong)."""
 
 
-def model_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Keyword arguments for ``EncoderForPretraining`` from a loader batch (sparse MLM head)."""
+def masked_slots(labels: Tensor, k: int) -> Tensor:
+    """(B, K) long: each row's positions with a label (``!= -100``) in increasing order, then
+    positions without one (padding slots). Fixed shape, on the device, no host synchronisation:
+    the K smallest of keys that put labelled positions first.
+
+    >>> labels = torch.tensor([[-100, 7, -100, 9], [5, -100, -100, -100]])
+    >>> masked_slots(labels, 3).tolist()
+    [[1, 3, 0], [0, 1, 2]]
+    """
+    n = labels.shape[1]
+    k = max(1, min(int(k), n))
+    positions = torch.arange(n, device=labels.device)
+    keys = torch.where(labels != IGNORE, positions, positions + n)  # labelled first, in order
+    # The keys are distinct, so the k smallest are one set in one order: deterministic.
+    return keys.topk(k, dim=1, largest=False, sorted=True).values % n
+
+
+def model_inputs(batch: dict[str, Tensor], max_masked: int | None = None) -> dict[str, Tensor]:
+    """Keyword arguments for ``EncoderForPretraining`` from a loader batch: the MLM head decodes
+    ``masked_positions`` (B, K) of each row (the batch's own in the loader's static mode, else
+    :func:`masked_slots` with K = ``max_masked``; None: K = the sequence length, exact for any
+    batch but decoding every position)."""
+    if "masked_positions" in batch:
+        positions = batch["masked_positions"]
+    else:
+        labels = batch["mlm_labels"]
+        positions = masked_slots(labels, labels.shape[1] if max_masked is None else max_masked)
     return {
         "input_ids": batch["input_ids"],
         "attention_mask": batch["attention_mask"],
         "token_type_ids": batch["token_type_ids"],
-        "masked_positions": batch["mlm_labels"] != IGNORE,
+        "masked_positions": positions,
     }
 
 
+def _mean_or_zero(losses_sum: Tensor, count: Tensor) -> Tensor:
+    """``sum / count``, 0 when count is 0 (no branch on the host)."""
+    return losses_sum / count.clamp_min(1).to(losses_sum.dtype)
+
+
 def pretraining_loss(output, batch: dict[str, Tensor]) -> PretrainingLoss:
-    """The loss of ``EncoderForPretraining(**model_inputs(batch))`` on ``batch``."""
-    labels = batch["mlm_labels"][batch["mlm_labels"] != IGNORE]  # (M,) in the head's order
-    mlm_logits = output.logits.float()  # (M, V)
-    if labels.numel():
-        mlm = F.cross_entropy(mlm_logits, labels)
-    else:  # no masked token in this micro-batch (tiny batches): contributes nothing
-        mlm = mlm_logits.sum() * 0.0
+    """The loss of ``EncoderForPretraining(**model_inputs(batch, ...))`` on ``batch``.
+
+    ``output.logits`` is (B, K, V) for the fixed-shape head (the labels are gathered at the
+    same K slots per row, recomputed here exactly as ``model_inputs`` did, or the batch's
+    ``masked_labels``), or (M, V) when the caller decoded a boolean mask (the labels are then
+    the masked ones in row-major order; dynamic shapes)."""
+    all_labels = batch["mlm_labels"]
+    logits = output.logits
+    if logits.dim() == 3:
+        if "masked_labels" in batch and "masked_positions" in batch:
+            labels = batch["masked_labels"]
+        else:
+            labels = all_labels.gather(1, masked_slots(all_labels, logits.shape[1]))
+        logits_flat = logits.float().flatten(0, 1)  # (B*K, V)
+        labels_flat = labels.flatten()
+    else:  # (M, V): a boolean mask decoded by the caller
+        labels_flat = all_labels[all_labels != IGNORE]
+        logits_flat = logits.float()
+    valid = labels_flat != IGNORE
+    mlm_total = valid.sum()
+    mlm = _mean_or_zero(
+        F.cross_entropy(logits_flat, labels_flat, ignore_index=IGNORE, reduction="sum"), mlm_total
+    )
     sop_logits = output.sop_logits.float()
     sop_labels = batch["sop_labels"]
-    if bool((sop_labels != IGNORE).any()):
-        sop = F.cross_entropy(sop_logits, sop_labels, ignore_index=IGNORE)
-    else:
-        sop = sop_logits.sum() * 0.0
+    sop_valid = sop_labels != IGNORE
+    sop_total = sop_valid.sum()
+    sop = _mean_or_zero(
+        F.cross_entropy(sop_logits, sop_labels, ignore_index=IGNORE, reduction="sum"), sop_total
+    )
     total = mlm + sop
     parts = {"mlm": mlm.detach(), "sop": sop.detach()}
     for name, value in output.aux_losses.items():
         total = total + value.float()
         parts[f"aux/{name}"] = value.detach().float()
     with torch.no_grad():
-        sop_valid = sop_labels != IGNORE
         counts = {
-            "mlm_correct": (mlm_logits.argmax(-1) == labels).sum().float(),
-            "mlm_total": torch.tensor(float(labels.numel()), device=labels.device),
+            "mlm_correct": ((logits_flat.argmax(-1) == labels_flat) & valid).sum().float(),
+            "mlm_total": mlm_total.float(),
+            "mlm_dropped": ((all_labels != IGNORE).sum() - mlm_total).float(),
             "sop_correct": ((sop_logits.argmax(-1) == sop_labels) & sop_valid).sum().float(),
-            "sop_total": sop_valid.sum().float(),
+            "sop_total": sop_total.float(),
         }
     return PretrainingLoss(total=total, parts=parts, counts=counts)

@@ -32,7 +32,6 @@ import random
 import resource
 import time
 import warnings
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,10 +41,11 @@ import torch
 
 from data_prep.format import TOKENIZER, ShardError, sha256_file
 from data_prep.loader import PretrainingData, PretrainingLoader, validation_batches
+from data_prep.masking import masking_budget
 from engine import checkpoint as ckpt
 from engine import reshard
 from engine.distributed import detect
-from engine.engine import Engine, StepResult, shutdown
+from engine.engine import DeferredStep, Engine, shutdown
 from engine.metrics import MetricsWriter, Progress, mfu, peak_flops
 from engine.recipe import diff_keys, to_yaml
 from engine.signals import StopWatch
@@ -261,6 +261,10 @@ class Trainer:
         self.samples = 0
         self.skipped = 0
         self.nonfinite_in_a_row = 0
+        self._pending: torch.Tensor | None = None
+        """Device: (steps skipped, non-finite steps in a row at the end, most in a row) since
+        the host last read them (``_resolve_counters``)."""
+        self._worst_run = 0  # the most non-finite steps in a row the host has seen, unhandled
         self.diag_model: EncoderForPretraining | None = None
         self.is_main = self.rank == 0
         self.count_flops = counts_flops(self.model_cfg)
@@ -303,6 +307,7 @@ class Trainer:
 
     def save_checkpoint(self, reason: str) -> Path:
         """Collective: engine state, per-rank state and a consolidated release, then commit."""
+        self._resolve_counters()
         staging = self.store.begin(self.step)
         self.engine.save(staging)
         ckpt.save_rank_state(staging, self.rank, self._rank_state())
@@ -430,23 +435,23 @@ class Trainer:
         # The fewest batches any rank has: every rank runs as many forwards (collective
         # under ZeRO-3).
         (fewest,) = self.engine.all_reduce_max([-float(len(batches))])
-        sums = torch.zeros(6, dtype=torch.float64)
+        sums = torch.zeros(6, dtype=torch.float64, device=self.engine.device)
         self.engine.train(False)
-        with torch.no_grad():
+        with torch.no_grad():  # summed on the device, read once
             for cpu_batch in batches[: int(-fewest)]:
                 batch = self.engine.to_device(cpu_batch)
-                loss = pretraining_loss(self.engine.forward(**model_inputs(batch)), batch)
-                c = {k: float(v) for k, v in loss.counts.items()}
-                sums += torch.tensor(
+                inputs = model_inputs(batch, self.max_masked(phase))
+                loss = pretraining_loss(self.engine.forward(**inputs), batch)
+                c = {k: v.double() for k, v in loss.counts.items()}
+                sums += torch.stack(
                     [
-                        float(loss.parts["mlm"]) * c["mlm_total"],
+                        loss.parts["mlm"].double() * c["mlm_total"],
                         c["mlm_total"],
                         c["mlm_correct"],
-                        float(loss.parts["sop"]) * c["sop_total"],
+                        loss.parts["sop"].double() * c["sop_total"],
                         c["sop_total"],
                         c["sop_correct"],
-                    ],
-                    dtype=torch.float64,
+                    ]
                 )
         self.engine.train(True)
         mlm_sum, mlm_n, mlm_ok, sop_sum, sop_n, sop_ok = (
@@ -551,9 +556,11 @@ class Trainer:
         )
         peak = peak_flops(self.engine.device, _compute_dtype(cfg))
         batches = iter(self.loader)
-        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-        # ^ loss parts accumulate on the training device and are read once per log window
-        timers: dict[str, float] = defaultdict(float)
+        sums: dict[str, torch.Tensor] = {}
+        # ^ loss parts, counts and gradient norms accumulate on the training device and are
+        # read once per log window (with the skip counters): no host synchronisation between
+        timers: dict[str, float] = {"data": 0.0, "forward": 0.0, "backward": 0.0, "step": 0.0}
+        micro_batches = 0
         flops = 0.0
         window_start, window_steps, window_tokens, window_samples = time.perf_counter(), 0, 0, 0
         last: dict[str, float] = {}
@@ -571,28 +578,28 @@ class Trainer:
                             f"({self.phase.max_seq_length} tokens, micro-batch "
                             f"{self.phase.micro_batch_size}, until step {self.phase.end})"
                         )
-                result, batch, step_tokens, step_samples, step_flops = self._train_step(
+                result, batch, step_tokens, step_samples, step_flops, micro = self._train_step(
                     batches, sums, timers
                 )
                 self.step += 1
                 self.tokens += step_tokens
                 self.samples += step_samples
                 flops += step_flops
+                micro_batches += micro
                 window_steps += 1
                 window_tokens += step_tokens
                 window_samples += step_samples
-                if result.skipped:
-                    self.skipped += 1
-                if result.nonfinite_loss:
-                    self.nonfinite_in_a_row += 1
-                else:
-                    self.nonfinite_in_a_row = 0
-                sums["grad_norm"] += 0.0 if result.grad_norm is None else result.grad_norm
+                self._track(result)
+                if result.grad_norm is not None:
+                    norm = result.grad_norm.detach().to(torch.float64)
+                    sums["grad_norm"] = (
+                        norm if "grad_norm" not in sums else sums["grad_norm"] + norm
+                    )
                 if self.step % cfg.train.log_every == 0 or self.step == total:
                     elapsed = time.perf_counter() - window_start
                     last = self._log(
-                        writer, result, sums, timers, window_steps, elapsed, window_tokens,
-                        window_samples, flops, peak,
+                        writer, result, sums, timers, window_steps, micro_batches, elapsed,
+                        window_tokens, window_samples, flops, peak,
                     )  # fmt: skip
                     progress.update(
                         self.step,
@@ -603,7 +610,8 @@ class Trainer:
                         },
                     )
                     sums.clear()
-                    timers.clear()
+                    timers = dict.fromkeys(timers, 0.0)
+                    micro_batches = 0
                     flops = 0.0
                     window_start, window_steps, window_tokens, window_samples = (
                         time.perf_counter(), 0, 0, 0,
@@ -621,10 +629,16 @@ class Trainer:
                             f"(accuracy {evaluation['eval/accuracy/mlm']:.3f}), "
                             f"{evaluation['eval/seconds']:.1f} s"
                         )
-                if self.nonfinite_in_a_row >= cfg.train.max_nonfinite_in_a_row:
+                checkpoint_due = bool(
+                    cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0
+                )
+                if checkpoint_due:  # the checkpoint holds the host's counters: read them now
+                    self._resolve_counters()
+                # Read at log steps and checkpoints (the device skipped the bad steps already).
+                if self._worst_run >= cfg.train.max_nonfinite_in_a_row:
                     path = self.save_checkpoint("non-finite loss")
                     raise NonFiniteLossError(
-                        f"the loss was not finite in {self.nonfinite_in_a_row} steps in a row "
+                        f"the loss was not finite in {self._worst_run} steps in a row "
                         f"(up to step {self.step}; {self.skipped} skipped in all). The weights "
                         f"are those of the last good step, saved in {path}. Lower "
                         "optimizer.lr, check the data, or raise "
@@ -642,7 +656,7 @@ class Trainer:
                     )
                     self.save_checkpoint(reason)
                     break
-                if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
+                if checkpoint_due:
                     self.save_checkpoint("interval")
             release = None
             if state == "completed":
@@ -678,15 +692,29 @@ class Trainer:
             ckpt.write_json_atomically(self.run_dir / STATUS_FILE, status)
         return RunResult(state, self.step, self.run_dir, release, last, reason)
 
+    def max_masked(self, phase: Phase) -> int | None:
+        """The MLM head's slots per row (``pretrain.objective.model_inputs``): the masking
+        budget of a full-length row, which no row exceeds; None in the loader's static mode
+        (the batches bring their own ``masked_positions``)."""
+        masking = self.cfg.data.masking
+        if masking.static_masked_positions is not None:
+            return None
+        return masking_budget(phase.max_seq_length, masking)
+
     def _train_step(
         self,
         batches,
         sums: dict[str, torch.Tensor],
         timers: dict[str, float],
-    ) -> tuple[StepResult, dict[str, torch.Tensor], int, int, float]:
+    ) -> tuple[DeferredStep, dict[str, torch.Tensor], int, int, float, int]:
+        """One optimizer step, without a host synchronisation: the losses and counts are added
+        to ``sums`` on the device, the engine decides skips there (``step(defer=True)``), the
+        host counts come from the CPU batch. ``train.time_split`` synchronises around forward,
+        backward and step to time them (on a GPU; on the CPU they are timed anyway)."""
         engine = self.engine
-        sync = _synchronizer(engine.device)
-        tokens = samples = 0
+        sync = _synchronizer(engine.device) if self.cfg.train.time_split else _no_sync
+        max_masked = self.max_masked(self.phase)
+        tokens = samples = micro = 0
         flops = 0.0
         batch: dict[str, torch.Tensor] = {}
         for _ in range(self.engine.cfg.gradient_accumulation_steps):
@@ -695,62 +723,98 @@ class Trainer:
             batch = engine.to_device(cpu_batch)
             sync()
             t1 = time.perf_counter()
-            out = engine.forward(**model_inputs(batch))
+            out = engine.forward(**model_inputs(batch, max_masked))
             loss = pretraining_loss(out, batch)
             sync()
             t2 = time.perf_counter()
-            engine.backward(loss.total)
+            engine.backward(loss.total, defer=True)
             sync()
             t3 = time.perf_counter()
-            # Counts from the CPU batch: no device synchronisation for bookkeeping.
+            # Counts from the CPU batch, in numpy: host data, no device involved.
             b, n = cpu_batch["input_ids"].shape
-            masked = int((cpu_batch["mlm_labels"] != -100).sum())
-            tokens += int(cpu_batch["attention_mask"].sum())
+            masked = int(np.count_nonzero(cpu_batch["mlm_labels"].numpy() != -100))
+            tokens += int(cpu_batch["attention_mask"].numpy().sum())
             samples += b
+            micro += 1
             if self.count_flops:
                 flops += training_flops(self.model_cfg, n, masked_tokens=max(1, masked // b)) * b
             timers["data"] += t1 - t0
             timers["forward"] += t2 - t1
             timers["backward"] += t3 - t2
             for name, value in {**loss.parts, **loss.counts}.items():
-                sums[name] = sums[name] + value.detach().double()  # stays on the device
-            sums["micro_batches"] += 1.0
+                value = value.detach().to(torch.float64)  # stays on the device
+                sums[name] = value if name not in sums else sums[name] + value
         t0 = time.perf_counter()
-        result = engine.step()
+        result = engine.step(defer=True)
         sync()
         timers["step"] += time.perf_counter() - t0
         world = engine.world_size
-        return result, batch, tokens * world, samples * world, flops * world
+        return result, batch, tokens * world, samples * world, flops * world, micro
+
+    def _track(self, result: DeferredStep) -> None:
+        """Adds a step's skip and non-finite flags to the pending device counters."""
+        skipped = result.skipped.to(torch.float64)
+        bad = result.nonfinite_loss.to(torch.float64)
+        pending = self._pending
+        if pending is None:  # (skipped, run at the end, longest run), continuing the host's run
+            pending = torch.zeros(3, dtype=torch.float64, device=bad.device)
+            if self.nonfinite_in_a_row:
+                pending[1].add_(float(self.nonfinite_in_a_row))
+        run = (pending[1] + 1.0) * bad
+        self._pending = torch.stack([pending[0] + skipped, run, torch.maximum(pending[2], run)])
+
+    def _resolve_counters(self, values: list[float] | None = None) -> None:
+        """Pending device counters -> the host's (``values``: already read, else reads them:
+        one synchronisation). Also brings the engine's schedule to the device's count."""
+        if self._pending is not None:
+            skipped, run, longest = self._pending.tolist() if values is None else values
+            self._pending = None
+            self.skipped += round(skipped)
+            self.nonfinite_in_a_row = round(run)
+            self._worst_run = max(self._worst_run, round(longest))
+        self.engine.sync_schedule()
 
     def _log(
         self,
         writer: MetricsWriter,
-        result: StepResult,
+        result: DeferredStep,
         sums: dict[str, torch.Tensor],
         timers: dict[str, float],
         steps: int,
+        micro_batches: int,
         elapsed: float,
         tokens: int,
         samples: int,
         flops: float,
         peak: float | None,
     ) -> dict[str, float]:
-        """Averages over the logging window and over ranks -> TensorBoard (rank 0)."""
+        """Averages over the logging window and over ranks -> TensorBoard (rank 0). The device
+        sums and the skip counters are read in one go."""
+        device = self.engine.device
         names = sorted(sums)
-        stacked = torch.stack([sums[n].detach().double().cpu() for n in names])
-        averaged = self.engine.all_reduce_mean(stacked)
-        avg = dict(zip(names, averaged.tolist()))
-        micro = max(avg.pop("micro_batches"), 1.0)
+        parts = [sums[n].to(device=device, dtype=torch.float64).reshape(1) for n in names]
+        if self._pending is not None:  # the same on every rank: their mean is themselves
+            parts.append(self._pending.to(device))
+        averaged = self.engine.all_reduce_mean(torch.cat(parts)).tolist()
+        avg = dict(zip(names, averaged[: len(names)]))
+        self._resolve_counters(averaged[len(names) :] if self._pending is not None else None)
+        if avg.get("mlm_dropped", 0.0) > 0:
+            raise RuntimeError(
+                f"the MLM head decoded {self.max_masked(self.phase)} positions per row, but some "
+                "row had more masked tokens (its masking budget should bound them): a bug"
+            )
+        micro = max(float(micro_batches), 1.0)
         values: dict[str, float | None] = {}
+        counts = ("mlm_correct", "mlm_total", "mlm_dropped", "sop_correct", "sop_total")
         for name, total in avg.items():
-            if name in ("mlm_correct", "mlm_total", "sop_correct", "sop_total", "grad_norm"):
+            if name in (*counts, "grad_norm"):
                 continue
             values[f"loss/{name}"] = total / micro
         values["loss/total"] = sum(v for k, v in values.items() if v is not None)
         values["accuracy/mlm"] = avg["mlm_correct"] / max(avg["mlm_total"], 1.0)
         values["accuracy/sop"] = avg["sop_correct"] / max(avg["sop_total"], 1.0)
         values["optim/lr"] = result.lr
-        values["optim/grad_norm"] = avg["grad_norm"] / max(steps, 1)
+        values["optim/grad_norm"] = avg.get("grad_norm", 0.0) / max(steps, 1)
         values["optim/loss_scale"] = result.loss_scale
         values["optim/skipped_steps"] = float(self.skipped)
         if len(self.phases) > 1:
@@ -759,11 +823,16 @@ class Trainer:
         values["throughput/tokens_per_s"] = tokens / elapsed
         values["throughput/samples_per_s"] = samples / elapsed
         values["throughput/tokens_seen"] = float(self.tokens)
-        for name in ("data", "forward", "backward", "step"):
+        # Without synchronisation a GPU's forward / backward / step times would be the host's
+        # launch times: logged on the CPU, and on a GPU with train.time_split.
+        timed = ("data", "forward", "backward", "step")
+        if device.type == "cuda" and not self.cfg.train.time_split:
+            timed = ("data",)
+        for name in timed:
             values[f"time/{name}"] = timers.get(name, 0.0) / max(steps, 1)
         values["time/step_total"] = elapsed / max(steps, 1)
         values["memory/cpu_max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        if self.engine.device.type == "cuda":
+        if device.type == "cuda":
             values["memory/cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
             values["memory/cuda_max_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
         achieved = mfu(flops / elapsed / self.engine.world_size, peak) if self.count_flops else None
@@ -771,6 +840,10 @@ class Trainer:
             values["throughput/mfu"] = achieved
         writer.scalars(self.step, values)
         return {k: float(v) for k, v in values.items() if v is not None}
+
+
+def _no_sync() -> None:
+    return None
 
 
 def _synchronizer(device: torch.device):

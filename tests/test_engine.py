@@ -261,6 +261,8 @@ def test_deepspeed_config_batch_and_clipping(torch_engine):
     assert "train_batch_size" not in cfg  # DeepSpeed derives it from the world size
     assert "optimizer" not in cfg and "scheduler" not in cfg  # ours are passed as objects
     assert cfg["zero_allow_untested_optimizer"] is True
+    # Its throughput timer would synchronise the device twice per step.
+    assert cfg["timers"] == {"throughput": {"enabled": False}}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
