@@ -11,6 +11,8 @@ untimed ones (CUDA: synchronised). Ratios compare two paths in the same process.
     python bench/bench_fast_paths.py pretrain-padding
     python bench/bench_fast_paths.py orthogonal-cache --seq 256 1024 4096 --batch 1
     python bench/bench_fast_paths.py gpu-verify            # CUDA: flex, compile, apex; asserts
+    python bench/bench_fast_paths.py tisa-backends --device cuda --dtype bf16 --seq 256 512 1024 2048 4096
+    python bench/bench_fast_paths.py attention-checks      # CUDA: masks, bf16 kernel, maps; asserts
 
 `gpu-verify` checks on CUDA (and fails loudly otherwise): TISA flex == SDPA bias in forward and
 in every gradient (fp32 and bf16 autocast) and that training steps do not recompile; the
@@ -495,6 +497,245 @@ def bench_orthogonal_cache(args) -> dict:
     return {"rows": rows, "orthogonal_maps": len(maps)}
 
 
+# ----------------------------------------------------------------------------- TISA backends
+
+
+def bench_tisa_backends(args) -> dict:
+    """TISA's mixing step alone, forward + backward (into q, k, v and the scorer's a, b, c), per
+    sequence length: FlexAttention (score_mod + key-padding block mask) vs SDPA with the
+    materialised bias, on a padded batch (a quarter of the rows half padding) and an unpadded
+    one (no mask). Checks that both agree at the real tokens, then times them (CUDA events,
+    median). Reports `flex_min_length`: the shortest length from which flex is the faster on
+    both batches at every longer length measured, the value for `tisa.flex_min_length`. SDPA
+    running out of memory counts as flex faster. CUDA only (flex has no CPU backward)."""
+    if args.device != "cuda":
+        raise SystemExit("tisa-backends needs CUDA (FlexAttention has no CPU backward)")
+    from model.attention.tisa import PositionScorer, sdpa_bias, tisa_flex_attention
+
+    dev, dtype = "cuda", torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    H, h, B = args.heads, args.hidden // args.heads, args.batch
+    rows = []
+    for N in args.seq:
+        torch.manual_seed(0)
+        scorer = PositionScorer(5, H).to(dev)
+        q, k, v = (
+            torch.randn(B, H, N, h, device=dev, dtype=dtype, requires_grad=True) for _ in range(3)
+        )
+        g = torch.randn(B, H, N, h, device=dev, dtype=dtype)
+        mask = torch.ones(B, N, dtype=torch.bool, device=dev)
+        mask[: max(1, B // 4), N // 2 :] = False
+        params = [q, k, v, scorer.a, scorer.b, scorer.c]
+
+        def step(backend, padded, scorer=scorer, q=q, k=k, v=v, g=g, mask=mask, N=N, params=params):
+            m = mask if padded else None
+
+            def run():
+                values = scorer.values(N)
+                if backend == "flex":
+                    out = tisa_flex_attention(q, k, v, values, m)
+                else:
+                    bias = sdpa_bias(values, m, dtype)
+                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+                return out, torch.autograd.grad(out, params, g)
+
+            return run
+
+        row: dict = {"seq": N}
+        for padded in (True, False):
+            name = "padded" if padded else "unpadded"
+            try:
+                (o_f, g_f), (o_s, g_s) = step("flex", padded)(), step("sdpa", padded)()
+                real = mask[:, None, :, None].expand_as(o_f) if padded else slice(None)
+                tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+                torch.testing.assert_close(o_f[real].float(), o_s[real].float(), rtol=tol, atol=tol)
+                for a, b_, what in zip(g_f, g_s, ("q", "k", "v", "a", "b", "c")):
+                    err = ((a - b_).abs().max() / b_.abs().max().clamp_min(1e-6)).item()
+                    assert err < (5e-2 if dtype == torch.bfloat16 else 1e-3), (N, name, what, err)
+                row[f"agree_{name}"] = True
+                del o_f, g_f, o_s, g_s
+            except torch.OutOfMemoryError:
+                row[f"agree_{name}"] = "sdpa out of memory"
+            torch.cuda.empty_cache()
+            for backend in ("flex", "sdpa"):
+                try:
+                    t = time_steps({backend: step(backend, padded)}, args.warmup, args.repeats, dev)
+                    row[f"{backend}_{name}_ms"] = 1000 * t[backend]
+                except torch.OutOfMemoryError:
+                    row[f"{backend}_{name}_ms"] = None
+                torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    def flex_wins(row) -> bool:
+        return all(
+            row[f"sdpa_{n}_ms"] is None
+            or (row[f"flex_{n}_ms"] is not None and row[f"flex_{n}_ms"] < row[f"sdpa_{n}_ms"])
+            for n in ("padded", "unpadded")
+        )
+
+    threshold = None
+    for row in reversed(rows):
+        if not flex_wins(row):
+            break
+        threshold = row["seq"]
+    print("flex faster from N =", threshold, "(None: not at the longest length measured)")
+    return {"rows": rows, "flex_min_length": threshold, "device": torch.cuda.get_device_name()}
+
+
+# ----------------------------------------------------------------------------- attention checks
+
+
+def attention_checks(args) -> dict:
+    """CUDA checks (assert) of the attention fast paths, with timings where there is an old
+    path to compare with: softmax runs under flash-only SDPA on an unpadded batch (no mask) and
+    under cuDNN / memory-efficient on a padded one (float key-padding bias), and the step time
+    with each kind of mask; kernel attention's fp32-
+    accumulating bf16 products (bmm out_dtype) against fp64, gradients included; the orthogonal
+    maps evaluated in one batched solve == one by one, outputs and gradients, and their times;
+    the key-padding BlockMask == create_block_mask's."""
+    if not torch.cuda.is_available():
+        raise SystemExit("attention-checks needs CUDA")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from model.attention.kernel import matmul_fp32
+    from model.attention.tisa import key_padding_block_mask
+    from model.orthogonal import (
+        FP32Orthogonal,
+        evaluate_orthogonal_maps,
+        orthogonal_cache,
+        orthogonal_modules,
+    )
+
+    dev = "cuda"
+    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    bf16 = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
+
+    # 1. Softmax: which SDPA kernels the masks allow (a kernel that cannot run raises).
+    torch.manual_seed(0)
+    model = EncoderForPretraining(model_config("softmax", args)).to(dev)
+    ids, pad_mask = make_batch(args, 512, dev)
+    for name, mask, backends in (
+        ("unpadded_no_mask_flash", None, [SDPBackend.FLASH_ATTENTION]),
+        ("unpadded_no_mask_cudnn", None, [SDPBackend.CUDNN_ATTENTION]),
+        ("padded_float_bias_cudnn", pad_mask, [SDPBackend.CUDNN_ATTENTION]),
+        ("padded_float_bias_efficient", pad_mask, [SDPBackend.EFFICIENT_ATTENTION]),
+    ):
+        try:
+            with sdpa_kernel(backends), bf16():
+                model(ids, mask).logits.float().sum().backward()
+            report[f"sdpa_{name}"] = "runs"
+        except RuntimeError as e:
+            report[f"sdpa_{name}"] = f"refused: {str(e).splitlines()[0][:120]}"
+        print("softmax", name, report[f"sdpa_{name}"], flush=True)
+    assert report["sdpa_unpadded_no_mask_flash"] == "runs"
+
+    # The same unpadded batch with each kind of attn_mask the kernel could pass.
+    import model.attention.softmax as softmax_module
+    from model.attention.base import key_padding_bias
+
+    kinds = {
+        "float_bias": lambda ctx, dtype: key_padding_bias(ctx.mask_BN, dtype),
+        "bool_mask": lambda ctx, dtype: ctx.mask_BN[:, None, None, :],
+        "no_mask": lambda ctx, dtype: None,
+    }
+    real_mask_fn = softmax_module.sdpa_key_mask
+    t = {}
+    try:
+        for name, kind in kinds.items():
+            softmax_module.sdpa_key_mask = kind
+
+            def run():
+                with bf16():
+                    out = model(ids, torch.ones_like(pad_mask))
+                out.logits.float().sum().backward()
+
+            t.update(time_steps({name: run}, args.warmup, args.repeats, dev))
+    finally:
+        softmax_module.sdpa_key_mask = real_mask_fn
+    report["softmax_step_ms_unpadded_batch"] = {k: 1000 * v for k, v in t.items()}
+    print("softmax step (ms), unpadded batch:", report["softmax_step_ms_unpadded_batch"])
+
+    # 2. Kernel attention's products: bf16 inputs, fp32 accumulation and result.
+    torch.manual_seed(1)
+    a = torch.rand(8, 12, 64, 8192, device=dev).bfloat16().requires_grad_()
+    b = torch.randn(8, 12, 8192, 64, device=dev).bfloat16().requires_grad_()
+    c = torch.randn(8, 12, 64, 65, device=dev, requires_grad=True)  # fp32 (hi/lo split)
+    for x, y in ((a, b), (b, c)):
+        out = matmul_fp32(x, y)
+        ref = x.double() @ y.double()
+        assert out.dtype == torch.float32
+        err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1e-5, err
+        gx, gy = torch.autograd.grad(out, [x, y], torch.ones_like(out))
+        rx, ry = torch.autograd.grad(ref, [x, y], torch.ones_like(ref))
+        for got, want in ((gx, rx), (gy, ry)):
+            err = ((got.double() - want).abs().max() / want.abs().max()).item()
+            assert err < 1e-2, err
+    report["kernel_matmul_fp32_ok"] = True
+    print("kernel attention: bf16 products with fp32 accumulation ok", flush=True)
+
+    # 3. Orthogonal maps: one batched solve per shape == one solve per map; times.
+    torch.manual_seed(2)
+    tj = EncoderForPretraining(
+        model_config("transject", argparse.Namespace(**{**vars(args), "layers": 2}))
+    ).to(dev)
+    found = orthogonal_modules(tj)
+
+    def maps(grouped: bool):
+        def run():
+            with orthogonal_cache() as store:
+                if grouped:
+                    evaluate_orthogonal_maps(tj.encoder, store)
+                mats = [getattr(m, n) for _, m, n in found]
+            total = sum(
+                (w * torch.linspace(0, 1, w.numel(), device=dev).view_as(w)).sum() for w in mats
+            )
+            grads = torch.autograd.grad(
+                total, [p for p in tj.parameters() if p.requires_grad], allow_unused=True
+            )
+            return mats, grads
+
+        return run
+
+    (m1, g1), (m2, g2) = maps(False)(), maps(True)()
+    for x, y in zip(m1, m2):
+        assert (x - y).abs().max().item() < 1e-5
+    for x, y in zip(g1, g2):
+        if x is not None:
+            assert ((x - y).abs().max() / x.abs().max().clamp_min(1e-12)).item() < 1e-4
+    t = time_steps({"per_map": maps(False), "grouped": maps(True)}, 3, 20, dev)
+    matrices = sum(m.parametrizations[n].original.shape[:-2].numel() for _, m, n in found)
+    report["orthogonal_maps"] = {
+        "tensors": len(found),
+        "matrices": matrices,
+        "per_map_ms": 1000 * t["per_map"],
+        "grouped_ms": 1000 * t["grouped"],
+    }
+    print("orthogonal maps fwd+bwd:", report["orthogonal_maps"], flush=True)
+    assert FP32Orthogonal is not None
+
+    # 4. The key-padding BlockMask == create_block_mask's, at a few lengths.
+    for N in (100, 128, 300, 1024):
+        m = torch.rand(3, N, device=dev) > 0.2
+        m[0] = True
+        m[1, N // 3 :] = False
+        ours = key_padding_block_mask(m)
+        ref = create_block_mask(lambda b, h, q, kv, m=m: m[b, kv], 3, None, N, N, device=dev)
+        for attr in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            got, want = getattr(ours, attr), getattr(ref, attr)
+            n = want.shape[-1]
+            if attr.endswith("indices"):  # only the first count entries matter
+                counts = getattr(ref, attr.replace("indices", "num_blocks"))
+                keep = torch.arange(n, device=dev) < counts[..., None]
+                assert torch.equal(got[keep], want[keep]), (N, attr)
+            else:
+                assert torch.equal(got, want), (N, attr)
+    report["block_mask_equals_create_block_mask"] = True
+    print("key-padding BlockMask == create_block_mask", flush=True)
+    return report
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -503,7 +744,8 @@ def main() -> None:
     p.add_argument(
         "what",
         choices=[
-            "tisa", "compile", "grouping", "pretrain-padding", "orthogonal-cache", "gpu-verify"
+            "tisa", "compile", "grouping", "pretrain-padding", "orthogonal-cache", "gpu-verify",
+            "tisa-backends", "attention-checks",
         ],
     )  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -535,6 +777,8 @@ def main() -> None:
         "pretrain-padding": bench_pretrain_padding,
         "orthogonal-cache": bench_orthogonal_cache,
         "gpu-verify": gpu_verify,
+        "tisa-backends": bench_tisa_backends,
+        "attention-checks": attention_checks,
     }[args.what]
     result = {"what": args.what, "args": {k: str(v) for k, v in vars(args).items()}}
     result.update(run(args))

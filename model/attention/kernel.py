@@ -108,9 +108,8 @@ def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
 class MatmulFp32(torch.autograd.Function):
     """a @ b with fp32 accumulation and an fp32 result, for fp16/bf16 `a` and `b` either of a's
     dtype or fp32. An fp32 `b` is split into two of a's dtype, b = hi + lo (hi = b rounded,
-    lo = the rest rounded), and a @ b = a @ hi + a @ lo: two tensor-core products as accurate
-    as one fp32 product of the (exact) low-precision `a` with `b` (error ~2^-16 relative to
-    |a| |b| instead of 2^-8). The gradients accumulate in fp32 too (`_mm_fp32`; dL/db sums over
+    lo = the rest rounded), and a @ b = a @ hi + a @ lo: two tensor-core products that keep
+    16 bits of `b` (error ~2^-16 of |a| |b|, against ~2^-9 with `b` rounded to bf16). The gradients accumulate in fp32 too (`_mm_fp32`; dL/db sums over
     the long dimension of a) and come back in a's and b's dtypes. `torch.bmm(..., out_dtype=)`
     has no autograd formula, hence this Function."""
 
@@ -255,7 +254,7 @@ class EluFeatureMap(nn.Module):
     """phi(x) = elu(x) + 1 (Katharopoulos et al. 2020, arXiv 2006.16236); no parameters."""
 
     def forward(self, x_BHNh: Tensor) -> Tensor:
-        return F.elu(x_BHNh) + 1.0
+        return F.elu(x_BHNh.to(compute_dtype(x_BHNh))) + 1.0  # in the autocast dtype
 
     def orthogonality_error(self) -> Tensor | None:
         return None

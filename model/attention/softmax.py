@@ -6,10 +6,11 @@ aten/src/ATen/native/transformers/cuda/sdp_utils.cpp): flash attention takes **n
 all; cuDNN (first in line on H100-class GPUs with a recent cuDNN) takes a float or boolean mask
 of shape (1 or B, 1 or H, 1 or N, N) that does not require grad; the memory-efficient kernel
 takes any mask; a boolean mask is turned into a float one (-inf at False) before the kernel.
-So an unpadded batch passes `attn_mask=None` (the flash and cuDNN kernels stay eligible) and a
-padded one a boolean (B, 1, 1, N) key mask, never a float bias of zeros. Whether the batch is
-padded is known on the host without a device sync (`LayerContext.padded`, see
-`base.batch_is_padded`). `naive_softmax_attention` is the O(N^2) reference every softmax-based
+So an unpadded batch passes `attn_mask=None` (the flash kernel stays eligible; an all-zero
+float bias, what this kernel passed before, ruled it out) and a padded one the additive
+(B, 1, 1, N) key-padding bias (measured faster than a boolean mask: `base.sdpa_key_mask`).
+Whether the batch is padded is known on the host without a device sync (`LayerContext.padded`,
+see `base.batch_is_padded`). `naive_softmax_attention` is the O(N^2) reference every softmax-based
 kernel is tested against.
 """
 
@@ -56,7 +57,7 @@ class SoftmaxKernel(ScoreKernel):
             q_BHNh,
             k_BHNh,
             v_BHNh,
-            attn_mask=sdpa_key_mask(ctx),  # None (unpadded) or bool (B, 1, 1, N)
+            attn_mask=sdpa_key_mask(ctx, q_BHNh.dtype),  # None when unpadded
             dropout_p=self.dropout_p if self.training else 0.0,
         )
         return out_BHNh, {}
