@@ -26,6 +26,8 @@
 #             checkpointing, seq 512, batch 32, softmax               -> depth_gpu.json
 #   loader    bench_loader.py: loader alone vs the real trainer (python -m pretrain), albert-base
 #             seq 128 (num_workers 0 and 4) and 512 (4): data-wait share -> loader_gpu.json
+#   tisabackends  bench_fast_paths.py tisa-backends: TISA flex vs SDPA bias per length, the
+#             length from which flex wins (tisa.flex_min_length)  -> tisa_backends_gpu.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu}
@@ -41,7 +43,7 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 SMOKE=${SMOKE:-0}
-PARTS=${PARTS:-jit model scaling pretrain depth loader tisa orthocache fastpaths}
+PARTS=${PARTS:-jit model scaling pretrain depth loader tisa tisabackends orthocache fastpaths}
 # LAMB=torch: the recipes' LAMB through pytorch_optimizer.Lamb (no build step). LAMB=auto: what a
 # recipe picks by itself on CUDA, DeepSpeed's FusedLamb, JIT-built by the `jit` part first.
 LAMB=${LAMB:-torch}
@@ -141,6 +143,10 @@ else
   # recompile at a second length (BENCHMARKS.md, "Attention scaling").
   part tisa 60 python3 bench/bench_fast_paths.py tisa --device cuda --dtype bf16 --hidden 768 \
     --heads 12 --layers 12 --batch 32 --seq 512 --warmup 3 --repeats 10 --out "$OUT/tisa_gpu.json"
+  # TISA's mixing step, FlexAttention vs SDPA with the bias, per length: sets tisa.flex_min_length.
+  part tisabackends 60 python3 bench/bench_fast_paths.py tisa-backends --device cuda --dtype bf16 \
+    --hidden 768 --heads 12 --batch 8 --seq 512 1024 2048 4096 --warmup 3 --repeats 5 \
+    --out "$OUT/tisa_backends_gpu.json"
   # TransJect inference with its orthogonal maps kept across forwards vs evaluated every time.
   part orthocache 40 python3 bench/bench_fast_paths.py orthogonal-cache --device cuda --dtype bf16 \
     --hidden 768 --heads 12 --layers 1 --batch 8 --seq 256 4096 16384 --warmup 2 --repeats 10 \
