@@ -7,8 +7,9 @@
    collation, dynamic padding) at the config's batch size with ``num_workers`` in ``--workers``;
    the first ``--skip`` batches (worker start-up) are not timed, then batches/s over
    ``--batches`` batches.
-3. Data-wait share in the real trainer: ``python -m pretrain`` (one process, DeepSpeed ZeRO-2)
-   on those shards with the same ``num_workers``, ``--steps`` steps, logging every
+3. Data-wait share in the real trainer: ``python -m pretrain`` (one process, DeepSpeed ZeRO-0,
+   ``bf16-mixed`` on a GPU, ``train.time_split=true`` for the split) on those shards with the
+   same ``num_workers``, ``--steps`` steps, logging every
    ``--log-every``; the trainer writes its time split (``time/data``, ``time/forward``,
    ``time/backward``, ``time/step``, ``time/step_total``) to ``metrics.jsonl``, read back with
    ``engine.metrics.read_jsonl``. The first logging window (start-up, first batches) is dropped;
@@ -20,7 +21,7 @@ than the step consumes batches (> 1 means the loader keeps up even without overl
 
 Configs: ``debug`` (configs/pretrain/debug.yaml: d=64, 4 layers, seq 64, batch 16), ``small``
 (d=256, 4 layers, seq 128, batch 16), and for a GPU ``albert-base-128`` / ``albert-base-512``
-(configs/pretrain/albert-base.yaml, batch 64, bf16, ZeRO-2).
+(configs/pretrain/albert-base.yaml, batch 64, bf16-mixed, ZeRO-0).
 
     python bench/bench_loader.py --configs debug small --workers 0 2 --threads 1 --out bench/results/loader_cpu.json
     python bench/bench_loader.py --device cuda --configs albert-base-128 albert-base-512 --workers 2 4 --out loader_gpu.json
@@ -122,9 +123,10 @@ def trainer_split(name: str, shards: Path, workers: int, work: Path, args, env: 
         f"data.num_workers={workers}",
         f"engine.micro_batch_size={batch}",
         "engine.gradient_accumulation_steps=1",
-        "engine.zero_stage=2",
+        "engine.zero_stage=0",  # the recipes' engine: ZeRO-0, bf16-mixed on a GPU
         f"engine.device={args.device}",
-        f"engine.precision={'bf16' if args.device == 'cuda' else 'fp32'}",
+        f"engine.precision={'bf16-mixed' if args.device == 'cuda' else 'fp32'}",
+        "train.time_split=true",  # the forward / backward / step split (synchronised on a GPU)
         f"train.run_dir={run_dir}",
         f"train.steps={args.steps}",
         f"train.log_every={args.log_every}",

@@ -2,18 +2,21 @@
 
 Each point builds the recipe's model (``configs/pretrain/<recipe>[-<family>].yaml`` read with the
 project's own recipe loader, so the family settings are the shipped ones) and trains it with
-``engine.Engine``: DeepSpeed ZeRO-2, one process (a process group of one, rendezvous on a free
-local port), DeepSpeed's ``bf16`` mode on CUDA (bf16 weights, activations and gradients, fp32
-master weights) and fp32 on CPU unless ``--precision`` says otherwise. Each step is what
-``pretrain.train.Trainer`` does: ``to_device`` -> ``forward(**model_inputs)`` ->
-``pretraining_loss`` -> ``backward`` -> ``step``, on synthetic batches shaped like the loader's
-(full-length sequences, no padding, 15% of the tokens masked for MLM, random SOP labels; the
-sparse MLM head decodes only the masked positions).
+``engine.Engine`` as the recipes do: DeepSpeed, ZeRO-0 (``--zero-stage``), ``bf16-mixed`` on
+CUDA (fp32 weights, bf16 autocast) and fp32 on CPU (``--precision``), the recipe's optimizer
+(LAMB: the ``foreach`` implementation unless an ``--override optimizer.implementation=...``),
+one process (a process group of one, rendezvous on a free local port). Each step is what
+``pretrain.train.Trainer`` does: ``to_device`` -> ``forward(**model_inputs(batch, K))`` ->
+``pretraining_loss`` -> ``backward(defer=True)`` -> ``step(defer=True)`` (no host
+synchronisation inside the step), on synthetic batches shaped like the loader's (full-length
+sequences, no padding, 15% of the tokens masked for MLM, random SOP labels; the MLM head
+decodes K positions per row, K the most masked tokens of any row of the batches).
 
 Timing: ``--warmup`` untimed steps, then ``--steps`` steps each ended by a device synchronisation;
 the median step time gives tokens/s (real tokens: no padding here) and samples/s. The split into
 data (host -> device copy) / forward / backward / optimizer step comes from CUDA events (CPU: host
-clocks). MFU = ``model.flops.training_flops`` (3 x forward matmul FLOPs, the recompute of
+clocks); ``opt_share`` is the optimizer step's share of the step (the engine's part after the
+last backward: clipping, the LAMB update, DeepSpeed's bookkeeping). MFU = ``model.flops.training_flops`` (3 x forward matmul FLOPs, the recompute of
 activation checkpointing not counted) x sequences/s over ``engine.metrics.peak_flops`` of the
 device for bf16, as the trainer logs it. Memory: ``torch.cuda.max_memory_allocated()`` over the
 timed steps, less what earlier points of the process left allocated (``leftover_gb``);
@@ -35,6 +38,7 @@ Configs:
 
     python bench/bench_pretrain_throughput.py --preset cpu --interleave --steps 8 --out bench/results/pretrain_cpu.json
     python bench/bench_pretrain_throughput.py --device cuda --preset albert --out pretrain_gpu.json
+    python bench/bench_pretrain_throughput.py --device cuda --preset albert --zero-stage 2 --families softmax --out pretrain_zero2_gpu.json
     python bench/bench_pretrain_throughput.py --device cuda --depth 12 24 48 96 --out depth_gpu.json
 
 Extra recipe overrides go after ``--override`` (e.g. ``optimizer.implementation=torch``).
@@ -168,6 +172,9 @@ class Measurement:
         self.engine = Engine(model, cfg.engine, cfg.optimizer, cfg.schedule, detect())
         self.static_gb = torch.cuda.memory_allocated() / 2**30 if self.cuda else None
         batches = synthetic_batches(4, batch, seq, vocab)
+        # The MLM head's slots per row: the most masked tokens of any row (the trainer uses the
+        # masking budget of a full row, which bounds the loader's rows the same way).
+        self.max_masked = max(int((b["mlm_labels"] != -100).sum(1).max()) for b in batches)
         if self.cuda:
             batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
         self.batches = batches
@@ -201,18 +208,18 @@ class Measurement:
         mark()
         b = engine.to_device(cpu_batch)
         mark()
-        loss = pretraining_loss(engine.forward(**model_inputs(b)), b)
+        loss = pretraining_loss(engine.forward(**model_inputs(b, self.max_masked)), b)
         mark()
-        engine.backward(loss.total)
+        engine.backward(loss.total, defer=True)
         mark()
-        result = engine.step()
+        result = engine.step(defer=True)
         mark()
         if self.cuda:
             torch.cuda.synchronize()
             phases = [marks[j].elapsed_time(marks[j + 1]) / 1e3 for j in range(4)]
         else:
             phases = [marks[j + 1] - marks[j] for j in range(4)]
-        return time.perf_counter() - start, phases, result.skipped
+        return time.perf_counter() - start, phases, bool(result.skipped)
 
     def record(self, i: int) -> None:
         seconds, phases, skipped = self.step(i)
@@ -241,12 +248,15 @@ class Measurement:
             "activation_checkpointing": self.cfg.engine.activation_checkpointing,
             "precision": self.args.precision,
             "zero_stage": self.args.zero_stage,
-            "optimizer": f"{self.cfg.optimizer.name}/{type(self.engine.optimizer).__name__}",
+            "optimizer": f"{self.cfg.optimizer.name}/{type(self.engine.optimizer).__module__}."
+            f"{type(self.engine.optimizer).__name__}",
+            "deferred_step": self.engine.deferred,  # skips and schedule decided on the device
             "params": self.params,
             "step_s": step_s,
             "step_s_min": min(self.totals),  # the least disturbed step, on a shared machine
             "step_s_all": self.totals,
             "split_s": split,
+            "opt_share": split["step"] / step_s,  # the optimizer step's share of the step
             "tokens_per_s": self.batch * self.seq / step_s,
             "samples_per_s": self.batch / step_s,
             "model_tflops_per_s": self.flops_per_step / step_s / 1e12,
@@ -308,7 +318,7 @@ def run_group(points: list[dict], args) -> None:
     torch.set_num_threads(args.threads)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    warnings.filterwarnings("ignore", message=".*LAMB with engine.zero_stage.*")
+    warnings.filterwarnings("ignore", message=".*trust ratio is computed per flat.*")
     if args.interleave:
         run_interleaved(points, args)
         return
@@ -380,8 +390,10 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", default=None, choices=FAMILIES)
     parser.add_argument("--seq", type=int, default=None, help="override the config's length")
     parser.add_argument("--batch", type=int, default=None, help="override the micro-batch")
-    parser.add_argument("--precision", default=None, help="default: bf16 (CUDA), fp32 (CPU)")
-    parser.add_argument("--zero-stage", type=int, default=2)
+    parser.add_argument(
+        "--precision", default=None, help="default: bf16-mixed (CUDA, the recipes'), fp32 (CPU)"
+    )
+    parser.add_argument("--zero-stage", type=int, default=0, help="default: 0 (the recipes')")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -396,7 +408,7 @@ def main() -> None:
     parser.add_argument("--group", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.precision is None:
-        args.precision = "bf16" if args.device == "cuda" else "fp32"
+        args.precision = "bf16-mixed" if args.device == "cuda" else "fp32"
     if args.families is None:
         args.families = ["softmax"] if args.depth else list(FAMILIES)
     if args.preset is None:
@@ -474,13 +486,14 @@ def print_table(rows: list[dict], meta: dict) -> None:
     where = meta.get("device_name") or f"CPU, {meta['threads']} threads"
     print(f"\n{where}, torch {meta['torch']}, DeepSpeed {meta['deepspeed']}\n")
     print(
-        "| config | family | seq | batch | ckpt | step (s) median (min) | tokens/s | samples/s | "
-        "MFU | data / fwd / bwd / opt (ms) | peak mem (GB) |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        "| config | family | ZeRO | seq | batch | ckpt | step (s) median (min) | tokens/s | "
+        "samples/s | MFU | data / fwd / bwd / opt (ms) | opt share | peak mem (GB) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for r in rows:
         if "error" in r:
-            print(f"| {r['name']} | {r['family']} | {r['seq']} | {r['batch']} | | error: "
-                  f"{r['error'][:80]} | | | | | |")  # fmt: skip
+            print(f"| {r['name']} | {r['family']} | | {r['seq']} | {r['batch']} | | error: "
+                  f"{r['error'][:80]} | | | | | | |")  # fmt: skip
             continue
         s = r["split_s"]
         split = " / ".join(f"{s[k] * 1e3:.1f}" for k in ("data", "forward", "backward", "step"))
@@ -488,10 +501,11 @@ def print_table(rows: list[dict], meta: dict) -> None:
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         batch = f"{r['batch']}" + (f" (OOM at {r['oom_batches']})" if r["oom_batches"] else "")
         print(
-            f"| {r['name']} | {r['family']} | {r['seq']} | {batch} | "
+            f"| {r['name']} | {r['family']} | {r['zero_stage']} | {r['seq']} | {batch} | "
             f"{'on' if r['activation_checkpointing'] else 'off'} | {r['step_s']:.4f} "
             f"({r['step_s_min']:.4f}) | "
-            f"{r['tokens_per_s']:,.0f} | {r['samples_per_s']:.1f} | {mfu} | {split} | {mem:.2f} |"
+            f"{r['tokens_per_s']:,.0f} | {r['samples_per_s']:.1f} | {mfu} | {split} | "
+            f"{100 * r['opt_share']:.1f}% | {mem:.2f} |"
         )
 
 

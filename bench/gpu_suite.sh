@@ -4,8 +4,9 @@
 #   bash bench/gpu_suite.sh             # full suite -> $OUT/*.json + $OUT/suite.log
 #   SMOKE=1 bash bench/gpu_suite.sh     # every part at a tiny size (~4 min): checks the setup
 #   PARTS="model depth" bash bench/gpu_suite.sh     # only those parts
-#   LAMB=auto bash bench/gpu_suite.sh   # the recipes' own LAMB on CUDA (DeepSpeed FusedLamb,
-#                                       # JIT-built first); default LAMB=torch (pytorch_optimizer)
+#   LAMB=torch bash bench/gpu_suite.sh  # another LAMB: torch (pytorch_optimizer, the reference)
+#                                       # or deepspeed (FusedLamb, JIT-built first; ZeRO-0 parts
+#                                       # only); default: the recipes' own (auto = foreach)
 #   EXTRA="engine.compile=true" bash bench/gpu_suite.sh   # extra recipe overrides (engine parts)
 #
 # On the device machine (see BENCHMARKS.md): run(command="bash bench/gpu_suite.sh",
@@ -19,9 +20,14 @@
 #             bf16 autocast                                              -> model_gpu.json
 #   scaling   bench_attention_scaling.py: one layer, d=768, H=12, batch 8, N = 256 .. 16384,
 #             every family, bf16 autocast, forward                     -> scaling_gpu.json
-#   pretrain  bench_pretrain_throughput.py: the real engine (DeepSpeed ZeRO-2, bf16), albert-base
-#             seq 128 / 512 and albert-large seq 512, micro-batch 64, every family
+#   pretrain  bench_pretrain_throughput.py: the shipped recipe (DeepSpeed ZeRO-0, bf16-mixed,
+#             LAMB foreach), albert-base seq 128 / 512 and albert-large seq 512, micro-batch 64,
+#             every family; "opt share" = the optimizer step's share of the step
 #                                                                      -> pretrain_gpu.json
+#   pretrain2 the same on ZeRO-2 (flat partitions, LAMB per tensor on them), softmax,
+#             albert-base seq 512                                 -> pretrain_zero2_gpu.json
+#   syncs     bench_host_syncs.py: the real trainer under torch.cuda.set_sync_debug_mode("error")
+#             between logging steps, ZeRO-0 x every family and ZeRO-2 softmax -> syncs_gpu.json
 #   depth     the same at albert-base width with 12/24/48/96 shared layers, activation
 #             checkpointing, seq 512, batch 32, softmax               -> depth_gpu.json
 #   loader    bench_loader.py: loader alone vs the real trainer (python -m pretrain), albert-base
@@ -43,16 +49,22 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 SMOKE=${SMOKE:-0}
-PARTS=${PARTS:-jit model scaling pretrain depth loader tisa tisabackends orthocache fastpaths}
-# LAMB=torch: the recipes' LAMB through pytorch_optimizer.Lamb (no build step). LAMB=auto: what a
-# recipe picks by itself on CUDA, DeepSpeed's FusedLamb, JIT-built by the `jit` part first.
-LAMB=${LAMB:-torch}
+PARTS=${PARTS:-jit model scaling pretrain pretrain2 syncs depth loader tisa tisabackends orthocache fastpaths}
+# LAMB=auto: what a recipe picks by itself, the foreach LAMB (engine/lamb.py: per tensor on every
+# ZeRO stage 0-2, no host synchronisation, nothing to build). LAMB=torch: pytorch_optimizer.Lamb.
+# LAMB=deepspeed: DeepSpeed's FusedLamb, JIT-built by the `jit` part first (ZeRO-0 only: the
+# engine refuses it on ZeRO-2's flat buffers, so pretrain2 keeps the foreach LAMB then).
+LAMB=${LAMB:-auto}
 # EXTRA: more recipe overrides for the engine parts (pretrain, depth, loader), e.g.
 # EXTRA="engine.compile=true" (then budget the compile time: warm-up steps absorb it).
 read -ra EXTRA_OVERRIDES <<<"${EXTRA:-}"
 OVERRIDES=("${EXTRA_OVERRIDES[@]}")
-if [ "$LAMB" = torch ]; then OVERRIDES=(optimizer.implementation=torch "${OVERRIDES[@]}"); fi
+# OPTX: EXTRA alone (the recipes' own LAMB), for the syncs part, which checks the shipped setup.
+if [ ${#OVERRIDES[@]} -gt 0 ]; then OPTX=(--override "${OVERRIDES[@]}"); else OPTX=(); fi
+OPT2=("${OPTX[@]}")
+if [ "$LAMB" != auto ]; then OVERRIDES=("optimizer.implementation=$LAMB" "${OVERRIDES[@]}"); fi
 if [ ${#OVERRIDES[@]} -gt 0 ]; then OPT=(--override "${OVERRIDES[@]}"); else OPT=(); fi
+if [ "$LAMB" = torch ]; then OPT2=("${OPT[@]}"); fi # the reference LAMB runs on ZeRO-2 too
 START=$(date +%s)
 
 part() { # part NAME LIMIT_S COMMAND...
@@ -101,7 +113,7 @@ for b in [getattr(op_builder, name)() for name in sys.argv[1:]]:
     except Exception as e:
         print(b.name, 'FAILED after', round(time.time() - t, 1), 's:', repr(e)[-1500:], flush=True)
 "
-if [ "$LAMB" = auto ]; then
+if [ "$LAMB" = deepspeed ]; then
   part jit 80 python3 -c "$JIT_PY" FusedLambBuilder  # ~40 s on an H100
 elif [ "$SMOKE" = 1 ]; then # only a check: in the background, beside the other parts
   (case " $PARTS " in *" jit "*) timeout 240 python3 -c "$JIT_PY" FusedLambBuilder FusedAdamBuilder >"$OUT/jit.log" 2>&1 ;; esac) &
@@ -111,6 +123,11 @@ if [ "$SMOKE" = 1 ]; then
   part pretrain 150 python3 bench/bench_pretrain_throughput.py --device cuda \
     --configs albert-base-128 --steps 3 --warmup 2 --timeout 75 "${OPT[@]}" \
     --out "$OUT/pretrain_gpu.json"
+  part pretrain2 60 python3 bench/bench_pretrain_throughput.py --device cuda --zero-stage 2 \
+    --families softmax --configs albert-base-128 --steps 3 --warmup 2 --timeout 50 \
+    "${OPT2[@]}" --out "$OUT/pretrain_zero2_gpu.json"
+  part syncs 60 python3 bench/bench_host_syncs.py --device cuda --points zero0:softmax \
+    zero2:softmax --steps 6 --log-every 3 "${OPTX[@]}" --out "$OUT/syncs_gpu.json"
   part model 45 python3 bench/bench_model.py --device cuda --dtype bf16 --layers 2 --batch 8 \
     --seq 128 --repeats 3 --warmup 1 --out "$OUT/model_gpu.json"
   part scaling 70 python3 bench/bench_attention_scaling.py --device cuda --dtype bf16 \
@@ -133,6 +150,14 @@ else
     --repeats 10 --warmup 3 --out "$OUT/scaling_gpu.json"
   part pretrain 210 python3 bench/bench_pretrain_throughput.py --device cuda --preset albert \
     --steps 8 --warmup 3 --timeout 75 "${OPT[@]}" --out "$OUT/pretrain_gpu.json"
+  # The other shipped engine setting: ZeRO-2 (flat partitions; the LAMB per tensor on them).
+  part pretrain2 60 python3 bench/bench_pretrain_throughput.py --device cuda --zero-stage 2 \
+    --families softmax --configs albert-base-512 --steps 8 --warmup 3 --timeout 55 \
+    "${OPT2[@]}" --out "$OUT/pretrain_zero2_gpu.json"
+  # No host synchronisation between logging steps: the real trainer with CUDA's sync debug mode
+  # set to "error" (a synchronisation raises; the point reports where).
+  part syncs 60 python3 bench/bench_host_syncs.py --device cuda --steps 8 --log-every 4 \
+    "${OPTX[@]}" --out "$OUT/syncs_gpu.json"
   part depth 50 python3 bench/bench_pretrain_throughput.py --device cuda --depth 12 24 48 96 \
     --steps 4 --warmup 2 --timeout 45 "${OPT[@]}" --out "$OUT/depth_gpu.json"
   part loader 85 python3 bench/bench_loader.py --device cuda \
