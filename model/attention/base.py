@@ -139,11 +139,11 @@ class MultiHeadAttention(Attention):
     2 B N d 3d FLOPs. The result is laid out (B, N, 3, H, h), the "packed QKV" layout SDPA's
     cuDNN kernel accepts.
 
-    Under DeepSpeed ZeRO-3, which gathers a module's own parameters around its forward, the
-    module is marked a ZeRO-3 leaf (`_z3_leaf`): its forward reads its children's weights
-    directly, so it gathers all of them at once. With `cfg.orthogonal` (weights produced by
-    parametrizations that ZeRO-3 gathers through their own module calls) the three projections
-    stay three products, as before.
+    Under DeepSpeed ZeRO-3 (parameters partitioned, each gathered around its own module's
+    forward) and with `cfg.orthogonal` (weights produced by parametrizations) the three
+    projections stay three products: a concatenation would read the empty local shards. (Marking
+    the module a ZeRO-3 leaf, so that it gathers its children at once, fails in the backward
+    with DeepSpeed 0.19: gradients of the full shape meet the partitioned parameters.)
     """
 
     def __init__(self, cfg: EncoderConfig, kernel: ScoreKernel):
@@ -156,7 +156,6 @@ class MultiHeadAttention(Attention):
         self.output = make_linear(cfg, d, d)
         self.kernel = kernel
         self.fused_qkv = not cfg.orthogonal
-        self._z3_leaf = self.fused_qkv  # read by deepspeed.utils.z3_leaf_module
 
     def _split(self, x_BND: Tensor) -> Tensor:
         B, N, _ = x_BND.shape
@@ -172,7 +171,9 @@ class MultiHeadAttention(Attention):
 
     def project_qkv(self, x_BND: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(q, k, v), each (B, H, N, h), from one matrix product (views of one tensor)."""
-        if not self.fused_qkv:
+        if not self.fused_qkv or hasattr(self.query.weight, "ds_id"):
+            # (ds_id: parameters partitioned by DeepSpeed ZeRO-3, gathered around each
+            # Linear's own forward: the concatenation would read empty shards)
             return tuple(self._split(lin(x_BND)) for lin in (self.query, self.key, self.value))
         weight, bias = self.qkv_weight()
         if weight.dtype != x_BND.dtype and not torch.is_autocast_enabled(x_BND.device.type):
