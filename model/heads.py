@@ -94,9 +94,12 @@ class EncoderForPretraining(_EncoderModel):
     """Encoder + MLM (tied decoder) + SOP. `logits` are the MLM logits.
 
     `masked_positions` (optional) decodes only some positions, saving the (B, N, V) tensor:
-    a (B, N) bool mask gives logits (num_masked, V) in row-major order of the mask (dynamic
-    shapes); a (B, K) integer index tensor (the loader's static-shape `masked_positions`) gives
-    logits (B, K, V), a fixed shape for compiled models.
+    a (B, K) integer index tensor gives logits (B, K, V), a fixed shape (what pretraining
+    uses: `pretrain.objective.model_inputs` finds each row's masked positions on the device,
+    or the loader's static-shape `masked_positions`): no host synchronisation, one graph for
+    compiled models; a (B, N) bool mask gives logits (num_masked, V) in row-major order of the
+    mask, a shape that depends on the data (indexing with the mask reads the count on the
+    host: on a GPU, a synchronisation).
     """
 
     head_type = "pretraining"
