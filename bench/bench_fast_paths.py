@@ -590,7 +590,8 @@ def attention_checks(args) -> dict:
     path to compare with: softmax runs under flash-only SDPA on an unpadded batch (no mask) and
     under cuDNN / memory-efficient on a padded one (float key-padding bias), and the step time
     with each kind of mask; kernel attention's fp32-
-    accumulating bf16 products (bmm out_dtype) against fp64, gradients included; the orthogonal
+    accumulating products of bf16 features against fp64, gradients included, and its step time
+    with fp32 vs bf16 feature maps; the orthogonal
     maps evaluated in one batched solve == one by one, outputs and gradients, and their times;
     the key-padding BlockMask == create_block_mask's."""
     if not torch.cuda.is_available():
@@ -656,7 +657,7 @@ def attention_checks(args) -> dict:
     report["softmax_step_ms_unpadded_batch"] = {k: 1000 * v for k, v in t.items()}
     print("softmax step (ms), unpadded batch:", report["softmax_step_ms_unpadded_batch"])
 
-    # 2. Kernel attention's products: bf16 inputs, fp32 accumulation and result.
+    # 2. Kernel attention's products: bf16 inputs, fp32 products and gradients.
     torch.manual_seed(1)
     a = torch.rand(8, 12, 64, 8192, device=dev).bfloat16().requires_grad_()
     b = torch.randn(8, 12, 8192, 64, device=dev).bfloat16().requires_grad_()
@@ -673,7 +674,7 @@ def attention_checks(args) -> dict:
             err = ((got.double() - want).abs().max() / want.abs().max()).item()
             assert err < 1e-2, err
     report["kernel_matmul_fp32_ok"] = True
-    print("kernel attention: bf16 products with fp32 accumulation ok", flush=True)
+    print("kernel attention: fp32 products of bf16 features ok", flush=True)
 
     # 3. Orthogonal maps: one batched solve per shape == one solve per map; times.
     torch.manual_seed(2)
@@ -714,6 +715,61 @@ def attention_checks(args) -> dict:
     }
     print("orthogonal maps fwd+bwd:", report["orthogonal_maps"], flush=True)
     assert FP32Orthogonal is not None
+
+    # 3b. Before/after in one process: a TransJect training step with the maps evaluated one by
+    #     one through torch.linalg.solve (the old path: a host sync per map) vs batched.
+    import model.encoder as encoder_module
+    import model.orthogonal as orthogonal_module
+
+    ids512, mask512 = make_batch(args, 512, dev)
+    tj_args = argparse.Namespace(**{**vars(args), "layers": 2})
+    torch.manual_seed(2)
+    tj = EncoderForPretraining(model_config("transject", tj_args)).to(dev)
+    real_solve, real_eval = orthogonal_module._solve, encoder_module.evaluate_orthogonal_maps
+
+    def checked_solve(B, C):
+        return torch.linalg.solve(B, C)
+
+    step = pretraining_step(tj, ids512, mask512, bf16)
+    t = {}
+    try:
+        orthogonal_module._solve = checked_solve
+        encoder_module.evaluate_orthogonal_maps = lambda *a, **k: None
+        t.update(time_steps({"per_map_checked_solve_old": step}, args.warmup, args.repeats, dev))
+    finally:
+        orthogonal_module._solve, encoder_module.evaluate_orthogonal_maps = real_solve, real_eval
+    t.update(time_steps({"batched": step}, args.warmup, args.repeats, dev))
+    report["transject_step_ms"] = {k: 1000 * v for k, v in t.items()}
+    print("TransJect training step (ms), 2 layers:", report["transject_step_ms"], flush=True)
+
+    # 3c. Kernel attention (aoglu) training step: feature maps in fp32 (the old path, emulated
+    #     by making the compute dtype fp32) vs in bf16 (the default); the products in fp32 in
+    #     both (an earlier variant with bf16 products accumulating in fp32 through
+    #     bmm(out_dtype=float32) and a hi/lo split measured slower: docs/methods.md). At 512
+    #     tokens (batch 32) and 4096 (batch 4).
+    import model.attention.kernel as kernel_module
+
+    real_dtype, real_mm = kernel_module.compute_dtype, kernel_module.matmul_fp32
+    variants = {
+        "fp32_features_old": (lambda x: torch.float32, real_mm),
+        "bf16_features": (real_dtype, real_mm),
+    }
+    report["kernel_step_ms"] = {}
+    for N, B in ((512, args.batch), (4096, max(1, args.batch // 8))):
+        torch.manual_seed(3)
+        km_args = argparse.Namespace(**{**vars(args), "batch": B, "seq": [N]})
+        km = EncoderForPretraining(model_config("kernel", km_args)).to(dev)
+        ids_n, mask_n = make_batch(km_args, N, dev)
+        step = pretraining_step(km, ids_n, mask_n, bf16)
+        t = {}
+        try:
+            for name, (dtype_fn, mm_fn) in variants.items():
+                kernel_module.compute_dtype, kernel_module.matmul_fp32 = dtype_fn, mm_fn
+                t.update(time_steps({name: step}, args.warmup, args.repeats, dev))
+        finally:
+            kernel_module.compute_dtype, kernel_module.matmul_fp32 = real_dtype, real_mm
+        report["kernel_step_ms"][f"N={N},B={B}"] = {k: 1000 * v for k, v in t.items()}
+        print(f"kernel attention training step (ms), N={N} B={B}:", t, flush=True)
 
     # 4. The key-padding BlockMask == create_block_mask's, at a few lengths.
     for N in (100, 128, 300, 1024):

@@ -245,10 +245,10 @@ def test_auto_backend_is_chosen_per_length():
 # ------------------------------------------------------------------------- kernel attention
 
 
-def test_matmul_fp32_keeps_the_fp32_operand_to_16_bits():
-    """bf16 a times fp32 b (split into bf16 hi + lo): error ~2^-16 of the result's scale, where
-    rounding b to bf16 would be ~2^-9 off. Gradients: fp32-accumulated, equal to the fp64
-    ones up to bf16 rounding."""
+def test_kernel_products_are_fp32_whatever_the_feature_dtype():
+    """bf16 features times the fp32 [KV | z]: an fp32 product (as exact as fp32 on the bf16
+    numbers), where rounding [KV | z] to bf16 would be ~2^-9 off; gradients come back in each
+    input's dtype."""
     torch.manual_seed(0)
     a = torch.rand(2, 3, 512, 16).bfloat16().requires_grad_()
     b = torch.randn(2, 3, 16, 17, requires_grad=True)
@@ -256,13 +256,10 @@ def test_matmul_fp32_keeps_the_fp32_operand_to_16_bits():
     ref = a.double() @ b.double()
     assert out.dtype == torch.float32
     scale = ref.abs().max()
-    assert ((out - ref).abs().max() / scale).item() < 2**-15
+    assert ((out - ref).abs().max() / scale).item() < 1e-6
     assert ((a.double() @ b.bfloat16().double() - ref).abs().max() / scale).item() > 2**-12
     ga, gb = torch.autograd.grad(out, [a, b], torch.ones_like(out))
-    ra, rb = torch.autograd.grad(ref, [a, b], torch.ones_like(ref))
     assert ga.dtype == torch.bfloat16 and gb.dtype == torch.float32
-    for got, want in ((ga, ra), (gb, rb)):  # relative to the gradient's scale (cancellations)
-        assert ((got.double() - want.double()).abs().max() / want.abs().max()).item() < 2**-7
 
 
 @pytest.mark.parametrize("feature_map", ["aoglu", "glu", "ffn", "elu"])

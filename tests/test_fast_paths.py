@@ -221,10 +221,9 @@ class MatmulLog(TorchDispatchMode):
 
 
 def test_kernel_attention_products_are_batched_whatever_the_heads():
-    """phi(K)^T V and phi(Q) [KV | z] (numerator and normaliser together) are one batched
-    product each over all batches and heads (the count does not grow with H). Under bf16
-    autocast the second is two (the fp32 [KV | z] split into bf16 hi + lo halves), and on the
-    CPU every product runs in fp32 (CUDA: bf16 inputs, fp32 accumulation and result)."""
+    """[KV | z] = phi(K)^T [V | 1] and phi(Q) [KV | z] (numerator and normaliser together) are
+    one batched product each over all batches and heads (the count does not grow with H), in
+    fp32 also under bf16 autocast (the feature maps before them run in bf16)."""
     counts = {}
     for autocast in (False, True):
         for heads in (2, 8):
@@ -238,7 +237,7 @@ def test_kernel_attention_products_are_batched_whatever_the_heads():
                 kernel(q, k, v, LayerContext(mask_BN=torch.ones(2, 10, dtype=torch.bool)))
             counts[autocast, heads] = len(log.calls)
             assert all(dt == torch.float32 for _, dtypes in log.calls for dt in dtypes), log.calls
-    assert counts == {(False, 2): 2, (False, 8): 2, (True, 2): 3, (True, 8): 3}, counts
+    assert set(counts.values()) == {2}, counts
 
 
 def test_transject_experts_are_batched_not_looped():
