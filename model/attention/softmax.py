@@ -8,7 +8,7 @@ of shape (1 or B, 1 or H, 1 or N, N) that does not require grad; the memory-effi
 takes any mask; a boolean mask is turned into a float one (-inf at False) before the kernel.
 So an unpadded batch passes `attn_mask=None` (the flash kernel stays eligible; an all-zero
 float bias, what this kernel passed before, ruled it out) and a padded one the additive
-(B, 1, 1, N) key-padding bias (measured faster than a boolean mask: `base.sdpa_key_mask`).
+(B, 1, 1, N) key-padding bias (a boolean mask measured no faster: `base.sdpa_key_mask`).
 Whether the batch is padded is known on the host without a device sync (`LayerContext.padded`,
 see `base.batch_is_padded`). `naive_softmax_attention` is the O(N^2) reference every softmax-based
 kernel is tested against.
