@@ -1034,12 +1034,21 @@ class Engine:
                 torch.tensor(self.scheduler.last_epoch, dtype=torch.long), self.device
             )
 
-    def sync_schedule(self) -> None:
+    @property
+    def unsynced_schedule(self) -> torch.Tensor | None:
+        """The device's count of applied updates while the host's scheduler has not caught up
+        with it (deferred steps since the last :meth:`sync_schedule`), else None: a caller that
+        reads device values anyway can read this one with them and pass it to
+        :meth:`sync_schedule`."""
+        return self._applied if self._unsynced_steps and self._applied is not None else None
+
+    def sync_schedule(self, applied: int | None = None) -> None:
         """Bring the host's scheduler (and the optimizer's ``lr``) to the number of updates the
-        device applied, after deferred steps (synchronises once; nothing to do otherwise)."""
+        device applied, after deferred steps (synchronises once, unless ``applied``, the value
+        of :attr:`unsynced_schedule`, was read already; nothing to do without deferred steps)."""
         if not self._unsynced_steps or self._applied is None:
             return
-        applied = int(self._applied)
+        applied = int(self._applied) if applied is None else int(applied)
         self._unsynced_steps = 0
         sched = self.scheduler
         if sched.last_epoch == applied:

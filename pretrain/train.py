@@ -764,15 +764,24 @@ class Trainer:
         self._pending = torch.stack([pending[0] + skipped, run, torch.maximum(pending[2], run)])
 
     def _resolve_counters(self, values: list[float] | None = None) -> None:
-        """Pending device counters -> the host's (``values``: already read, else reads them:
-        one synchronisation). Also brings the engine's schedule to the device's count."""
+        """Pending device counters -> the host's (``values``: already read, the three counters
+        and the engine's schedule position, else they are read here: one synchronisation), and
+        the engine's schedule brought to the device's count."""
+        position = self.engine.unsynced_schedule
+        if values is None and (self._pending is not None or position is not None):
+            parts = [] if self._pending is None else [self._pending.to(torch.float64)]
+            if position is not None:
+                parts.append(position.to(parts[0].device if parts else position.device))
+            values = torch.cat([t.to(torch.float64).reshape(-1) for t in parts]).tolist()
+        values = list(values or [])
         if self._pending is not None:
-            skipped, run, longest = self._pending.tolist() if values is None else values
+            skipped, run, longest = values[:3]
+            values = values[3:]
             self._pending = None
             self.skipped += round(skipped)
             self.nonfinite_in_a_row = round(run)
             self._worst_run = max(self._worst_run, round(longest))
-        self.engine.sync_schedule()
+        self.engine.sync_schedule(round(values[0]) if position is not None and values else None)
 
     def _log(
         self,
@@ -793,11 +802,16 @@ class Trainer:
         device = self.engine.device
         names = sorted(sums)
         parts = [sums[n].to(device=device, dtype=torch.float64).reshape(1) for n in names]
-        if self._pending is not None:  # the same on every rank: their mean is themselves
+        # The skip counters and the schedule position are the same on every rank: their mean
+        # is themselves. One read for everything.
+        if self._pending is not None:
             parts.append(self._pending.to(device))
+        position = self.engine.unsynced_schedule
+        if position is not None:
+            parts.append(position.to(device=device, dtype=torch.float64).reshape(1))
         averaged = self.engine.all_reduce_mean(torch.cat(parts)).tolist()
         avg = dict(zip(names, averaged[: len(names)]))
-        self._resolve_counters(averaged[len(names) :] if self._pending is not None else None)
+        self._resolve_counters(averaged[len(names) :])
         if avg.get("mlm_dropped", 0.0) > 0:
             raise RuntimeError(
                 f"the MLM head decoded {self.max_masked(self.phase)} positions per row, but some "
