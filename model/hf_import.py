@@ -168,6 +168,80 @@ def hf_name_map(cfg: EncoderConfig, head_type: str) -> dict[str, tuple[str, ...]
     return names
 
 
+# ----------------------------------------------------------------------------- export
+
+
+HF_ARCHITECTURE_OF_HEAD = {
+    "pretraining": "AlbertForPreTraining",
+    "sequence_classification": "AlbertForSequenceClassification",
+}
+"""The native `transformers` class an export of each of our heads becomes."""
+
+
+def albert_export(cfg: EncoderConfig, head: dict[str, Any], state: dict[str, torch.Tensor]):
+    """A softmax model as a native `transformers` ALBERT checkpoint: the inverse of the import
+    (`hf_name_map` read backwards). `state` holds our tensors (orthogonal maps as matrices).
+
+    Raises `NotNative` naming what ALBERT cannot represent: residuals other than post-LN, no
+    absolute positions, orthogonal projections (a round trip would lose their
+    parametrisation), a layer schedule that HF computes differently, a head other than
+    pretraining or ``cls``-pooled classification.
+    """
+    from model.attention.hf_export import NativeModel, NotNative
+
+    head_type = head.get("type", "pretraining")
+    faults = [
+        f"{name}={value!r} (ALBERT: {albert!r})"
+        for name, value, albert in (
+            ("residual", cfg.residual, "post_ln"),
+            ("position_embedding", cfg.position_embedding, "absolute"),
+            ("orthogonal", cfg.orthogonal, False),
+        )
+        if value != albert
+    ]
+    if hf_group_schedule(cfg.num_hidden_layers, cfg.num_hidden_groups) != cfg.group_schedule():
+        faults.append(
+            f"num_hidden_layers={cfg.num_hidden_layers} with num_hidden_groups="
+            f"{cfg.num_hidden_groups} (ALBERT computes another layer schedule)"
+        )
+    if head_type not in HF_ARCHITECTURE_OF_HEAD:
+        faults.append(f"head {head_type!r}")
+    elif head_type == "sequence_classification" and head.get("pooling", "cls") != "cls":
+        faults.append(f"pooling={head['pooling']!r} (ALBERT classifies the pooler output)")
+    if faults:
+        raise NotNative("not a native ALBERT: " + ", ".join(faults))
+    names = hf_name_map(cfg, head_type)
+    hf_state: dict[str, torch.Tensor] = {}
+    for ours, candidates in names.items():
+        theirs = candidates[0]
+        hf_state[("albert." if ours.startswith("encoder.") else "") + theirs] = state[ours]
+    left = sorted(set(state) - names.keys())
+    assert not left, f"tensors with no ALBERT name: {left}"
+    config: dict[str, Any] = {
+        theirs: getattr(cfg, ours) for theirs, ours in HF_CONFIG_FIELDS.items()
+    }
+    config.update(
+        model_type="albert",
+        architectures=[HF_ARCHITECTURE_OF_HEAD[head_type]],
+        hidden_act=cfg.hidden_act,  # gelu_new, gelu, relu, silu: all ALBERT activations
+        position_embedding_type="absolute",
+        tie_word_embeddings=True,
+        classifier_dropout_prob=cfg.hidden_dropout_prob,
+    )
+    if head_type == "sequence_classification":
+        num_labels = int(head.get("num_labels", 2))
+        dropout = head.get("classifier_dropout")
+        config.update(
+            num_labels=num_labels,
+            id2label={str(i): f"LABEL_{i}" for i in range(num_labels)},
+            label2id={f"LABEL_{i}": i for i in range(num_labels)},
+            classifier_dropout_prob=cfg.hidden_dropout_prob if dropout is None else dropout,
+        )
+        if num_labels == 1:
+            config["problem_type"] = "regression"
+    return NativeModel(config=config, state_dict=hf_state)
+
+
 def normalise_hf_key(key: str) -> str:
     """Drops the `albert.` prefix of task models; renames old `gamma`/`beta` LayerNorm tensors."""
     key = key.removeprefix("albert.")

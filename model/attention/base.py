@@ -43,6 +43,7 @@ from model.config import EncoderConfig
 from model.orthogonal import Linear, make_orthogonal
 
 if TYPE_CHECKING:  # annotations only: the encoder imports this module
+    from model.attention.hf_export import HFExport
     from model.encoder import Encoder
 
 AuxLosses = dict[str, Tensor]
@@ -232,6 +233,10 @@ class AttentionFamily:
     residual_weights: Callable[[Tensor, EncoderConfig], Tensor] | None = None
     """(raw residual gates (L,), config) -> the weights the layers apply (L,); None: as they
     are (ReZero's alpha)."""
+    hf_export: HFExport | None = None
+    """How the family exports to Hugging Face `transformers` (`model.attention.hf_export`):
+    its HF-side modeling file and, optionally, a native `transformers` model. None: the family
+    cannot be exported to `transformers` (the export says so)."""
 
 
 class AttentionRegistry:

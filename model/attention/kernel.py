@@ -54,6 +54,7 @@ from model.attention.base import (
     ScoreKernel,
     matmul_flops,
 )
+from model.attention.hf_export import HFExport, family_code
 from model.config import EncoderConfig
 
 ORTHOGONAL_MAPS = ("ffn", "oglu", "aoglu")
@@ -313,6 +314,7 @@ FAMILY = AttentionFamily(
     kernel=KernelAttention,
     validate=validate,
     mixing_flops=kernel_mixing_flops,
+    hf_export=HFExport(code=family_code(__file__, "kernel_hf.py")),
 )
 
 __all__ = [

@@ -29,6 +29,7 @@ from model.attention.base import (
     matmul_flops,
     sdpa_key_mask,
 )
+from model.attention.hf_export import HFExport, NativeModel, family_code
 from model.config import EncoderConfig
 
 
@@ -69,11 +70,19 @@ def softmax_mixing_flops(cfg: EncoderConfig, seq_len: int) -> int:
     return 2 * matmul_flops(seq_len, cfg.hidden_size, seq_len)
 
 
+def native_albert(cfg: EncoderConfig, head: dict, state: dict) -> NativeModel:
+    """The export as a native `transformers` ALBERT (`model.hf_import.albert_export`)."""
+    from model.hf_import import albert_export  # lazily: it imports the model, hence this file
+
+    return albert_export(cfg, head, state)
+
+
 FAMILY = AttentionFamily(
     name="softmax",
     description="softmax attention (PyTorch SDPA) with a key-padding mask",
     kernel=SoftmaxKernel,
     mixing_flops=softmax_mixing_flops,
+    hf_export=HFExport(code=family_code(__file__, "softmax_hf.py"), native=native_albert),
 )
 
 __all__ = ["FAMILY", "SoftmaxKernel", "naive_softmax_attention", "softmax_mixing_flops"]

@@ -41,6 +41,7 @@ from model.attention.base import (
     ScoreKernel,
     key_padding_bias,
 )
+from model.attention.hf_export import HFExport, family_code
 from model.attention.softmax import softmax_mixing_flops
 from model.config import EncoderConfig
 
@@ -340,6 +341,7 @@ FAMILY = AttentionFamily(
     state=TISAState,
     mixing_flops=softmax_mixing_flops,
     figures=tisa_figures,
+    hf_export=HFExport(code=family_code(__file__, "tisa_hf.py")),
 )
 
 __all__ = [

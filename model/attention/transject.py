@@ -89,6 +89,7 @@ from model.attention.base import (
     key_mask,
     matmul_flops,
 )
+from model.attention.hf_export import HFExport, family_code
 from model.config import EncoderConfig
 from model.orthogonal import Linear, make_orthogonal, orthogonal_cache
 
@@ -553,6 +554,7 @@ FAMILY = AttentionFamily(
     token_embedding_width=lambda cfg: cfg.hidden_size // 2,
     diagnostics=transject_diagnostics,
     residual_weights=transject_residual_weights,
+    hf_export=HFExport(code=family_code(__file__, "transject_hf.py")),
 )
 
 __all__ = [
