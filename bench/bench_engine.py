@@ -52,6 +52,11 @@ def make_batches(seq: int, batch: int, count: int) -> tuple[list[dict], int]:
     return [next(it) for _ in range(count)], data.vocab_size
 
 
+def max_masked(batches: list[dict]) -> int:
+    """The MLM head's slots per row: the most masked tokens of any row (host batches)."""
+    return max(int((b["mlm_labels"] != -100).sum(1).max()) for b in batches)
+
+
 def build_model(args, vocab: int) -> EncoderForPretraining:
     torch.manual_seed(0)
     cfg = EncoderConfig.preset(
@@ -75,7 +80,7 @@ def run_plain(model, batches, steps: int) -> float:
         if i == WARMUP:
             start = time.perf_counter()
         batch = batches[i % len(batches)]
-        loss = pretraining_loss(model(**model_inputs(batch)), batch).total
+        loss = pretraining_loss(model(**model_inputs(batch, max_masked(batches))), batch).total
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -88,7 +93,8 @@ def run_engine(engine: Engine, batches, steps: int) -> float:
         if i == WARMUP:
             start = time.perf_counter()
         batch = batches[i % len(batches)]
-        loss = pretraining_loss(engine.forward(**model_inputs(batch)), batch).total
+        inputs = model_inputs(batch, max_masked(batches))
+        loss = pretraining_loss(engine.forward(**inputs), batch).total
         engine.backward(loss)
         engine.step()
     return steps / (time.perf_counter() - start)
