@@ -1093,9 +1093,11 @@ class Engine:
                 for g in (zero.averaged_gradients.get(i) or [])
                 if not getattr(g, "_zero_padding", False)
             ]
-            if not grads:
-                continue
-            squares = torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
+            squares = (
+                torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
+                if grads
+                else torch.zeros((), dtype=torch.float32, device=self.device)
+            )  # every rank joins the all-reduce, with or without gradients here
             group = zero.real_dp_process_group[i]
             if self._collective and torch_dist.get_world_size(group) > 1:
                 torch_dist.all_reduce(squares, group=group)

@@ -167,6 +167,12 @@ class Lamb(torch.optim.Optimizer):
             reductions.append((count, layout.num_tensors, layout.group))
             count += layout.num_tensors
         if not w:
+            # No piece here (a partition of padding only): the other ranks still all-reduce
+            # their norms, twice per layout; join them with zeros.
+            if reductions:
+                zeros = [p.new_zeros(0) for p in params[:1]]
+                for _ in range(2):
+                    self._tensor_norms(zeros, None, count, reductions, empty=True)
             return
         if self.grad_scale is not None:
             torch._foreach_mul_(g, self.grad_scale)
@@ -226,16 +232,21 @@ class Lamb(torch.optim.Optimizer):
         index: Tensor | None,
         count: int,
         reductions: list[tuple[int, int, Any]],
+        empty: bool = False,
     ) -> Tensor:
         """The L2 norm of every tensor (a vector of ``count``) from its pieces (``index``: the
-        tensor of each piece; None: one piece per tensor), summed across ranks."""
-        norms = torch.stack(torch._foreach_norm(pieces))
-        if index is None:
-            return norms
-        # A tensor has at most one piece per rank (its elements are contiguous in the flat
-        # buffer), so the squares go to distinct slots: no atomic adds, deterministic.
-        squares = torch.zeros(count, dtype=norms.dtype, device=norms.device)
-        squares.index_copy_(0, index, norms * norms)
+        tensor of each piece; None: one piece per tensor), summed across ranks. ``empty``: no
+        piece here, only the collectives (``pieces`` then holds one tensor for dtype/device)."""
+        if empty:
+            squares = torch.zeros(count, dtype=pieces[0].dtype, device=pieces[0].device)
+        else:
+            norms = torch.stack(torch._foreach_norm(pieces))
+            if index is None:
+                return norms
+            # A tensor has at most one piece per rank (its elements are contiguous in the flat
+            # buffer), so the squares go to distinct slots: no atomic adds, deterministic.
+            squares = torch.zeros(count, dtype=norms.dtype, device=norms.device)
+            squares.index_copy_(0, index, norms * norms)
         for first, n, process_group in reductions:
             if (
                 process_group is not None

@@ -49,13 +49,30 @@ class Net(nn.Module):
         return self.out(self.norm(torch.tanh(self.hidden(self.embedding(ids).mean(1)))))
 
 
+class Scaled(nn.Module):
+    """The no-decay group is one scalar: on 2 ranks one partition of it holds only padding (that
+    rank must still join the other's all-reduces of the norms)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(37, 12)
+        self.out = nn.Linear(12, 5, bias=False)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embedding(ids).mean(1)) * self.scale
+
+
+NETS = {"net": Net, "scaled": Scaled}
+
+
 def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
     return torch.randint(0, 37, (BATCH, 6), generator=g), torch.randint(0, 5, (BATCH,), generator=g)
 
 
-def reference(initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    net = Net()
+def reference(initial: dict[str, torch.Tensor], net_cls: type = Net) -> dict[str, torch.Tensor]:
+    net = net_cls()
     net.load_state_dict(initial)
     opt = build_optimizer(net, OptimizerConfig(**{**vars(OPT), "implementation": "torch"}))
     for step in range(STEPS):
@@ -70,10 +87,14 @@ def reference(initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def run(
-    stage: int, defer: bool, initial: dict[str, torch.Tensor], implementation: str = "foreach"
+    stage: int,
+    defer: bool,
+    initial: dict[str, torch.Tensor],
+    implementation: str = "foreach",
+    net_cls: type = Net,
 ) -> tuple[dict, int]:
     dist = detect()
-    net = Net()
+    net = net_cls()
     net.load_state_dict(initial)
     cfg = EngineConfig(
         backend="deepspeed",
@@ -111,21 +132,27 @@ def run(
 def main() -> None:
     out = Path(sys.argv[1])
     torch.manual_seed(0)
-    initial = {k: v.clone() for k, v in Net().state_dict().items()}
-    expected = reference(initial)
+    initials = {
+        name: {k: v.clone() for k, v in cls().state_dict().items()} for name, cls in NETS.items()
+    }
+    expecteds = {name: reference(initials[name], NETS[name]) for name in NETS}
     report: dict = {"world_size": detect().world_size, "runs": {}}
     # The last run is a control: pytorch_optimizer's LAMB, which knows no layout, on ZeRO-2's
     # flat buffers (trust ratio per flat partition): the comparison must see the difference.
-    runs = [(stage, defer, "foreach") for stage in (0, 1, 2) for defer in (False, True)]
-    for stage, defer, implementation in [*runs, (2, False, "torch")]:
+    runs = [(stage, defer, "foreach", "net") for stage in (0, 1, 2) for defer in (False, True)]
+    runs += [(2, True, "foreach", "scaled"), (2, False, "torch", "net")]
+    for stage, defer, implementation, net in runs:
+        initial, expected = initials[net], expecteds[net]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*trust ratio is computed per flat")
-            state, split = run(stage, defer, initial, implementation)
+            state, split = run(stage, defer, initial, implementation, NETS[net])
             diffs = {k: float((state[k] - expected[k]).abs().max()) for k in expected}
             moved = {k: float((expected[k] - initial[k]).abs().max()) for k in expected}
             name = f"zero{stage}-{'deferred' if defer else 'sync'}"
             if implementation != "foreach":
                 name += f"-{implementation}"
+            if net != "net":
+                name += f"-{net}"
             report["runs"][name] = {
                 "max_diff": diffs,
                 "moved": moved,
