@@ -337,6 +337,12 @@ def _token_ids(tokenizer_file: Path, special: dict[str, str]) -> dict[str, int]:
 # ----------------------------------------------------------------------------- model card
 
 
+def _metric_type(name: str) -> str:
+    """eval/loss/mlm -> mlm_loss (a model-index metric type)."""
+    parts = name.removeprefix("eval/").split("/")
+    return "_".join(reversed(parts))
+
+
 def _yaml_list(items: list[str]) -> str:
     return "".join(f"\n- {item}" for item in items)
 
@@ -379,8 +385,10 @@ def model_card(
     front = [line for line in front if line]
     if info.validation:
         metrics = "".join(
-            f"\n      - type: {name}\n        value: {value:.6g}\n        name: {name}"
+            f"\n      - type: {_metric_type(name)}\n        value: {value:.6g}\n"
+            f"        name: validation {name.removeprefix('eval/')}"
             for name, value in info.validation.items()
+            if "loss" in name or "accuracy" in name
         )
         front.append(
             "model-index:\n- name: albatross-" + cfg.attention + "\n  results:\n"
@@ -423,7 +431,7 @@ def model_card(
         "```python",
         "from transformers import AutoModel, AutoModelForMaskedLM, AutoTokenizer, pipeline",
         "",
-        'tokenizer = AutoTokenizer.from_pretrained("PATH")',
+        f'tokenizer = AutoTokenizer.from_pretrained("PATH"{load_kw})',
         f'model = AutoModel.from_pretrained("PATH"{load_kw})',
         f'mlm = AutoModelForMaskedLM.from_pretrained("PATH"{load_kw})',
         f'fill = pipeline("fill-mask", model="PATH"{load_kw})',

@@ -1,4 +1,6 @@
 """Import a local Hugging Face `transformers` ALBERT checkpoint into our model; write a release dir.
+Also reads back this project's own Hugging Face exports (`model.hf_export`, any family), and
+exports a softmax model as a native ALBERT (`albert_export`, the name table read backwards).
 
     python -m model.hf_import --hf-dir albert-base-v2/ --out releases/albert-base-v2-tisa \\
         --attention tisa
@@ -495,6 +497,17 @@ def _import(
     hf_dir: str | os.PathLike, attention: str, tisa_overrides: dict[str, Any] | None
 ) -> tuple[torch.nn.Module, ImportReport, dict[str, Any]]:
     hf_config = read_hf_config(hf_dir)
+    from model.hf_export import EXPORT_MODEL_TYPE, import_export
+
+    if hf_config.get("model_type") == EXPORT_MODEL_TYPE:  # our own export, any family
+        if attention != "softmax" or tisa_overrides:
+            raise ValueError(
+                f"{hf_dir} is an albatross export of attention {hf_config.get('attention')!r}: "
+                "its attention is fixed (drop the attention switch)"
+            )
+        model, exported = import_export(hf_dir)
+        report = ImportReport(exported.loaded, exported.initialised, exported.unused)
+        return model, report, hf_config
     cfg = encoder_config_from_hf(hf_config, **_encoder_overrides(attention, tisa_overrides))
     hf_state = load_hf_state_dict(hf_dir)
     head = head_from_hf(hf_config, hf_state)
