@@ -974,8 +974,9 @@ class Engine:
         assert lamb is not None
         self._schedule_on_device()
         assert self._applied is not None and self._lr_table is not None
-        bad = self._bad if self._bad is not None else torch.zeros((), dtype=torch.bool)
-        bad = bad.to(self.device)
+        bad = self._bad
+        if bad is None:  # made on the device: a copy from the host would synchronise
+            bad = torch.zeros((), dtype=torch.bool, device=self.device)
         self._bad = None
         if self._poisoned:  # a synchronising backward() in this step saw a non-finite loss
             bad = torch.ones_like(bad)
