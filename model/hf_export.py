@@ -121,6 +121,14 @@ class ModelCardInfo:
 # ----------------------------------------------------------------------------- weights
 
 
+def _plain_name(key: str) -> str:
+    """``m.parametrizations.weight.original`` -> ``m.weight`` (other keys unchanged)."""
+    if ".parametrizations." not in key:
+        return key
+    owner, rest = key.split(".parametrizations.", 1)
+    return f"{owner}.{rest.split('.', 1)[0]}"
+
+
 def materialised_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's tensors, fp32, with each parameterised tensor (an orthogonal map) as its
     value under the plain name (``m.parametrizations.weight.original`` -> ``m.weight``)."""
@@ -581,7 +589,7 @@ def import_export(hf_dir: str | os.PathLike) -> tuple[torch.nn.Module, ImportRep
     if missing_encoder:
         raise ReleaseError(f"{weights_path} lacks encoder tensors: {missing_encoder[:5]}")
     report.initialised = sorted(set(own) - updates.keys())
-    plain_own = set(materialised_state_dict(model))
+    plain_own = {_plain_name(k) for k in own}
     report.unused = sorted(set(state) - plain_own)
     own.update(updates)
     model.load_state_dict(own, strict=True)

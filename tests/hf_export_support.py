@@ -8,13 +8,34 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from test_toy_family import MeanKernel
 
+from model import register_attention
+from model.attention import ATTENTION_REGISTRY, AttentionFamily
+from model.attention.hf_export import HFExport
 from model.config import EncoderConfig
 from model.heads import build_model
 from model.orthogonal import orthogonal_modules
 from model.release import save_release
 
 ATOL = 1e-5
+TESTS = Path(__file__).resolve().parent
+
+# Families registered from outside the package (test_toy_family.py's uniform attention): one
+# that brings its HF export (its HF-side file, tests/toy_family_hf.py), one that does not.
+if "toy-mean-hf" not in ATTENTION_REGISTRY:
+    register_attention(
+        AttentionFamily(
+            name="toy-mean-hf",
+            description="uniform attention, with its HF export",
+            kernel=MeanKernel,
+            hf_export=HFExport(code=TESTS / "toy_family_hf.py"),
+        )
+    )
+if "toy-no-hf" not in ATTENTION_REGISTRY:
+    register_attention(
+        AttentionFamily(name="toy-no-hf", description="uniform attention", kernel=MeanKernel)
+    )
 
 BASE = dict(
     vocab_size=300,
@@ -44,6 +65,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "orthogonal": True,
         "position_embedding": "none",
     },
+    # a family registered from outside the package, with its own HF export
+    "toy": {"attention": "toy-mean-hf"},
 }
 """Export name -> encoder overrides."""
 

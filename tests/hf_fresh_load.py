@@ -69,7 +69,9 @@ def main() -> None:
                 out[f"hidden_state_{i}"] = h
             out["mlm_logits"] = mlm(**inputs).logits
             out["classifier_logits"] = clf(**inputs).logits
-        save_file({k: v.clone().contiguous() for k, v in out.items()}, f"{job['out']}.{name}.safetensors")
+        save_file(
+            {k: v.clone().contiguous() for k, v in out.items()}, f"{job['out']}.{name}.safetensors"
+        )
         if spec.get("pipeline"):
             from transformers import pipeline
 
@@ -124,9 +126,7 @@ def train_a_few_steps(path, kw, tok):
         result = trainer.train()
         trainer.save_model(out + "/saved")
         reloaded = AutoModelForSequenceClassification.from_pretrained(out + "/saved", **kw)
-        same = all(
-            torch.equal(v, reloaded.state_dict()[k]) for k, v in model.state_dict().items()
-        )
+        same = all(torch.equal(v, reloaded.state_dict()[k]) for k, v in model.state_dict().items())
     changed = sum(not torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     return {
