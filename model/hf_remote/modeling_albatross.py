@@ -16,7 +16,7 @@ Classes: ``AlbatrossModel`` (AutoModel), ``AlbatrossForPreTraining`` (MLM + sent
 ``AlbatrossForMaskedLM`` (AutoModelForMaskedLM, fill-mask), ``AlbatrossForSequenceClassification``
 (cls / mean / max pooling, ``config.classifier_pooling``).
 
-In training mode the losses include the family's auxiliary losses (e.g. TransJect's
+With labels, the losses include the family's auxiliary losses (e.g. TransJect's
 eigen-reconstruction loss). The exported matrices are plain parameters: training them here
 does not keep them orthogonal.
 """
