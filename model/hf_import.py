@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    log.info("wrote %s (%s head, %s attention)", out, model.head_type, args.attention)
+    log.info("wrote %s (%s head, %s attention)", out, model.head_type, model.config.attention)
     return 0
 
 
