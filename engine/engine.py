@@ -761,6 +761,17 @@ class Engine:
             config["zero_optimization"]["compute_grad_norm"] = False
         if cfg.precision == "bf16":
             config["bf16"] = {"enabled": True}
+        elif cfg.precision == "bf16-mixed":
+            # DeepSpeed's forward turns an autocast that it did not configure OFF on CUDA
+            # (deepspeed.runtime.torch_autocast.autocast_if_enabled): without this section the
+            # "mixed" forward ran in fp32 on a GPU (measured on an H100, albert-base seq 512:
+            # 0.44 s per step instead of 0.075 s). No lower-precision modules: gradients are
+            # reduced in fp32, as the parameters are fp32 (the LAMB's flat layout stays one dtype).
+            config["torch_autocast"] = {
+                "enabled": True,
+                "dtype": "bfloat16",
+                "lower_precision_safe_modules": [],
+            }
         elif cfg.precision == "fp16":
             config["fp16"] = {
                 "enabled": True,
@@ -835,7 +846,7 @@ class Engine:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         dtype = self.cfg.autocast_dtype
-        if dtype is None:
+        if dtype is None or self._ds is not None:  # DeepSpeed autocasts inside its forward
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
