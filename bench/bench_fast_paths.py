@@ -1,4 +1,4 @@
-"""Fast paths of issue #8, measured: TISA's overhead over softmax, torch.compile's gain, length
+"""The fast paths, measured: TISA's overhead over softmax, torch.compile's gain, length
 grouping for fine-tuning, the padding share of pretraining batches; on GPU also FlexAttention vs
 the SDPA bias and apex's fused LayerNorm vs torch's, with equality checks.
 

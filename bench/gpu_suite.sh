@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU half of issue #8's benchmark suite, in ONE call on a lent GPU (an H100: < 9 min wall).
+# The GPU half of the benchmark suite, in ONE call on a GPU machine (an H100: < 9 min wall).
 #
 #   bash bench/gpu_suite.sh             # full suite -> $OUT/*.json + $OUT/suite.log
 #   SMOKE=1 bash bench/gpu_suite.sh     # every part at a tiny size (~4 min): checks the setup

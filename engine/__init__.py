@@ -1,2 +1,2 @@
 """Training machinery shared by pretraining and fine-tuning: distributed init (torchrun, Slurm),
-the DeepSpeed engine, optimizers and schedules, checkpointing, TensorBoard. Built by issue #4."""
+the DeepSpeed engine, optimizers and schedules, checkpointing, TensorBoard."""

@@ -1,1 +1,1 @@
-"""Fine-tuning on GLUE and Long Range Arena (`python -m finetune`). Built by issues #6 and #7."""
+"""Fine-tuning on GLUE and Long Range Arena (`python -m finetune`)."""

@@ -33,7 +33,7 @@ _ACTIVATIONS = ("gelu_new", "gelu", "relu", "silu")
 
 @dataclass
 class TISAConfig:
-    """Translation-invariant self-attention (Wennberg & Henter 2021); METHODS.md section 2."""
+    """Translation-invariant self-attention (Wennberg & Henter 2021); docs/methods.md, TISA."""
 
     num_kernels: int = 5
     """S, the number of radial-basis kernels per head in f(k) = sum_s a_s exp(-|b_s| (k - c_s)^2)."""
@@ -75,7 +75,9 @@ class TISAConfig:
 
 @dataclass
 class KernelConfig:
-    """Trainable feed-forward kernels for linear attention (Yorsh & Kovalenko 2022); METHODS.md 4."""
+    """Trainable feed-forward kernels for linear attention (Yorsh & Kovalenko 2022).
+
+    The method and the differences from the authors' code: docs/methods.md."""
 
     feature_map: Literal["ffn", "glu", "oglu", "aoglu", "elu"] = "aoglu"
     """The learned feature map phi, shared by queries and keys. `elu` is the parameter-free
@@ -114,7 +116,7 @@ class KernelConfig:
 
 @dataclass
 class TransJectConfig:
-    """TransJect (Sengupta, Akhtar, Chakraborty 2023); METHODS.md section 3."""
+    """TransJect (Sengupta, Akhtar, Chakraborty 2023); docs/methods.md, TransJect."""
 
     num_experts: int = 4
     """E, the number of orthogonal attention experts mixed by the per-sample gate."""

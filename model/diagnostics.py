@@ -1,10 +1,10 @@
-"""Diagnostics from the seed papers, as functions on a model and a batch.
+"""Diagnostics from the three methods' papers, as functions on a model and a batch.
 
 Legend: B batch, N tokens, d hidden width, L layer applications, E experts, H heads.
 
 * `activation_factors`: TransJect's activation factor of layer l, here defined (the paper's exact
-  formula was not recovered; METHODS.md 3) as max over token pairs (i, j) of one sample of
-  ||h_l(i) - h_l(j)|| / ||h_0(i) - h_0(j)||; returned per layer and per sample (L, B).
+  formula was not recovered; docs/methods.md, Diagnostics) as max over token pairs (i, j) of one
+  sample of ||h_l(i) - h_l(j)|| / ||h_0(i) - h_0(j)||; returned per layer and per sample (L, B).
 * `differential_entropy`: per-layer differential entropy of the real-token hidden states under a
   Gaussian estimator, H = 1/2 logdet(2 pi e Sigma) with Sigma the sample covariance (+ a small
   ridge); a maximum-entropy upper bound for the given covariance. In nats.
@@ -16,7 +16,8 @@ Legend: B batch, N tokens, d hidden width, L layer applications, E experts, H he
   (`model.attention.transject.expert_weights`, `model.attention.tisa.tisa_curves`).
 * `orthogonality_errors`: max |W^T W - I| of every orthogonally parameterised weight.
 * `toeplitzness`: share of the variance of P = E_P E_P^T explained by its projection onto
-  Toeplitz matrices (averages along each diagonal); the project's definition (METHODS.md 2).
+  Toeplitz matrices (averages along each diagonal); the project's definition (docs/methods.md,
+  Diagnostics).
 """
 
 from __future__ import annotations

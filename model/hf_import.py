@@ -14,7 +14,7 @@ tensors. The import fails, listing them, when one of our encoder tensors has no 
 warns about HF tensors it did not use (except known ignorable ones: position-id buffers and the
 MLM decoder, which is tied to the token embedding in both models).
 
-`attention="tisa"` adds TISA (METHODS.md section 2) with `init="zero_amplitude"`: its scorer is
+`attention="tisa"` adds TISA (docs/methods.md, TISA) with `init="zero_amplitude"`: its scorer is
 newly initialised with amplitude 0, so the imported model's outputs are unchanged at step 0
 (the TISA paper's GLUE protocol on albert-base-v2). Everything else is copied.
 

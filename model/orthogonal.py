@@ -1,4 +1,4 @@
-"""Orthogonal parameterisation computed in fp32, and a Linear that accepts it; METHODS.md section 5.
+"""Orthogonal parameterisation computed in fp32, and a Linear that accepts it; docs/methods.md.
 
 We use torch's orthogonal parametrization (`torch.nn.utils.parametrizations.orthogonal`) with two
 changes that matter for training at scale:

@@ -198,7 +198,9 @@ def make_spec(argv: list[str]) -> Spec:
             "--gpus-per-node 8 -- --config configs/pretrain/debug.yaml"
         )
     if ns.stage == "finetune" and not finetune_available():
-        raise UsageError("python -m finetune is not available yet (issue #6)")
+        raise UsageError(
+            "python -m finetune is not available in this installation (no finetune/__main__.py)"
+        )
     nodes, gpus, tasks = _layout(ns)
     time_min = _check_limits(ns)
     parameters: dict[str, Any] = {

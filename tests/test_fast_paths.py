@@ -1,4 +1,4 @@
-"""Fast paths (issue #8) agree with the reference paths: torch.compile of the encoder (every
+"""Fast paths agree with the reference paths: torch.compile of the encoder (every
 family, with activation checkpointing, through the engine), TISA's FlexAttention score_mod
 (no recompilation per step), batched kernel and TransJect products, orthogonal maps once per
 micro-batch under accumulation and checkpointing, the apex LayerNorm choice, and the

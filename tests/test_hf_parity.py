@@ -1,4 +1,4 @@
-"""Parity with HF `transformers` ALBERT through `model.hf_import` (METHODS.md section 1).
+"""Parity with HF `transformers` ALBERT through `model.hf_import` (docs/methods.md, ALBERT).
 
 Tiny random HF models with perturbed parameters (so LayerNorm ones and zero biases cannot hide a
 mapping bug) are saved to disk, imported through the CLI or the API, and must give the same

@@ -57,7 +57,7 @@ def units(kernel: KernelAttention) -> list[FeatureMapUnit]:
 
 
 def manual_phi(feature_map: str, unit_list: list[FeatureMapUnit], x_BHNh: torch.Tensor):
-    """The feature maps of METHODS.md section 4, one head at a time."""
+    """The feature maps of docs/methods.md (trainable kernels), one head at a time."""
     if feature_map == "elu":
         return F.elu(x_BHNh) + 1
     heads = []

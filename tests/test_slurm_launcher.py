@@ -183,14 +183,14 @@ def test_usage_errors_exit_2(argv, message, capsys):
     assert message in err, err
 
 
-def test_finetune_before_and_after_issue_6(monkeypatch, capsys):
+def test_finetune_unavailable_then_available(monkeypatch, capsys):
     """Without finetune/__main__.py: a clear message. With it: its own parser checks the
     arguments at submission, and the job runs `python -m finetune ...` in every task."""
     glue = ["glue", "--task", "sst2", "--data", "glue_data", "--init", "release"]
     with monkeypatch.context() as m:
         m.setattr(cli, "finetune_available", lambda: False)
         assert main(["finetune", "--gpus-per-node", "1", "--dry-run", "--", *glue]) == 2
-        assert "python -m finetune is not available yet (issue #6)" in capsys.readouterr().err
+        assert "python -m finetune is not available in this installation" in capsys.readouterr().err
     if not cli.finetune_available():
         return
     assert main(["finetune", "--gpus-per-node", "1", "--", "glue", "--task", "sst2"]) == 2

@@ -1,4 +1,4 @@
-"""Tests of the TransJect family (model/attention/transject.py; METHODS.md section 3).
+"""Tests of the TransJect family (model/attention/transject.py; docs/methods.md, TransJect).
 
 Tiny widths throughout: the debug preset (d = 32, vocab 512 > d/2, so `auto` picks a plain token
 embedding) and a tiny vocabulary (vocab 16, d 64) that fits an orthogonal token embedding.

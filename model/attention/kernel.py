@@ -1,4 +1,4 @@
-"""Trainable feed-forward kernels for non-causal linear attention; METHODS.md section 4.
+"""Trainable feed-forward kernels for non-causal linear attention; docs/methods.md.
 
 Yorsh & Kovalenko 2022, "Linear Self-Attention Approximation via Trainable Feedforward Kernel",
 https://arxiv.org/abs/2211.04076. Softmax attention is replaced by a kernel

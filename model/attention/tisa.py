@@ -10,7 +10,7 @@ position) to its attention logits:
     att  = softmax(Q K^T / sqrt(h) + F_P + key_padding) V,    F_P[i, j] = f(j - i)
 
 F_P is Toeplitz, so one forward needs f at only M = 2N - 1 offsets per head. `TISAState` computes
-those once per forward (METHODS.md section 2); every `TISAKernel` then applies them either as an
+those once per forward (docs/methods.md, TISA); every `TISAKernel` then applies them either as an
 (H, N, N) bias built by indexing (`sdpa` backend) or inside FlexAttention as a `score_mod`
 (`flex` backend, no N x N tensor in memory). On the flex path the `score_mod` is one gather from
 the (H, 2N - 1) table and an add, with no branch on the data; the key padding is a FlexAttention
@@ -18,7 +18,7 @@ block mask (`key_padding_block_mask`: key blocks of padding only are skipped, th
 only in blocks that mix real keys and padding), and an unpadded batch has no mask at all.
 `tisa.backend: auto` picks the backend per sequence length (`select_backend`).
 
-Decision (METHODS.md): we use the paper's convention F_P[i, j] = f(j - i). The authors' code
+Decision (docs/methods.md): we use the paper's convention F_P[i, j] = f(j - i). The authors' code
 indexes f(i - j - 1), which is only a reparameterisation (c -> -c - 1), but plots of f here are
 on the paper's axis.
 """

@@ -1,6 +1,6 @@
 """TransJect: injective, Lipschitz-bounded orthogonal attention (Sengupta, Akhtar, Chakraborty 2023).
 
-Paper: https://arxiv.org/abs/2310.14206; formulation and project decisions: METHODS.md section 3.
+Paper: https://arxiv.org/abs/2310.14206; formulation and project decisions: docs/methods.md.
 Authors' code: github.com/victor7246/TransJect (differs from the paper in places; see "Decisions").
 
 Shape legend (as in `model/attention/base.py`):
@@ -39,7 +39,7 @@ of the paper differed (each a named option; docs/methods.md has the measurements
 * alpha_l = tanh(r_l) / L with r_l = 0 at init (ReZero), one r_l per layer shared by the
   attention and the FFN residual: as in the authors' code.
 
-Decisions (METHODS.md 3, where the paper and the authors' code disagree or the code is wrong):
+Decisions (docs/methods.md, where the paper and the authors' code disagree or the code is wrong):
 * Token embedding orthogonally parameterised (rows orthonormal) when V <= P, else plain
   (`cfg.transject.token_embedding`: auto | orthogonal | plain); the code uses a plain embedding.
 * Eigenvalues: lambda = diag(U^T M U) as a real matrix product; the code's element-wise einsums
@@ -138,7 +138,7 @@ class TransJectEmbeddings(nn.Module):
     segments are marked by the [SEP] token alone.
 
     The token embedding is orthogonally parameterised (rows orthonormal, needs V <= P) per
-    `cfg.transject.token_embedding` (auto: orthogonal when V <= P, else plain); METHODS.md 3.
+    `cfg.transject.token_embedding` (auto: orthogonal when V <= P, else plain); docs/methods.md.
     """
 
     def __init__(self, cfg: EncoderConfig):
@@ -209,7 +209,7 @@ def approximate_eigenvalues(
 
     Returns (lam_Bd, recon_B):
         M_Bdd    = X0^T X0 over the real tokens of each sample
-        lam_raw  = diag(U^T M U)             (a real matrix product: Decision, METHODS.md 3)
+        lam_raw  = diag(U^T M U)             (a real matrix product: docs/methods.md)
         lam      = lam_raw / s,              s = max_k |lam_raw_k|
         recon    = mean_{ij} ( M/s - U diag(lam) U^T )^2_{ij}    reconstruction="scale_free"
                    mean_{ij} ( M - U diag(lam) U^T )^2_{ij}      reconstruction="authors"
@@ -251,7 +251,7 @@ class EigenState(FamilyState):
     * `approx`: approximate eigenvalues of M = X0^T X0 with a learnable orthogonal basis U
       (`approximate_eigenvalues`), plus the weighted auxiliary loss `transject_reconstruction`.
     * `random` (Random-TransJect): a learned diagonal of size d, normalised the same way (largest
-      |lambda| = 1), no loss. **Decision** (METHODS.md 3): learned, not resampled every forward as
+      |lambda| = 1), no loss. **Decision** (docs/methods.md): learned, not resampled every forward as
       in the authors' code. Initialised U(0, 1) as the code samples it.
 
     Returns extras {"transject_lambda": (B, d) for approx, (1, d) for random}, fp32.
