@@ -8,6 +8,8 @@ Generic helpers with no knowledge of any particular config, used by every layer:
     config_to_dict(cfg)           ``dataclasses.asdict`` (what ``model.release`` writes as JSON)
     config_dict(cfg)              the same with lists for tuples, so it round-trips through YAML
     deep_merge(base, overrides)   nested dicts merged key by key (presets, DeepSpeed configs)
+    field_docs(cls)               each field's docstring (the string literal under it), read
+                                  from the source; what docs/config.md is generated from
     _check_choice / _check_positive / _check_prob
                                   one-line field checks for ``__post_init__``; each raises a
                                   ``ValueError`` naming the field and the valid values
@@ -21,8 +23,12 @@ without a cycle. Recipe policy (YAML files, dotted overrides, renamed keys) is
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import inspect
+import itertools
+import textwrap
 import types
 import typing
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
@@ -154,3 +160,31 @@ def config_dict(cfg: Any) -> dict[str, Any]:
         return x
 
     return plain(dataclasses.asdict(cfg))
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field name: docstring}`` of a dataclass: the string literal right under each field's
+    declaration (an attribute docstring, the convention of every config here), read from the
+    source of ``cls`` and of its dataclass bases (a subclass's own docstring wins). Whitespace is
+    normalised as in ``inspect.cleandoc``; a field without one is absent."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass) or klass is object:
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):  # no source (e.g. built interactively)
+            continue
+        (node,) = ast.parse(source).body
+        assert isinstance(node, ast.ClassDef)
+        for stmt, after in itertools.pairwise(node.body):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[stmt.target.id] = inspect.cleandoc(after.value.value)
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {name: doc for name, doc in docs.items() if name in names}

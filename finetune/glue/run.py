@@ -118,6 +118,8 @@ class GlueModelConfig:
 
 @dataclass
 class GlueDataConfig:
+    """How examples are encoded (the data directory itself is ``--data``)."""
+
     max_length: int = 512
     """Tokens per example ([CLS] A [SEP] B [SEP]); pairs are truncated longest-first."""
 

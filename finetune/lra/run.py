@@ -56,6 +56,8 @@ from model.release import directory_digest, load_release, read_release_config
 
 @dataclass
 class LraDataConfig:
+    """How the task's examples are read and cut (the data directory itself is ``--data``)."""
+
     max_length: int | None = None
     """Data tokens per sequence (None: the task's official length); a [CLS] is prepended."""
     difficulty: str | None = None
@@ -77,6 +79,7 @@ class LraTrainConfig(FinetuneConfig):
 @dataclass
 class LraConfig:
     task: str = "listops"
+    """An LRA task: listops, text, retrieval, image, pathfinder or pathx (``--task``)."""
     data: LraDataConfig = field(default_factory=LraDataConfig)
     model: dict[str, Any] = field(default_factory=lambda: {"preset": "debug"})
     """Encoder config for training from scratch (EncoderConfig fields, ``preset:`` allowed);
@@ -96,6 +99,7 @@ class LraConfig:
         default_factory=lambda: LraTrainConfig(select="accuracy", select_split="val")
     )
     seeds: list[int] = field(default_factory=lambda: [0])
+    """One run per seed; tables report the median and the spread (max - min)."""
 
 
 RECIPES = Path(__file__).resolve().parents[2] / "configs" / "finetune" / "lra"
