@@ -108,7 +108,7 @@ def junction_kept(shards_dir: Path, documents_jsonl: Path, tokenizer: Path) -> f
 
     tok = Tokenizer.from_file(str(tokenizer))
     stream: list[int] = []
-    for doc in iter_documents([str(documents_jsonl)], "text", ReadStats()):
+    for doc in iter_documents([str(documents_jsonl)], "text", ReadStats(), sentences="lines"):
         for enc in tok.encode_batch(doc, add_special_tokens=False):
             stream += enc.ids
         stream.append(-1)
@@ -156,6 +156,7 @@ def prepare(out: Path, seq: int, variant: str) -> dict[str, Path]:
             max_seq_length=seq,
             seed=0,
             truncation="junction" if variant == "junction" else "albert",
+            sentences="lines",  # the documents' lines, as when the figures were measured
         )
         build_shards(cfg, paths["tokenizer"], shards, workers=1)  # reused when done
         paths[part] = shards

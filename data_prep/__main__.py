@@ -20,14 +20,18 @@ from typing import Any
 
 from data_prep import listops
 from data_prep.readers import DEFAULT_MAX_LINE_CHARS
+from data_prep.sentences import MODES
 
 log = logging.getLogger("data_prep")
 
 _INPUT_HELP = (
     "input(s): files (.txt one sentence per line + blank line between documents, .jsonl, "
     ".parquet, each text/jsonl optionally .gz/.zst), HF save_to_disk directories, glob "
-    "patterns (quote them), @list.txt (one path or glob per line), or 'embedded' / "
-    "'embedded:N' (the built-in corpus, or its first N documents)"
+    "patterns (quote them), @list.txt (one path or glob per line), 'embedded' / "
+    "'embedded:N' (the built-in corpus, or its first N documents), or a `datasets` source "
+    "hf:SOURCE[@REVISION][:CONFIG[:SPLIT[:COLUMN]]] (a Hub dataset such as "
+    "hf:wikimedia/wikipedia:20231101.en, a save_to_disk directory or a folder of "
+    "Parquet/Arrow/JSON files; split default train, column default --text-field)"
 )
 
 
@@ -41,6 +45,21 @@ def _add_input_args(p: argparse.ArgumentParser, required: bool) -> None:
         type=int,
         default=DEFAULT_MAX_LINE_CHARS,
         help="skip (and count) longer input lines",
+    )
+    p.add_argument(
+        "--sentences",
+        choices=MODES,
+        default="auto",
+        help="how a document's text becomes sentences: 'split' splits each line into sentences "
+        "(nupunkt), 'lines' keeps each line as one sentence; 'auto' splits JSONL, Parquet and "
+        "datasets documents and keeps the lines of plain text (one sentence per line) and of "
+        "the embedded corpus",
+    )
+    p.add_argument(
+        "--streaming",
+        action="store_true",
+        help="stream hf: sources (datasets streaming=True: nothing downloaded or converted "
+        "ahead; the same documents in the same order, so the same shards)",
     )
 
 
@@ -57,6 +76,8 @@ def _cmd_tokenizer(args: argparse.Namespace) -> int:
         max_line_chars=args.max_line_chars,
         max_sentences=args.max_sentences,
         overwrite=args.overwrite,
+        sentences=args.sentences,
+        streaming=args.streaming,
     )
     print(path)
     return 0
@@ -77,6 +98,8 @@ def _cmd_shards(args: argparse.Namespace) -> int:
         validation_fraction=args.validation_fraction,
         validation_documents=args.validation_documents,
         validation_shards=args.validation_shards,
+        sentences=args.sentences,
+        streaming=args.streaming,
     )
     build_shards(
         config,

@@ -7,6 +7,9 @@ Input kinds (chosen by the path, after stripping a `.gz` / `.zst` suffix):
     *.parquet              one row per document, column `text_field`
     a directory            a local HF `datasets` directory made by `save_to_disk` (one split;
                            a DatasetDict directory is refused with its split names)
+    hf:SOURCE[...]         a `datasets` source: a Hub dataset, a save_to_disk directory or a
+                           folder of Parquet/Arrow/JSON files, read through `datasets`, optionally
+                           streamed (data_prep/datasets_source.py has the syntax)
     anything else          plain text in the BERT/ALBERT convention: one sentence per line, a
                            blank line between documents (and a file boundary ends a document)
 
@@ -14,9 +17,12 @@ Input kinds (chosen by the path, after stripping a `.gz` / `.zst` suffix):
 be a path, a glob pattern (expanded and sorted; `**` recurses) or `@list.txt` (one path or glob
 per line, relative to the current directory, kept in the file's order; `#` starts a comment).
 
-For JSONL, Parquet, HF and embedded documents the "sentences" are the document's lines (the
-text split at newlines). Every sentence is stripped of surrounding whitespace; empty ones are
-dropped and documents without sentences are skipped.
+A document's sentences (`sentences`, `--sentences`; data_prep/sentences.py): by default
+(`auto`) a plain-text document's lines, as the BERT convention has it, and the embedded corpus's
+lines; a JSONL, Parquet or `datasets` document's text is split into sentences, each line on its
+own (`split`). `lines` keeps every line as one sentence for any input, `split` splits any input's
+lines. Every sentence is stripped of surrounding whitespace; empty ones are dropped and documents
+without sentences are skipped.
 
 Bad input (the policy, all tested):
 * a missing file, a glob matching nothing, an empty list file -> FileNotFoundError naming it;
@@ -37,8 +43,9 @@ Bad input (the policy, all tested):
   a null text is skipped and counted (`skipped.null_text`);
 * corrupt gzip / zstd data -> ValueError naming the file and the line reached.
 
-`fingerprint_inputs` records what each input was (size, mtime, sha256 of its bytes), so that a
-shard directory can tell that an input changed under the same path.
+`fingerprint_inputs` records what each input was (size, mtime, sha256 of its bytes; for an
+`hf:` source the sha256 of its resolved data files, see datasets_source.py), so that a shard
+directory can tell that an input changed under the same path.
 """
 
 from __future__ import annotations
@@ -55,7 +62,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from data_prep import datasets_source
 from data_prep import format as fmt
+from data_prep import sentences as sentence_rules
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +82,7 @@ _UNITS = {
     "jsonl": "lines",
     "parquet": "rows",
     "hf": "rows",
+    "datasets": "rows",
     "embedded": "documents",
 }
 """What `ReadStats.records` counts, per input kind."""
@@ -128,6 +138,12 @@ def _has_glob(pattern: str) -> bool:
 def _expand_one(item: str, origin: str) -> list[str]:
     if item == EMBEDDED or item.startswith(EMBEDDED + ":"):
         _embedded_limit(item)  # validates the suffix
+        return [item]
+    if datasets_source.is_spec(item):
+        try:
+            datasets_source.check(item)
+        except (ValueError, FileNotFoundError) as e:
+            raise type(e)(f"{e}{origin}") from e
         return [item]
     if _has_glob(item):
         matches = sorted(glob.glob(item, recursive=True))
@@ -188,9 +204,12 @@ def _is_hf_dir(path: str) -> bool:
 
 
 def input_kind(path: str) -> str:
-    """'embedded' | 'hf' | 'parquet' | 'jsonl' | 'text' for an expanded input."""
+    """'embedded' | 'datasets' (an `hf:` source) | 'hf' (a bare save_to_disk directory) |
+    'parquet' | 'jsonl' | 'text' for an expanded input."""
     if path == EMBEDDED or path.startswith(EMBEDDED + ":"):
         return "embedded"
+    if datasets_source.is_spec(path):
+        return "datasets"
     if _is_hf_dir(path):
         return "hf"
     name = path.lower()
@@ -303,8 +322,10 @@ def _is_compressed(path: str) -> bool:
 
 
 def _split_sentences(
-    text: str, stats: ReadStats, max_line_chars: int, where: str, warn: _Warner
+    text: str, stats: ReadStats, max_line_chars: int, where: str, warn: _Warner, mode: str
 ) -> list[str]:
+    """The sentences of a document's text: its lines (`mode` 'lines'), or each line split into
+    sentences ('split'). A line longer than `max_line_chars` is skipped and counted."""
     sentences = []
     for line in text.split("\n"):
         line = line.strip()
@@ -319,7 +340,10 @@ def _split_sentences(
                 f"(> --max-line-chars {max_line_chars})",
             )
             continue
-        sentences.append(line)
+        if mode == "split":
+            sentences.extend(sentence_rules.split_line(line))
+        else:
+            sentences.append(line)
     return sentences
 
 
@@ -327,13 +351,22 @@ def _split_sentences(
 
 
 def _read_text(
-    path: str, text_field: str, stats: ReadStats, max_line_chars: int, warn: _Warner
+    path: str,
+    text_field: str,
+    stats: ReadStats,
+    max_line_chars: int,
+    warn: _Warner,
+    mode: str,
+    streaming: bool,
 ) -> Iterator[list[str]]:
     doc: list[str] = []
     for _, line in _iter_lines(path, stats, max_line_chars, warn):
         line = line.strip()
         if line:
-            doc.append(line)
+            if mode == "split":
+                doc.extend(sentence_rules.split_line(line))
+            else:
+                doc.append(line)
         elif doc:
             yield doc
             doc = []
@@ -342,7 +375,13 @@ def _read_text(
 
 
 def _read_jsonl(
-    path: str, text_field: str, stats: ReadStats, max_line_chars: int, warn: _Warner
+    path: str,
+    text_field: str,
+    stats: ReadStats,
+    max_line_chars: int,
+    warn: _Warner,
+    mode: str,
+    streaming: bool,
 ) -> Iterator[list[str]]:
     max_record = JSONL_RECORD_FACTOR * max_line_chars
     for lineno, line in _iter_lines(path, stats, max_record, warn, what="record"):
@@ -368,7 +407,7 @@ def _read_jsonl(
             raise ValueError(
                 f"{path}:{lineno}: field {text_field!r} is a {type(text).__name__}, not a string"
             )
-        yield _split_sentences(text, stats, max_line_chars, f"{path}:{lineno}", warn)
+        yield _split_sentences(text, stats, max_line_chars, f"{path}:{lineno}", warn, mode)
 
 
 def _texts_from_column(
@@ -379,6 +418,7 @@ def _texts_from_column(
     max_line_chars: int,
     warn: _Warner,
     row0: int,
+    mode: str,
 ) -> Iterator[list[str]]:
     for i, text in enumerate(column):
         stats.records += 1
@@ -390,11 +430,17 @@ def _texts_from_column(
                 f"{path}: row {row0 + i}: column {text_field!r} holds {type(text).__name__}, "
                 "not strings"
             )
-        yield _split_sentences(text, stats, max_line_chars, f"{path} row {row0 + i}", warn)
+        yield _split_sentences(text, stats, max_line_chars, f"{path} row {row0 + i}", warn, mode)
 
 
 def _read_parquet(
-    path: str, text_field: str, stats: ReadStats, max_line_chars: int, warn: _Warner
+    path: str,
+    text_field: str,
+    stats: ReadStats,
+    max_line_chars: int,
+    warn: _Warner,
+    mode: str,
+    streaming: bool,
 ) -> Iterator[list[str]]:
     import pyarrow.parquet as pq
 
@@ -410,12 +456,20 @@ def _read_parquet(
     row = 0
     for batch in pf.iter_batches(batch_size=1024, columns=[text_field]):
         column = batch.column(0).to_pylist()
-        yield from _texts_from_column(path, column, text_field, stats, max_line_chars, warn, row)
+        yield from _texts_from_column(
+            path, column, text_field, stats, max_line_chars, warn, row, mode
+        )
         row += len(column)
 
 
 def _read_hf(
-    path: str, text_field: str, stats: ReadStats, max_line_chars: int, warn: _Warner
+    path: str,
+    text_field: str,
+    stats: ReadStats,
+    max_line_chars: int,
+    warn: _Warner,
+    mode: str,
+    streaming: bool,
 ) -> Iterator[list[str]]:
     import datasets
 
@@ -434,16 +488,24 @@ def _read_hf(
     row = 0
     for batch in ds.iter(batch_size=1024):
         column = batch[text_field]
-        yield from _texts_from_column(path, column, text_field, stats, max_line_chars, warn, row)
+        yield from _texts_from_column(
+            path, column, text_field, stats, max_line_chars, warn, row, mode
+        )
         row += len(column)
 
 
 def _read_embedded(
-    item: str, text_field: str, stats: ReadStats, max_line_chars: int, warn: _Warner
+    item: str,
+    text_field: str,
+    stats: ReadStats,
+    max_line_chars: int,
+    warn: _Warner,
+    mode: str,
+    streaming: bool,
 ) -> Iterator[list[str]]:
     for i, text in enumerate(_embedded_texts(item)):
         stats.records += 1
-        yield _split_sentences(text, stats, max_line_chars, f"{item} document {i}", warn)
+        yield _split_sentences(text, stats, max_line_chars, f"{item} document {i}", warn, mode)
 
 
 def _embedded_texts(item: str) -> Iterator[str]:
@@ -457,8 +519,33 @@ def _embedded_texts(item: str) -> Iterator[str]:
         yield text
 
 
+def _read_datasets(
+    spec: str,
+    text_field: str,
+    stats: ReadStats,
+    max_line_chars: int,
+    warn: _Warner,
+    mode: str,
+    streaming: bool,
+) -> Iterator[list[str]]:
+    src = datasets_source.parse(spec)
+    column = src.text_column(text_field)
+    rows: list[Any] = []
+    row = 0
+    for text in datasets_source.iter_texts(src, text_field, streaming):
+        rows.append(text)
+        if len(rows) == datasets_source.BATCH_ROWS:
+            yield from _texts_from_column(
+                spec, rows, column, stats, max_line_chars, warn, row, mode
+            )
+            row += len(rows)
+            rows = []
+    yield from _texts_from_column(spec, rows, column, stats, max_line_chars, warn, row, mode)
+
+
 _READERS = {
     "embedded": _read_embedded,
+    "datasets": _read_datasets,
     "hf": _read_hf,
     "parquet": _read_parquet,
     "jsonl": _read_jsonl,
@@ -473,8 +560,13 @@ def iter_documents(
     text_field: str = "text",
     stats: ReadStats | None = None,
     max_line_chars: int = DEFAULT_MAX_LINE_CHARS,
+    sentences: str = "auto",
+    streaming: bool = False,
 ) -> Iterator[list[str]]:
     """Yields every document (a list of non-empty sentence strings) of `inputs`, in order.
+
+    `sentences` ('auto' | 'split' | 'lines', module doc) decides how a document's text becomes
+    sentences; `streaming` reads `hf:` sources as streams (the same rows in the same order).
 
     The order is deterministic: inputs in the order given, each glob sorted, @list files in
     their order, documents in file order. `stats` (if given) is filled as reading goes; it is
@@ -482,6 +574,7 @@ def iter_documents(
     (before yielding anything) and ValueError if there is no document at all."""
     if max_line_chars < 1:
         raise ValueError(f"max_line_chars must be >= 1, got {max_line_chars}")
+    sentence_rules.check_mode(sentences)
     stats = stats if stats is not None else ReadStats()
     files = expand_inputs(inputs)
     stats.files = files
@@ -489,7 +582,9 @@ def iter_documents(
     for path in files:
         kind = input_kind(path)
         records, problems = stats.records, stats.problems()
-        for doc in _READERS[kind](path, text_field, stats, max_line_chars, warn):
+        mode = sentence_rules.resolve(sentences, kind)
+        reader = _READERS[kind]
+        for doc in reader(path, text_field, stats, max_line_chars, warn, mode, streaming):
             if not doc:
                 continue
             stats.documents += 1
@@ -499,6 +594,20 @@ def iter_documents(
         _warn_if_mostly_bad(path, kind, stats, records, problems)
     if stats.documents == 0:
         raise ValueError(f"no documents found in the input ({', '.join(files)}): it is empty")
+
+
+def splits_sentences(inputs: Iterable[str], sentences: str) -> bool:
+    """True if `sentences` splits the text of any of `inputs` (after expansion), i.e. if the
+    documents read depend on the sentence splitter."""
+    sentence_rules.check_mode(sentences)
+    if sentences != "auto":
+        return sentences == "split"
+    inputs = list(inputs)
+    try:
+        paths = expand_inputs(inputs)
+    except (FileNotFoundError, ValueError):  # a config made before its input exists
+        paths = inputs
+    return any(sentence_rules.resolve(sentences, input_kind(p)) == "split" for p in paths)
 
 
 def _warn_if_mostly_bad(
@@ -544,7 +653,9 @@ def fingerprint_inputs(files: Iterable[str]) -> list[dict[str, Any]]:
     the embedded corpus over its text (its `mtime_ns` is None)."""
     out = []
     for path in files:
-        if input_kind(path) == "embedded":
+        if input_kind(path) == "datasets":
+            out.append(datasets_source.fingerprint(datasets_source.parse(path)))
+        elif input_kind(path) == "embedded":
             h = hashlib.sha256()
             size = 0
             for text in _embedded_texts(path):

@@ -77,13 +77,16 @@ from typing import Any
 
 import numpy as np
 
+from data_prep import datasets_source
 from data_prep import format as fmt
+from data_prep import sentences as sentence_rules
 from data_prep.readers import (
     DEFAULT_MAX_LINE_CHARS,
     ReadStats,
     expand_inputs,
     fingerprint_inputs,
     iter_documents,
+    splits_sentences,
 )
 from data_prep.tokenizer import load_tokenizer, tokenizer_kind
 
@@ -144,6 +147,15 @@ class ShardConfig:
     validation_shards: int = 1
     """V: held-out document d goes to validation shard d % V."""
 
+    sentences: str = "auto"
+    """How a document's text becomes sentences (`readers`, data_prep/sentences.py): 'auto'
+    (lines of plain text and of the embedded corpus; JSONL, Parquet and `datasets` documents
+    split into sentences), 'split' or 'lines'."""
+
+    streaming: bool = False
+    """Read `hf:` sources as streams. The same rows in the same order, so not part of
+    `to_dict` (like --workers): a directory built streaming resumes without, and back."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
         if not self.inputs:
@@ -183,6 +195,7 @@ class ShardConfig:
             raise ValueError(
                 f"--validation-shards {self.validation_shards} needs {fmt.VALIDATION_FLAGS}"
             )
+        sentence_rules.check_mode(self.sentences)
 
     @property
     def has_validation(self) -> bool:
@@ -201,7 +214,26 @@ class ShardConfig:
             del d["validation_documents"]
         if not self.has_validation:
             del d["validation_shards"]
+        del d["streaming"]  # the same documents either way
+        # Sentences: recorded (with the splitter and its version) only when some input's text
+        # is split, so a directory of line-per-sentence input has the config it had before the
+        # option; a directory split by another splitter version is refused, never mixed.
+        del d["sentences"]
+        if splits_sentences(self.inputs, self.sentences):
+            d["sentences"] = self.sentences
+            d["sentence_splitter"] = sentence_rules.splitter_id()
         return d
+
+    def read(self, stats: ReadStats | None = None) -> Iterator[list[str]]:
+        """`iter_documents` of this config's input."""
+        return iter_documents(
+            list(self.inputs),
+            self.text_field,
+            stats,
+            self.max_line_chars,
+            sentences=self.sentences,
+            streaming=self.streaming,
+        )
 
 
 # ----------------------------------------------------------------------------- examples
@@ -353,7 +385,7 @@ def choose_validation(config: ShardConfig) -> ValidationSplit | None:
     level = readers_log.level
     readers_log.setLevel(logging.ERROR)  # the build's own read warns about bad input
     try:
-        docs = iter_documents(list(config.inputs), config.text_field, None, config.max_line_chars)
+        docs = config.read()
         count = 0
 
         def keys() -> Iterator[tuple[int, int]]:
@@ -544,7 +576,7 @@ def _run_task(task: _Task, progress: Callable[[int, int], None] | None = None) -
             written += sum(len(a) + len(b) for a, b in examples)
         pending.clear()
 
-    docs = iter_documents(list(cfg.inputs), cfg.text_field, stats, cfg.max_line_chars)
+    docs = cfg.read(stats)
     d = -1
     for d, doc in enumerate(docs):
         if split is not None and split.held_out(d):
@@ -834,6 +866,10 @@ def build_shards(
     )
     start = time.perf_counter()
     if todo:
+        if not config.streaming and min(workers, len(todo)) > 1:
+            for item in config.inputs:  # download/convert once, not in every worker at once
+                if datasets_source.is_spec(item):
+                    datasets_source.prepare(datasets_source.parse(item))
         split = choose_validation(config)  # --validation-documents: one read of the input
         (out / fmt.MANIFEST).unlink(missing_ok=True)  # a manifest only lists complete shards
         for u in todo:

@@ -223,6 +223,8 @@ def write_tokenizer(
     max_line_chars: int = DEFAULT_MAX_LINE_CHARS,
     max_sentences: int | None = None,
     overwrite: bool = False,
+    sentences: str = "auto",
+    streaming: bool = False,
 ) -> Path:
     """Trains (or copies `from_tokenizer`) and writes `out_dir/tokenizer.json`; returns its path.
 
@@ -245,7 +247,14 @@ def write_tokenizer(
     if not inputs:
         raise ValueError("give --input (to train a tokenizer) or --from-tokenizer")
     stats = ReadStats()
-    docs = iter_documents(inputs, text_field=text_field, stats=stats, max_line_chars=max_line_chars)
+    docs = iter_documents(
+        inputs,
+        text_field=text_field,
+        stats=stats,
+        max_line_chars=max_line_chars,
+        sentences=sentences,
+        streaming=streaming,
+    )
     tok = train_tokenizer(
         docs, kind, vocab_size, max_sentences=max_sentences, show_progress=sys.stderr.isatty()
     )
