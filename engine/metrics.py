@@ -84,8 +84,10 @@ class MetricsWriter:
     Pass ``enabled=(rank == 0)``: on the other ranks, or with ``log_dir=None``, every method
     returns at once and nothing is imported or created. Tags are used as given (``"loss/mlm"``,
     ``"time/data"``). ``purge_step``: the first step of a resumed run; TensorBoard drops the
-    events an interrupted attempt wrote from that step on. Also a context manager; `close` is
-    idempotent, writing after it is a ``ValueError``.
+    events an interrupted attempt wrote from that step on. ``tensorboard=False``: only
+    ``metrics.jsonl`` (histograms, figures and text are then dropped; see ``engine.trackers``
+    for the other trackers). Also a context manager; `close` is idempotent, writing after it is
+    a ``ValueError``.
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class MetricsWriter:
         enabled: bool = True,
         flush_secs: int = 30,
         purge_step: int | None = None,
+        tensorboard: bool = True,
     ):
         if isinstance(flush_secs, bool) or not isinstance(flush_secs, int) or flush_secs < 1:
             raise ValueError(f"flush_secs={flush_secs!r} is invalid; valid: an integer >= 1")
@@ -104,20 +107,23 @@ class MetricsWriter:
         self._writer: Any = None
         self._jsonl: IO[str] | None = None
         self._closed = False
+        self.tensorboard = self.active and bool(tensorboard)
+        """Whether TensorBoard event files are written (``metrics.jsonl`` is, when active)."""
         if not self.active:
             return
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:  # torch needs the tensorboard package for its writer
-            raise ImportError(
-                "MetricsWriter needs the tensorboard package: pip install tensorboard"
-            ) from e
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        # purge_step: a resumed run rewrites the steps after its checkpoint; TensorBoard hides
-        # the earlier attempt's events from that step on (so a curve has one value per step).
-        self._writer = SummaryWriter(
-            str(self.log_dir), flush_secs=flush_secs, purge_step=purge_step
-        )
+        if self.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:  # torch needs the tensorboard package for its writer
+                raise ImportError(
+                    "MetricsWriter needs the tensorboard package: pip install tensorboard"
+                ) from e
+            # purge_step: a resumed run rewrites the steps after its checkpoint; TensorBoard
+            # hides the earlier attempt's events from that step on (one value per step).
+            self._writer = SummaryWriter(
+                str(self.log_dir), flush_secs=flush_secs, purge_step=purge_step
+            )
         self._jsonl = open(self.log_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
 
     def _ready(self) -> bool:
@@ -134,8 +140,9 @@ class MetricsWriter:
         row = {tag: _to_float(tag, v) for tag, v in values.items() if v is not None}
         if not row:
             return
-        for tag, value in row.items():
-            self._writer.add_scalar(tag, value, global_step=step)
+        if self._writer is not None:
+            for tag, value in row.items():
+                self._writer.add_scalar(tag, value, global_step=step)
         line = {"step": int(step), **{t: v if math.isfinite(v) else None for t, v in row.items()}}
         assert self._jsonl is not None
         self._jsonl.write(json.dumps(line, allow_nan=False) + "\n")
@@ -143,7 +150,7 @@ class MetricsWriter:
 
     def histogram(self, tag: str, values: torch.Tensor | Any, step: int) -> None:
         """A histogram of the finite entries of ``values`` (a tensor or array); skipped if none."""
-        if not self._ready():
+        if not self._ready() or self._writer is None:
             return
         flat = torch.as_tensor(values).detach().float().cpu().flatten()
         flat = flat[torch.isfinite(flat)]
@@ -152,7 +159,7 @@ class MetricsWriter:
 
     def figure(self, tag: str, figure: Any, step: int) -> None:
         """A matplotlib figure as an image; the figure is closed afterwards (also when disabled)."""
-        if not self._ready():
+        if not self._ready() or self._writer is None:
             pyplot = sys.modules.get("matplotlib.pyplot")  # a figure means matplotlib is loaded
             if pyplot is not None:
                 pyplot.close(figure)
@@ -161,13 +168,14 @@ class MetricsWriter:
 
     def text(self, tag: str, text: str, step: int) -> None:
         """A (markdown) text entry, e.g. the resolved config or a run summary."""
-        if self._ready():
+        if self._ready() and self._writer is not None:
             self._writer.add_text(tag, text, global_step=step)
 
     def flush(self) -> None:
         """Writes pending events to disk now (they are also flushed every ``flush_secs``)."""
         if self._ready():
-            self._writer.flush()
+            if self._writer is not None:
+                self._writer.flush()
             assert self._jsonl is not None
             self._jsonl.flush()
 

@@ -52,10 +52,11 @@ from data_prep.transport import loader_batches
 from engine import checkpoint as ckpt
 from engine.distributed import detect
 from engine.engine import Engine, EngineConfig
-from engine.metrics import MetricsWriter, Progress
+from engine.metrics import Progress
 from engine.optim import OptimizerConfig, ScheduleConfig
 from engine.recipe import diff_keys
 from engine.signals import StopWatch
+from engine.trackers import TRACKER_KEYS, TrackerConfig, default_run_name, open_trackers
 from finetune.batching import LengthGroupedBatchSampler, collate, example_lengths
 from model.release import save_release
 
@@ -63,8 +64,9 @@ ScoreFn = Callable[[np.ndarray, np.ndarray], dict[str, float]]
 
 
 @dataclass
-class FinetuneConfig:
-    """The fine-tuning run (the task and data are the caller's)."""
+class FinetuneConfig(TrackerConfig):
+    """The fine-tuning run (the task and data are the caller's); the trackers: `TrackerConfig`
+    (``engine/trackers.py``)."""
 
     steps: int | None = None
     """Optimizer steps (ALBERT's GLUE recipes give steps, not epochs). None: the schedule's
@@ -105,6 +107,7 @@ class FinetuneConfig:
     same command to go on."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"train.steps={self.steps} is invalid; valid: >= 1")
         if self.keep_last < 1:
@@ -159,6 +162,7 @@ RESUMABLE_KEYS = (
     "train.keep_checkpoints",
     "train.time_budget_minutes",
     "engine.dist_timeout_minutes",
+    *TRACKER_KEYS,
 )
 """Config keys that are not part of a run's identity: where it is, the sweep around it, and
 settings that do not change what it computes (a resumed run may change them)."""
@@ -483,10 +487,13 @@ class Finetuner:
         result = FinetuneResult(best_step=None, best={})
         self._window: dict[str, Any] = {"loss_sum": 0.0, "count": 0}
         result.resumed_from = self.resume(result)
-        writer = MetricsWriter(
-            self.run_dir / "tensorboard",
+        writer = open_trackers(
+            cfg,
+            self.run_dir,
             enabled=self.is_main,
             purge_step=self.step + 1 if result.resumed_from else None,
+            config=self.identity,
+            run_name=default_run_name(self.run_dir, getattr(cfg, "run_dir", None)),
         )
         progress = Progress(
             self.total_steps,
@@ -530,6 +537,7 @@ class Finetuner:
         loss_sum, count = float(self._window["loss_sum"]), int(self._window["count"])
         start = time.perf_counter()
         self.engine.train(True)
+        ended: str | None = None
         try:
             while self.step < self.total_steps:
                 for _ in range(self.engine.cfg.gradient_accumulation_steps):
@@ -582,9 +590,12 @@ class Finetuner:
                     self.save_checkpoint("interval", result, window)
             if result.state == "completed":
                 evaluate_now()
+        except BaseException:
+            ended = "failed"
+            raise
         finally:
             progress.close()
-            writer.close()
+            writer.close(ended or result.state)
             stopwatch.restore()
         result.step = self.step
         if result.state == "stopped":

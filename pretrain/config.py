@@ -20,6 +20,7 @@ from data_prep.masking import MaskingConfig
 from engine.engine import EngineConfig
 from engine.optim import OptimizerConfig, ScheduleConfig
 from engine.recipe import build_config, config_dict
+from engine.trackers import TRACKER_KEYS, TrackerConfig
 from model.config import EncoderConfig
 from pretrain.init import INIT_KEY
 from pretrain.init import encoder_config as init_encoder_config
@@ -80,6 +81,7 @@ RESUMABLE_CHANGES = (
     "engine.dist_timeout_minutes",
     "engine.compile",
     "engine.compile_backend",
+    *TRACKER_KEYS,
 )
 """Config keys a resumed run may change (they do not affect the training trajectory)."""
 
@@ -94,8 +96,9 @@ sha256s)."""
 
 
 @dataclass
-class TrainConfig:
-    """The run: where it writes, how long it goes, what it logs and saves."""
+class TrainConfig(TrackerConfig):
+    """The run: where it writes, how long it goes, what it logs (the trackers: `TrackerConfig`,
+    ``engine/trackers.py``) and saves."""
 
     run_dir: str = "runs/pretrain"
     """Directory for config.yaml, checkpoints/, tensorboard/, release/, status.json. Re-running
@@ -140,6 +143,7 @@ class TrainConfig:
     """Testing aid: raise an error after this step (to exercise crash recovery)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"train.steps={self.steps} is invalid; valid: >= 1 or null")
         if not isinstance(self.time_split, bool):

@@ -46,9 +46,10 @@ from engine import checkpoint as ckpt
 from engine import reshard
 from engine.distributed import detect
 from engine.engine import DeferredStep, Engine, shutdown
-from engine.metrics import MetricsWriter, Progress, mfu, peak_flops
+from engine.metrics import Progress, mfu, peak_flops
 from engine.recipe import diff_keys, to_yaml
 from engine.signals import StopWatch
+from engine.trackers import Trackers, open_trackers
 from model import diagnostics
 from model.config import EncoderConfig
 from model.flops import counts_flops, training_flops
@@ -416,7 +417,7 @@ class Trainer:
 
     # -- validation --------------------------------------------------------------------------
 
-    def evaluate(self, writer: MetricsWriter) -> dict[str, float]:
+    def evaluate(self, writer: Trackers) -> dict[str, float]:
         """Collective. MLM loss and accuracy and SOP loss and accuracy on the current phase's
         fixed validation batches (the same examples and masks every time, each rank its own
         share), summed over ranks; logged as ``eval/...`` at this step. Eval mode, no
@@ -472,7 +473,7 @@ class Trainer:
 
     # -- logging -----------------------------------------------------------------------------
 
-    def diagnostics(self, writer: MetricsWriter, batch: dict[str, torch.Tensor]) -> None:
+    def diagnostics(self, writer: Trackers, batch: dict[str, torch.Tensor]) -> None:
         """Collective (weights are consolidated); rank 0 computes on a fp32 copy of the model,
         so the training model, its hooks and its partitions are not touched."""
         weights = self.engine.consolidated_state_dict()
@@ -525,10 +526,12 @@ class Trainer:
             status = {"state": "running", "step": self.step}
             ckpt.write_json_atomically(self.run_dir / STATUS_FILE, status)
         total = cfg.total_steps
-        writer = MetricsWriter(
-            self.run_dir / "tensorboard",
+        writer = open_trackers(
+            cfg.train,
+            self.run_dir,
             enabled=self.is_main,
             purge_step=self.step + 1 if resumed_from else None,
+            config=self.resolved,
         )
         progress = Progress(
             total,
@@ -565,6 +568,7 @@ class Trainer:
         window_start, window_steps, window_tokens, window_samples = time.perf_counter(), 0, 0, 0
         last: dict[str, float] = {}
         state, reason = "completed", ""
+        ended: str | None = None
         self.engine.train()
         try:
             while self.step < total:
@@ -666,9 +670,12 @@ class Trainer:
                 if cfg.train.export_at_end and self.is_main:
                     release = export_release(final / RELEASE_DIR, self.run_dir / RELEASE_DIR)
             self.engine.barrier()
+        except BaseException:
+            ended = "failed"
+            raise
         finally:
             progress.close()
-            writer.close()
+            writer.close(ended or state)
             stopwatch.restore()
         if self.is_main:
             message = (
@@ -785,7 +792,7 @@ class Trainer:
 
     def _log(
         self,
-        writer: MetricsWriter,
+        writer: Trackers,
         result: DeferredStep,
         sums: dict[str, torch.Tensor],
         timers: dict[str, float],
