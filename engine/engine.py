@@ -6,8 +6,10 @@ DeepSpeed (or plain PyTorch) from outside.
 Backends (``EngineConfig.backend``):
 
 - ``"deepspeed"``: ``deepspeed.initialize`` with ZeRO stage 0-3, the config below turned into a
-  DeepSpeed config dict (``EngineConfig.deepspeed`` is merged over it for anything else, e.g.
-  offload). Runs on CUDA (NCCL) and on CPU (gloo; DeepSpeed's CPU accelerator).
+  DeepSpeed config dict (a DeepSpeed JSON file, ``EngineConfig.deepspeed_config``, and
+  ``EngineConfig.deepspeed`` are merged over it for anything else, e.g. offload, once
+  reconciled with this config: ``engine/ds_config.py``). Runs on CUDA (NCCL) and on CPU (gloo;
+  DeepSpeed's CPU accelerator).
 - ``"torch"``: plain PyTorch, ``DistributedDataParallel`` when there is more than one process.
   No ZeRO; useful without DeepSpeed and as the reference the engine is benchmarked against.
 
@@ -106,6 +108,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import io
 import logging
@@ -125,6 +128,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
+from engine import ds_config
 from engine.checkpoint import CheckpointError
 from engine.distributed import DistEnv, detect, export_torch_env
 from engine.lamb import Lamb, attach_zero_layouts
@@ -193,9 +197,16 @@ class EngineConfig:
     dist_timeout_minutes: float = 30.0
     """Timeout of collective operations (process-group init and every collective)."""
     deepspeed: dict[str, Any] = field(default_factory=dict)
-    """Extra DeepSpeed config merged over the generated one (e.g. ``{"zero_optimization":
-    {"offload_optimizer": {"device": "cpu"}}}``). Keys this config already sets
-    (batch sizes, clipping, precision, ZeRO stage) must be set here instead, not there."""
+    """Extra DeepSpeed config merged over the generated one (and over ``deepspeed_config``'s
+    file), e.g. ``{"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}``. Keys this
+    config sets (batch sizes, clipping, precision, ZeRO stage) may repeat its values or be
+    ``"auto"``; a different value is an error (``engine/ds_config.py``)."""
+    deepspeed_config: str | None = None
+    """A DeepSpeed config file (JSON, e.g. a tuned ``ds_config.json``) merged over the generated
+    config, with ``deepspeed`` over it. ``"auto"`` values take the recipe's; keys that
+    contradict the recipe (batch sizes, gradient clipping, ZeRO stage, bf16 / fp16 vs
+    ``precision``, optimizer and scheduler sections with values) are one error listing each
+    with both values (``engine/ds_config.py``). ``backend="deepspeed"`` only."""
 
     def __post_init__(self) -> None:
         _choice("engine.backend", self.backend, BACKENDS)
@@ -238,26 +249,51 @@ class EngineConfig:
                 "gains nothing. Use zero_stage 0-2 (ALBERT-size models gain little from "
                 "ZeRO-3) or engine.compile=false"
             )
-        reserved = {
-            "train_batch_size",
-            "train_micro_batch_size_per_gpu",
-            "gradient_accumulation_steps",
-            "gradient_clipping",
-            "bf16",
-            "fp16",
-            "optimizer",
-            "scheduler",
-        }
-        clash = sorted(reserved & set(self.deepspeed))
-        stage = self.deepspeed.get("zero_optimization", {})
-        if isinstance(stage, dict) and "stage" in stage:
-            clash.append("zero_optimization.stage")
-        if clash:
+        if not isinstance(self.deepspeed, dict):
             raise ValueError(
-                f"engine.deepspeed sets {clash}, which the engine config owns; set "
-                "engine.micro_batch_size / gradient_accumulation_steps / gradient_clipping / "
-                "precision / zero_stage instead (optimizer and schedule: their own sections)"
+                f"engine.deepspeed={self.deepspeed!r} is invalid; valid: a mapping of DeepSpeed "
+                "config keys"
             )
+        if self.deepspeed_config is not None:
+            if not isinstance(self.deepspeed_config, str) or not self.deepspeed_config:
+                raise ValueError(
+                    f"engine.deepspeed_config={self.deepspeed_config!r} is invalid; valid: the "
+                    "path of a DeepSpeed config JSON file, or null"
+                )
+            if self.backend != "deepspeed":
+                raise ValueError(
+                    f"engine.deepspeed_config={self.deepspeed_config!r} needs "
+                    f"engine.backend='deepspeed' (it is {self.backend!r})"
+                )
+        # The file read and reconciled with this config now: a conflict fails at start-up.
+        self._deepspeed_extra = ds_config.resolve(self)
+
+    def deepspeed_overrides(self, world_size: int | None = None) -> dict[str, Any]:
+        """What ``deepspeed_config`` (the file) and ``deepspeed`` add to the generated DeepSpeed
+        config, reconciled with this config (``engine/ds_config.py``). ``world_size``: checks a
+        given ``train_batch_size`` against micro-batch x accumulation x processes (ValueError)
+        and leaves it out; without it, a given ``train_batch_size`` stays in."""
+        extra = copy.deepcopy(self._deepspeed_extra)
+        if world_size is not None and "train_batch_size" in extra:
+            value = extra.pop("train_batch_size")
+            want = self.micro_batch_size * self.gradient_accumulation_steps * world_size
+            if value != want:
+                raise ValueError(
+                    f"the DeepSpeed config's train_batch_size={value} vs "
+                    f"engine.micro_batch_size x engine.gradient_accumulation_steps x processes "
+                    f"= {self.micro_batch_size} x {self.gradient_accumulation_steps} x "
+                    f"{world_size} = {want}: set the batch layout in the recipe, or write "
+                    '"auto" in the DeepSpeed config'
+                )
+        return extra
+
+    def resolved(self) -> EngineConfig:
+        """This config with the DeepSpeed file folded into ``deepspeed`` (already reconciled):
+        a copy that does not read the file again, e.g. to change the accumulation for a resume
+        on another number of processes (``dataclasses.replace`` of it)."""
+        return dataclasses.replace(
+            self, deepspeed_config=None, deepspeed=self.deepspeed_overrides()
+        )
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -652,6 +688,8 @@ class Engine:
         self.dist = detect() if dist is None else dist
         self.device = resolve_device(cfg, self.dist)
         check_compatible(cfg, optimizer, self.device)
+        if cfg.backend == "deepspeed":  # before any work: a train_batch_size for another world
+            cfg.deepspeed_overrides(self.dist.world_size)
         if cfg.backend == "deepspeed" or self.device.type == "cuda":
             # DeepSpeed JIT-builds ops in init_distributed (CPU: shm collectives) and
             # build_optimizer (CUDA: fused LAMB): never wait forever on a killed build's lock.
@@ -781,7 +819,7 @@ class Engine:
                 "hysteresis": cfg.fp16_hysteresis,
                 "min_loss_scale": cfg.fp16_min_loss_scale,
             }
-        return deep_merge(config, copy.deepcopy(cfg.deepspeed))
+        return deep_merge(config, cfg.deepspeed_overrides(self.world_size))
 
     def _clips_gradients(self) -> bool:
         """True when the engine clips the gradients itself (torch backend; DeepSpeed ZeRO-0 in

@@ -172,6 +172,9 @@ def run_identity(config: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
     """A run's identity for :func:`check_run_identity`: its config without ``RESUMABLE_KEYS``,
     plus ``extra`` (the task, learning rate, seed, the init's content digest)."""
     out = json.loads(json.dumps(dict(config)))
+    engine = out.get("engine")
+    if isinstance(engine, dict) and engine.get("deepspeed_config", 0) is None:
+        del engine["deepspeed_config"]  # unset: the identity of runs from before the key existed
     for key in RESUMABLE_KEYS:
         *parents, last = key.split(".")
         node = out

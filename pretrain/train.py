@@ -186,6 +186,13 @@ def check_run_dir(run_dir: Path, resolved: dict[str, Any]) -> bool:
     for added in ("data_identity", "phases"):  # run dirs written before these existed
         if added not in saved and (added == "data_identity" or not resolved.get(added)):
             resolved = {k: v for k, v in resolved.items() if k != added}
+    engine = resolved.get("engine", {})
+    if "deepspeed_config" not in saved.get("engine", {}) and engine.get("deepspeed_config") is None:
+        # run dirs written before engine.deepspeed_config existed
+        resolved = {
+            **resolved,
+            "engine": {k: v for k, v in engine.items() if k != "deepspeed_config"},
+        }
     ignored = (*RESUMABLE_CHANGES, *LOCATION_KEYS)
     changed = [k for k in diff_keys(saved, resolved) if k not in ignored]
     if changed:
@@ -245,7 +252,11 @@ class Trainer:
         self.init_report: InitReport | None = None
         if INIT_KEY in cfg.model and not self.resuming:  # a resume loads its checkpoint instead
             self.init_report = load_init(model, cfg.model)
-        engine_cfg = dataclasses.replace(cfg.engine, gradient_accumulation_steps=self.accumulation)
+        # resolved(): the DeepSpeed file (engine.deepspeed_config) was checked against the
+        # recipe's accumulation; a resume on another number of processes changes it.
+        engine_cfg = dataclasses.replace(
+            cfg.engine.resolved(), gradient_accumulation_steps=self.accumulation
+        )
         self.engine = Engine(model, engine_cfg, cfg.optimizer, cfg.schedule, self.dist)
         torch.manual_seed(_rank_seed(cfg.train.seed, self.rank))  # dropout differs per rank
         self.phase = self.phases[0]
