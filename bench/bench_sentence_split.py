@@ -12,12 +12,18 @@ Speed: one core (the process pinned to one thread), on the embedded corpus's pro
 splitter's own output, and the whole corpus's time through `data_prep.sentences.split_document`
 with the chosen splitter (what `--sentences split` costs per core).
 
+Pipeline (`--pipeline-mb N`): the embedded paragraphs, one paragraph per line and repeated to
+N MB, as a folder of Parquet files read as `hf:DIR`; `python -m data_prep shards --workers 1`
+(one process, imports included) with `--sentences split` and with `--sentences lines`, and
+`python -m data_prep tokenizer` with `--sentences split`, each timed as a whole process:
+characters/s per core, the rate the README's estimates for real corpora are made from.
+
 Candidates: blingfire (Microsoft, a compiled finite-state model), pysbd (rule-based, Golden
 Rules), syntok (rule-based tokenizer + segmenter), and a naive regex (split after . ! ? followed
 by a space and an upper-case letter) as the floor. A splitter that is not installed is skipped.
 
     pip install blingfire pysbd syntok
-    python bench/bench_sentence_split.py --out bench/results/sentence_split_cpu.json
+    python bench/bench_sentence_split.py --pipeline-mb 20 --out bench/results/sentence_split_cpu.json
 """
 
 from __future__ import annotations
@@ -180,12 +186,88 @@ def speed(
     }
 
 
+def pipeline(size_mb: int, workdir: Path) -> dict:
+    """Whole-process timings of the tokenizer and shards stages on an `hf:` Parquet folder."""
+    import subprocess
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data_prep.corpus import embedded_documents
+
+    docs = []
+    for doc in embedded_documents():
+        paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", doc)]
+        docs.append("\n".join(p for p in paragraphs if p))
+    folder = workdir / "corpus"
+    folder.mkdir(parents=True, exist_ok=True)
+    texts, chars, r = [], 0, 0
+    while chars < size_mb * 1e6:
+        for d in docs:
+            texts.append(f"Copy {r}.\n{d}")
+            chars += len(texts[-1])
+        r += 1
+    half = len(texts) // 2
+    pq.write_table(pa.table({"text": texts[:half]}), folder / "train-00000-of-00002.parquet")
+    pq.write_table(pa.table({"text": texts[half:]}), folder / "train-00001-of-00002.parquet")
+    spec = f"hf:{folder}"
+    env = dict(os.environ, HF_DATASETS_CACHE=str(workdir / "cache"))
+
+    def timed(*args: str) -> float:
+        start = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-m", "data_prep", *args],
+            check=True,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        return time.perf_counter() - start
+
+    tok_dir = workdir / "tok"
+    out = {"characters": chars, "documents": len(texts)}
+    out["tokenizer_split_s"] = timed(
+        "tokenizer",
+        "--input",
+        spec,
+        "--out",
+        str(tok_dir),
+        "--vocab-size",
+        "8000",
+        "--overwrite",
+    )
+    for mode in ("split", "lines"):
+        out[f"shards_{mode}_s"] = timed(
+            "shards",
+            "--input",
+            spec,
+            "--tokenizer",
+            str(tok_dir / "tokenizer.json"),
+            "--out",
+            str(workdir / f"shards-{mode}"),
+            "--num-shards",
+            "4",
+            "--max-seq-length",
+            "512",
+            "--workers",
+            "1",
+            "--sentences",
+            mode,
+        )
+    for key in ("tokenizer_split_s", "shards_split_s", "shards_lines_s"):
+        out[key[: -len("_s")] + "_chars_per_s"] = chars / out[key]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--min-seconds", type=float, default=1.0)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     ap.add_argument("--show-errors", action="store_true", help="print wrongly split paragraphs")
+    ap.add_argument(
+        "--pipeline-mb", type=int, default=0, help="also time the stages on an N MB corpus"
+    )
     args = ap.parse_args()
     with contextlib.suppress(AttributeError, OSError):  # one core: the figures are per core
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
@@ -217,20 +299,34 @@ def main() -> None:
 
     print(
         f"\n{'splitter':10} {'precision':>9} {'recall':>7} {'F1':>6} {'exact':>7} "
-        f"{'sent/s':>9} {'MB/s':>6}"
+        f"{'sent/s':>9} {'Mchar/s':>7}"
     )
     for name, r in results.items():
         q, s = r["quality"], r["speed"]
         print(
             f"{name:10} {q['precision']:9.3f} {q['recall']:7.3f} {q['f1']:6.3f} "
             f"{q['paragraphs_exact']:3d}/{q['paragraphs']:<3d} {s['sentences_per_s']:9.0f} "
-            f"{s['chars_per_s'] / 1e6:6.2f}"
+            f"{s['chars_per_s'] / 1e6:7.2f}"
         )
     print(
         f"\ndata_prep.sentences.split_document ({sentences_mod.SPLITTER}): "
-        f"{whole['sentences_per_s']:.0f} sentences/s, {whole['chars_per_s'] / 1e6:.2f} MB/s "
+        f"{whole['sentences_per_s']:.0f} sentences/s, {whole['chars_per_s'] / 1e6:.2f} M chars/s "
         "per core"
     )
+    piped = None
+    if args.pipeline_mb:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            piped = pipeline(args.pipeline_mb, Path(tmp))
+        print(
+            f"\npipeline, {piped['characters'] / 1e6:.1f} M characters, one process each: "
+            f"tokenizer (split) {piped['tokenizer_split_s']:.1f} s "
+            f"({piped['tokenizer_split_chars_per_s'] / 1e6:.2f} M chars/s); shards split "
+            f"{piped['shards_split_s']:.1f} s ({piped['shards_split_chars_per_s'] / 1e6:.2f} M "
+            f"chars/s), lines {piped['shards_lines_s']:.1f} s "
+            f"({piped['shards_lines_chars_per_s'] / 1e6:.2f} M chars/s)"
+        )
     if args.out:
         for r in results.values():
             r["quality"].pop("wrong_paragraphs")
@@ -239,6 +335,7 @@ def main() -> None:
             "versions": sentences_mod.splitter_versions(),
             "results": results,
             "split_document": whole,
+            "pipeline": piped,
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(payload, indent=1) + "\n")

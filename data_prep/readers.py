@@ -462,6 +462,14 @@ def _read_parquet(
         row += len(column)
 
 
+class Unsplit(list):
+    """A document's lines whose sentences are still to be split (`iter_documents(...,
+    defer_split=True)`)."""
+
+    def split(self) -> list[str]:
+        return [s for line in self for s in sentence_rules.split_line(line)]
+
+
 def _read_hf(
     path: str,
     text_field: str,
@@ -562,11 +570,17 @@ def iter_documents(
     max_line_chars: int = DEFAULT_MAX_LINE_CHARS,
     sentences: str = "auto",
     streaming: bool = False,
+    defer_split: bool = False,
 ) -> Iterator[list[str]]:
     """Yields every document (a list of non-empty sentence strings) of `inputs`, in order.
 
     `sentences` ('auto' | 'split' | 'lines', module doc) decides how a document's text becomes
     sentences; `streaming` reads `hf:` sources as streams (the same rows in the same order).
+    With `defer_split` a document whose lines are to be split comes as `Unsplit` (its lines;
+    `.split()` gives the sentences), so that a reader who keeps only some documents (a shards
+    worker) splits only those; such documents count in `stats.characters` by their lines and
+    not in `stats.sentences`. (A non-empty line has at least one sentence, so the documents and
+    their indices are the same either way.)
 
     The order is deterministic: inputs in the order given, each glob sorted, @list files in
     their order, documents in file order. `stats` (if given) is filled as reading goes; it is
@@ -583,13 +597,18 @@ def iter_documents(
         kind = input_kind(path)
         records, problems = stats.records, stats.problems()
         mode = sentence_rules.resolve(sentences, kind)
+        defer = defer_split and mode == "split"
         reader = _READERS[kind]
-        for doc in reader(path, text_field, stats, max_line_chars, warn, mode, streaming):
+        read_mode = "lines" if defer else mode
+        for doc in reader(path, text_field, stats, max_line_chars, warn, read_mode, streaming):
             if not doc:
                 continue
             stats.documents += 1
-            stats.sentences += len(doc)
             stats.characters += sum(len(s) for s in doc)
+            if defer:
+                yield Unsplit(doc)  # its sentences are counted by whoever splits it
+                continue
+            stats.sentences += len(doc)
             yield doc
         _warn_if_mostly_bad(path, kind, stats, records, problems)
     if stats.documents == 0:

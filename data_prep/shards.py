@@ -83,6 +83,7 @@ from data_prep import sentences as sentence_rules
 from data_prep.readers import (
     DEFAULT_MAX_LINE_CHARS,
     ReadStats,
+    Unsplit,
     expand_inputs,
     fingerprint_inputs,
     iter_documents,
@@ -225,7 +226,8 @@ class ShardConfig:
         return d
 
     def read(self, stats: ReadStats | None = None) -> Iterator[list[str]]:
-        """`iter_documents` of this config's input."""
+        """`iter_documents` of this config's input, documents to split coming `Unsplit` (each
+        worker splits only the documents it keeps)."""
         return iter_documents(
             list(self.inputs),
             self.text_field,
@@ -233,6 +235,7 @@ class ShardConfig:
             self.max_line_chars,
             sentences=self.sentences,
             streaming=self.streaming,
+            defer_split=True,
         )
 
 
@@ -476,6 +479,8 @@ class ShardWriter:
         self.rows = array.array("q")
         self.flush_tokens = flush_tokens
         self.offset = self.examples = self.documents = self.dropped = 0
+        self.split_sentences = 0
+        """Sentences of the documents this shard split itself (`readers.Unsplit`)."""
 
     def add(self, examples: list[tuple[list[int], list[int]]], dropped: int) -> None:
         self.documents += 1
@@ -585,6 +590,9 @@ def _run_task(task: _Task, progress: Callable[[int, int], None] | None = None) -
         else:
             writer = writers.get(d % cfg.num_shards)
         if writer is not None:
+            if isinstance(doc, Unsplit):
+                doc = doc.split()
+                writer.split_sentences += len(doc)
             pending.append((d, doc, writer))
             pending_chars += sum(len(s) for s in doc)
             if pending_chars >= BATCH_CHARS:
@@ -604,8 +612,15 @@ def _run_task(task: _Task, progress: Callable[[int, int], None] | None = None) -
     if split is not None:
         _check_split_sizes(split, held_out, d + 1)
         extra["validation"] = {"selection": split.selection(), "documents": held_out}
-    names = [writers[s].finish(extra)["name"] for s in task.shards]
-    return names + [valid_writers[v].finish(extra)["name"] for v in task.valid_shards]
+    split_here = "sentences" in extra["config"]  # some input's text is split: count per shard
+
+    def finish(writer: ShardWriter) -> str:
+        own = {"split_sentences": writer.split_sentences} if split_here else {}
+        return writer.finish({**extra, **own})["name"]
+
+    return [finish(writers[s]) for s in task.shards] + [
+        finish(valid_writers[v]) for v in task.valid_shards
+    ]
 
 
 def _check_split_sizes(split: ValidationSplit, held_out: int, documents: int) -> None:
@@ -1055,6 +1070,11 @@ def finalize(out_dir: str | os.PathLike) -> dict[str, Any]:
                     f"{fmt.done_file(record['name'])}; delete that done-record and re-run the "
                     "shards command to rebuild it"
                 )
+    if any("split_sentences" in r for r in records):
+        # Each worker split only its own documents: the sentences of the whole input are those
+        # read as they were plus those each shard split.
+        input_stats = dict(input_stats)
+        input_stats["sentences"] += sum(r.get("split_sentences", 0) for r in records)
     tok = load_tokenizer(tok_path)
     empty = [r["name"] for r in records if r["examples"] == 0]
     if empty:

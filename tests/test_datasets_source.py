@@ -221,6 +221,9 @@ def test_shards_are_byte_identical_whatever_workers_jobs_and_streaming(
     assert manifest["config"]["sentences"] == "auto"
     assert manifest["config"]["sentence_splitter"].startswith("nupunkt ")
     assert manifest["input"]["documents"] == DOCS
+    # Each worker split only its own documents; the manifest counts every sentence once.
+    eager, _ = read([spec])
+    assert manifest["input"]["sentences"] == sum(len(d) for d in eager)
     assert shards(spec, tokenizer, tmp_path / "w2s", "--workers", "2", "--streaming") == 0
     assert dir_bytes(tmp_path / "w2s") == want
     for job in (0, 1):
@@ -320,3 +323,21 @@ def test_bad_sources_exit_2_naming_the_problem(sources, empty_sources, tmp_path,
         assert "cannot be streamed" in capsys.readouterr().err
     else:  # but it can be read
         assert len(read([f"hf:{sources['parquet']}::train[:2]"])[0]) == 2
+
+
+def test_a_worker_splits_only_the_documents_it_keeps(sources, tokenizer, tmp_path, monkeypatch):
+    from data_prep import sentences
+
+    split_lines = []
+    real = sentences.split_line
+
+    def counting(line: str) -> list[str]:
+        split_lines.append(line)
+        return real(line)
+
+    monkeypatch.setattr(sentences, "split_line", counting)
+    spec = f"hf:{sources['parquet']}"
+    extra = ("--job-index", "0", "--num-jobs", "3")  # shard 0 of 3: documents 0, 3, 6, ...
+    assert shards(spec, tokenizer, tmp_path / "job0", *extra) == 0
+    kept = [t for d, t in enumerate(corpus_texts()) if d % 3 == 0]
+    assert sorted(split_lines) == sorted(ln for t in kept for ln in t.split("\n") if ln.strip())
