@@ -262,6 +262,7 @@ def test_a_directory_and_the_torch_backend_are_refused(tmp_path):
         EngineConfig(backend="torch", deepspeed_config=path)
 
 
+@pytest.mark.integration
 def test_the_cli_exits_2_at_start_up(tmp_path):
     path = write(tmp_path, {"gradient_clipping": 3.0, "zero_optimization": {"stage": 3}})
     base = [sys.executable, "-m", "pretrain", "--config", str(REPO / "configs/pretrain/debug.yaml")]

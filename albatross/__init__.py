@@ -1,0 +1,1 @@
+"""The ``albatross`` command: one entry point for every stage (``albatross/cli.py``)."""
