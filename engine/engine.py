@@ -884,8 +884,12 @@ class Engine:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         dtype = self.cfg.autocast_dtype
-        if dtype is None or self._ds is not None:  # DeepSpeed autocasts inside its forward
+        if dtype is None:
             return contextlib.nullcontext()
+        # With DeepSpeed, its forward enters its own autocast (the config's torch_autocast)
+        # inside this one. Keeping this outer one too matters: without it, activation
+        # checkpointing under ZeRO-3 recomputed a different number of tensors (the recompute
+        # runs outside DeepSpeed's forward).
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
