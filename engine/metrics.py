@@ -119,6 +119,7 @@ class MetricsWriter:
                 raise ImportError(
                     "MetricsWriter needs the tensorboard package: pip install tensorboard"
                 ) from e
+            _after_the_last_event_file(self.log_dir)
             # purge_step: a resumed run rewrites the steps after its checkpoint; TensorBoard
             # hides the earlier attempt's events from that step on (one value per step).
             self._writer = SummaryWriter(
@@ -196,6 +197,25 @@ class MetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _after_the_last_event_file(log_dir: Path) -> None:
+    """Waits, if needed, until the clock's second is past the newest event file's in
+    ``log_dir``. TensorBoard reads a directory's event files in name order, and a name is
+    ``events.out.tfevents.<second>.<host>.<pid>.<counter>`` with a per-process counter that is
+    not zero-padded: a writer opened in the same second by the same process could sort before
+    the earlier one (counter 10 before 9), and its events, the resumed ones, would be read
+    first (and purged by the older ones). A later second sorts after. Only a resume within a
+    second of the previous start (tests, in-process sweeps) waits, at most a second."""
+    seconds = []
+    for path in log_dir.glob("events.out.tfevents.*"):
+        stamp = path.name.split(".")[3]
+        if stamp.isdigit():
+            seconds.append(int(stamp))
+    if not seconds:
+        return
+    while int(time.time()) <= max(seconds):
+        time.sleep(0.05)
 
 
 def _load_events(log_dir: str | os.PathLike) -> Any:

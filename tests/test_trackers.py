@@ -271,3 +271,26 @@ def test_wandb_project_from_the_environment(tmp_path, offline, monkeypatch):
     with open_trackers(TrackerConfig(trackers=["wandb"]), run_dir, enabled=True) as writer:
         writer.scalars(1, {"loss/mlm": 1.0})
     assert json.loads((run_dir / STATE_FILE).read_text())["wandb"]["project"] == "from-env"
+
+
+def test_a_writer_reopened_in_the_same_second_sorts_after_the_first(tmp_path):
+    """TensorBoard reads event files in name order; the name's per-process counter is not
+    zero-padded, so a second writer of the same second whose counter went from 9 to 10 sorted
+    first, and a resumed run's scalars were read before the earlier ones (this test failed
+    when the suite had opened 9 writers before it)."""
+    writer_module = pytest.importorskip("tensorboard.summary.writer.event_file_writer")
+    counter = getattr(writer_module, "_global_uid", None)
+    if counter is None or not hasattr(counter, "_value"):
+        pytest.skip("tensorboard's event-file counter is not where this test looks")
+    from engine.metrics import MetricsWriter
+
+    warm = tmp_path / "warm"
+    while counter._value % 10 != 9:  # the next two files get counters ...9 and ...10
+        with MetricsWriter(warm / str(counter._value)) as writer:
+            writer.scalars(1, {"x": 1.0})
+    run = tmp_path / "run"
+    with MetricsWriter(run) as writer:
+        writer.scalars(10, {"loss": 1.0})
+    with MetricsWriter(run, purge_step=11) as writer:
+        writer.scalars(20, {"loss": 0.5})
+    assert read_scalars(run)["loss"] == [(10, 1.0), (20, 0.5)]

@@ -40,8 +40,7 @@ def _env(tmp: Path) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-        and not k.startswith(("WANDB_", "MLFLOW_"))
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith(("WANDB_", "MLFLOW_"))
     }
     env.update(
         PYTHONPATH=str(REPO),
@@ -131,7 +130,9 @@ def test_pretraining_after_a_crash_keeps_one_value_per_step(shards, tmp_path):
         for tag in read_scalars(run_dir / "tensorboard")
         if tag.startswith(("loss/", "accuracy/", "optim/", "diagnostics/"))
     }
-    tensorboard, _, run = _check_trackers(run_dir, f"file:{tmp_path / 'mlruns'}", "albatross", exact)
+    tensorboard, _, run = _check_trackers(
+        run_dir, f"file:{tmp_path / 'mlruns'}", "albatross", exact
+    )
     assert run["id"] == crashed["id"]
     assert [s for s, _ in tensorboard["loss/mlm"]] == [1, 2, 3, 4, 5]
 
