@@ -199,7 +199,7 @@ class Encoder(nn.Module):
         # (same saved tensors); and one factorisation instead of one per map. In inference
         # (no grad) the maps are evaluated lazily, reusing the matrices kept across forwards.
         if checkpointing or torch.is_grad_enabled():
-            evaluate_orthogonal_maps(self, store)
+            evaluate_orthogonal_maps(self, store, required=checkpointing)
         x_BND = self.embeddings(input_ids, token_type_ids)
         aux: AuxLosses = {}
         extras = {}
