@@ -362,10 +362,7 @@ class MlflowTracker(_ResumableTracker):
         self.client = MlflowClient(tracking_uri=uri)
         self.tracking_uri = self.client.tracking_uri
         experiment = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "albatross"
-        found = self.client.get_experiment_by_name(experiment)
-        experiment_id = (
-            found.experiment_id if found is not None else self.client.create_experiment(experiment)
-        )
+        experiment_id = self._experiment_id(experiment)
         saved = state.get(self.name)
         run_id = None
         if (
@@ -403,6 +400,20 @@ class MlflowTracker(_ResumableTracker):
             experiment_id=experiment_id,
             last_step=self._last,
         )
+
+    def _experiment_id(self, name: str) -> str:
+        """The id of experiment ``name``, created when missing (another process of a sweep may
+        create it at the same moment: then its id)."""
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        try:
+            return self.client.create_experiment(name)
+        except Exception:
+            found = self.client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            return found.experiment_id
 
     def _log_params(self, run_id: str, config: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
