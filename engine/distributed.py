@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 import re
 import socket
+import sys
+import traceback
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from itertools import product
@@ -36,6 +38,7 @@ __all__ = [
     "lost_peer",
     "lost_peer_message",
     "parse_tasks_per_node",
+    "report_lost_peer",
 ]
 
 Launcher = Literal["torchrun", "slurm", "single"]
@@ -455,3 +458,13 @@ def lost_peer_message(exc: BaseException, program: str, checkpoint: str | None) 
         f"{program}: {env.describe(short=True)} lost contact with another process of the job (a node "
         f"or task died, or the network between them failed): {first}\n{program}: {resume}."
     )
+
+
+def report_lost_peer(exc: BaseException, program: str, checkpoint: str | None = None) -> bool:
+    """When ``lost_peer(exc)``: prints the traceback, then ``lost_peer_message`` last, on
+    stderr, and returns True (the caller exits 1); else False (the caller re-raises)."""
+    if not lost_peer(exc):
+        return False
+    traceback.print_exception(exc)
+    print(lost_peer_message(exc, program, checkpoint), file=sys.stderr, flush=True)
+    return True

@@ -153,14 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m finetune {args.suite}: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # another process of the job died: say so plainly, last
-        from engine.distributed import lost_peer, lost_peer_message
+        from engine.distributed import report_lost_peer
 
-        if not lost_peer(e):
+        if not report_lost_peer(e, f"python -m finetune {args.suite}"):
             raise
-        import traceback
-
-        traceback.print_exc()
-        print(lost_peer_message(e, f"python -m finetune {args.suite}", None), file=sys.stderr)
         return 1
     finally:
         shutdown()

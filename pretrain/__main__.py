@@ -80,17 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m pretrain: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # another process of the job died: say so plainly, last
-        from engine.distributed import lost_peer, lost_peer_message
-
-        if not lost_peer(e):
-            raise
-        import traceback
         from pathlib import Path
 
-        traceback.print_exc()
-        latest = Path(cfg.train.run_dir) / "checkpoints" / "latest"
-        checkpoint = str(latest.parent / latest.read_text().strip()) if latest.is_file() else None
-        print(lost_peer_message(e, "python -m pretrain", checkpoint), file=sys.stderr, flush=True)
+        from engine.checkpoint import CheckpointStore
+        from engine.distributed import report_lost_peer
+
+        root = Path(cfg.train.run_dir) / "checkpoints"
+        tag = CheckpointStore(root).latest_tag()
+        if not report_lost_peer(e, "python -m pretrain", tag and str(root / tag)):
+            raise
         return 1
     return 0 if result.state in ("completed", "stopped") else 1
 

@@ -73,6 +73,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def one_process_rendezvous(monkeypatch) -> None:
+    """The variables torchrun would set for a single process (an in-process DeepSpeed engine
+    reads LOCAL_RANK and joins a process group of one)."""
+    rendezvous = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    rendezvous.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    for name, value in rendezvous.items():
+        monkeypatch.setenv(name, value)
+
+
 def env() -> dict[str, str]:
     e = dict(os.environ)
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pretrain_support import base_overrides, free_port, make_shards
+from pretrain_support import base_overrides, make_shards, one_process_rendezvous
 from torch.overrides import TorchFunctionMode
 
 import pretrain.train as train_module
@@ -159,10 +159,7 @@ def run_recorded(shards: Path, run_dir: Path, extra: list[str]) -> SyncRecorder:
 def test_no_host_sync_between_logging_steps(shards, tmp_path, extra, monkeypatch):
     # One process, as torchrun would describe it: the process group of an earlier in-process
     # engine stays (DeepSpeed caches it), and DeepSpeed still reads LOCAL_RANK.
-    rendezvous = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
-    rendezvous.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    for name, value in rendezvous.items():
-        monkeypatch.setenv(name, value)
+    one_process_rendezvous(monkeypatch)
     recorder = run_recorded(shards, tmp_path / "run", extra)
     logging_steps = {s for s in range(1, STEPS + 1) if s % LOG_EVERY == 0}
     between = [c for c in recorder.calls if c[0] >= 1 and c[0] not in logging_steps]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pretrain_support import free_port
+from pretrain_support import one_process_rendezvous
 from test_engine import ADAMW, SCHEDULE, data, mlp
 
 from engine.distributed import detect
@@ -20,10 +20,7 @@ from engine.engine import Engine, EngineConfig
 
 @pytest.fixture
 def one_process(monkeypatch):
-    rendezvous = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
-    rendezvous.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    for name, value in rendezvous.items():
-        monkeypatch.setenv(name, value)
+    one_process_rendezvous(monkeypatch)
 
 
 @pytest.mark.parametrize("zero_stage", [0, 2])

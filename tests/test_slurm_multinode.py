@@ -18,7 +18,7 @@ import submitit
 from pretrain_support import REPO, base_overrides, env, make_shards, torchrun_cmd
 from slurm_support import job_state, submit, wait_for_job
 from test_glue_finetune import release, tokenizer_file, write_sst2  # noqa: F401 (fixtures)
-from test_slurm_sbatch import sbatch_env
+from test_slurm_sbatch import sbatch_env, wait_for_lines
 
 from data_prep.shards import ShardConfig, build_shards
 from engine.metrics import read_jsonl
@@ -84,17 +84,6 @@ def rank_placement(log: str) -> dict[int, tuple[str, int, str]]:
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {s: r["loss/mlm"] for s, r in read_jsonl(run_dir / "tensorboard").items()}
-
-
-def wait_for_step(run_dir: Path, step: int, job: str, log: Path, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        metrics = run_dir / "tensorboard" / "metrics.jsonl"
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= step:
-            return
-        assert job_state(job) is not None, log.read_text() if log.exists() else "job vanished"
-        time.sleep(0.2)
-    pytest.fail(f"job {job} did not reach step {step} in time")
 
 
 def assert_two_node_placement(log: str) -> None:
@@ -171,7 +160,7 @@ def test_preemption_of_a_two_node_job_resumes_exactly(reference, shards, tmp_pat
     ref_dir, _, _ = reference
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     job = pretrain_job(shards, run_dir, 24, log, "engine.zero_stage=2")
-    wait_for_step(run_dir, 4, job, log)
+    wait_for_lines(run_dir / "tensorboard" / "metrics.jsonl", 4, job, log)
     # What Slurm sends <margin> seconds before the time limit (--signal=USR1@margin), to every
     # task on both nodes.
     subprocess.run(["scancel", "--signal=USR1", job], check=True)
@@ -285,7 +274,7 @@ def test_a_node_dies_mid_job(shards, tmp_path):
         shards, run_dir, 160, log, "engine.zero_stage=2", "train.checkpoint_every=10"
     )
     try:
-        wait_for_step(run_dir, 25, job, log)
+        wait_for_lines(run_dir / "tensorboard" / "metrics.jsonl", 25, job, log)
         t0 = time.monotonic()
         subprocess.run([*CLUSTER, "kill-node", NODES[1]], check=True, capture_output=True)
         # The job's first run ends (rank 0 fails, Slurm declares the node down: NODE_FAIL).
