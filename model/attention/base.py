@@ -177,9 +177,6 @@ class MultiHeadAttention(Attention):
             # Linear's own forward: the concatenation would read empty shards)
             return tuple(self._split(lin(x_BND)) for lin in (self.query, self.key, self.value))
         weight, bias = self.qkv_weight()
-        if weight.dtype != x_BND.dtype and not torch.is_autocast_enabled(x_BND.device.type):
-            weight = weight.to(x_BND.dtype)  # the orthogonal map returns fp32 (as `Linear`)
-            bias = None if bias is None else bias.to(x_BND.dtype)
         B, N, _ = x_BND.shape
         qkv_BN3Hh = F.linear(x_BND, weight, bias).view(B, N, 3, self.num_heads, -1)
         q_BHNh, k_BHNh, v_BHNh = qkv_BN3Hh.permute(2, 0, 3, 1, 4).unbind(0)
