@@ -893,6 +893,24 @@ class Engine:
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """``batch`` with its tensors on ``self.device``; an ``attention_mask`` without any
+        padding (read on the host, where it is free, before the copy) becomes None, and so does
+        any other ``attention_mask*`` entry without padding.
+
+        A model cannot read a mask on an accelerator without stopping the host until the
+        device catches up, so it treats such a mask as "may be padded"
+        (``model.attention.base.batch_is_padded``) and the attention keeps a mask, which rules
+        out SDPA's flash and cuDNN kernels. None says "no padding" for free: every model of
+        this project reads a missing mask as all real tokens."""
+        unpadded = {
+            k: None
+            for k, v in batch.items()
+            if k.startswith("attention_mask")  # also the LRA pair's attention_mask_b
+            and isinstance(v, torch.Tensor)
+            and v.device.type == "cpu"
+            and bool(v.numpy().all())  # host memory (numpy fails on a device tensor)
+        }
+        batch = {**batch, **unpadded}
         return {
             k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
             for k, v in batch.items()

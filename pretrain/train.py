@@ -499,7 +499,8 @@ class Trainer:
         model = self.diag_model
         model.load_state_dict(weights)
         ids = batch["input_ids"][:8].cpu()
-        mask = batch["attention_mask"][:8].cpu()
+        mask = batch["attention_mask"]  # None: no padding (Engine.to_device)
+        mask = torch.ones_like(ids) if mask is None else mask[:8].cpu()
         values: dict[str, float] = {}
         factors = diagnostics.activation_factors(model, ids, mask)  # (L, B)
         for layer, f in enumerate(factors.mean(1).tolist()):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fast_paths import MatmulLog
+from test_fast_paths import MatmulLog, accumulating_engine
 from test_model_core import batch, tiny
 from torch.nn.attention.flex_attention import create_block_mask
 from torch.nn.utils.parametrizations import _Orthogonal
@@ -118,6 +118,30 @@ def test_batch_is_padded_is_decided_on_the_host():
     # A mask on an accelerator is not read (that would synchronise): assumed padded. The meta
     # device stands in for one here (reading it would fail).
     assert batch_is_padded(torch.ones(2, 5, device="meta")) is True
+
+
+def test_engine_sends_no_mask_for_an_unpadded_batch(sdpa_calls):
+    """Engine.to_device, where every trainer moves its batches: a mask without padding is read
+    on the host (free) and becomes None, so on an accelerator the model knows the batch is
+    unpadded without a sync and SDPA gets no mask; a padded mask (and the LRA pair's second
+    mask) travels as it is. The trainer's forward gives the same loss either way."""
+    torch.manual_seed(0)
+    model = EncoderForPretraining(tiny("softmax", num_hidden_layers=2))
+    engine = accumulating_engine(model, lr=1e-2, total_steps=1)
+    ids, padded_mask = batch()
+    full = torch.ones_like(padded_mask)
+    moved = engine.to_device({"input_ids": ids, "attention_mask": full, "attention_mask_b": full})
+    assert moved["attention_mask"] is None and moved["attention_mask_b"] is None
+    assert torch.equal(moved["input_ids"], ids)
+    kept = engine.to_device({"input_ids": ids, "attention_mask": padded_mask})
+    assert torch.equal(kept["attention_mask"], padded_mask)
+
+    engine.train(False)
+    with torch.no_grad():
+        fast = engine.forward(moved["input_ids"], moved["attention_mask"]).logits
+        assert sdpa_calls and all(m is None for m in sdpa_calls)
+        ref = engine.forward(ids, full).logits
+    torch.testing.assert_close(fast, ref, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
