@@ -18,6 +18,8 @@
 # Parts (each under its own time limit, so one that hangs cannot eat the others' time):
 #   model     bench_model.py: ours vs HF ALBERT, albert-base (12 layers), batch 32, seq 128/512,
 #             bf16 autocast                                              -> model_gpu.json
+#   qkv       bench_fused_qkv.py: the fused Q/K/V weight made once per forward vs at each of the
+#             12 applications, albert-base width, bf16 autocast       -> fused_qkv_gpu.json
 #   scaling   bench_attention_scaling.py: one layer, d=768, H=12, batch 8, N = 256 .. 16384,
 #             every family, bf16 autocast, forward                     -> scaling_gpu.json
 #   pretrain  bench_pretrain_throughput.py: the shipped recipe (DeepSpeed ZeRO-0, bf16-mixed,
@@ -49,7 +51,7 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 SMOKE=${SMOKE:-0}
-PARTS=${PARTS:-jit model scaling pretrain pretrain2 syncs depth loader tisa tisabackends orthocache fastpaths}
+PARTS=${PARTS:-jit model qkv scaling pretrain pretrain2 syncs depth loader tisa tisabackends orthocache fastpaths}
 # LAMB=auto: what a recipe picks by itself, the foreach LAMB (engine/lamb.py: per tensor on every
 # ZeRO stage 0-2, no host synchronisation, nothing to build). LAMB=torch: pytorch_optimizer.Lamb.
 # LAMB=deepspeed: DeepSpeed's FusedLamb, JIT-built by the `jit` part first (ZeRO-0 only: the
@@ -145,6 +147,9 @@ if [ "$SMOKE" = 1 ]; then
 else
   part model 60 python3 bench/bench_model.py --device cuda --dtype bf16 --layers 12 --batch 32 \
     --seq 128 512 --repeats 20 --warmup 3 --out "$OUT/model_gpu.json"
+  # The fused Q/K/V weight once per forward vs at every application of the shared layer.
+  part qkv 30 python3 bench/bench_fused_qkv.py --device cuda --points 32x512x768 8x128x768 \
+    --repeats 20 --warmup 3 --out "$OUT/fused_qkv_gpu.json"
   part scaling 80 python3 bench/bench_attention_scaling.py --device cuda --dtype bf16 \
     --width 768 --heads 12 --batch 8 --lengths 256 512 1024 2048 4096 8192 16384 \
     --repeats 10 --warmup 3 --out "$OUT/scaling_gpu.json"

@@ -26,7 +26,13 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from model.attention import ATTENTION_REGISTRY, LayerContext, MultiHeadAttention
-from model.attention.base import AuxLosses, batch_is_padded, key_mask, make_linear
+from model.attention.base import (
+    AuxLosses,
+    batch_is_padded,
+    cache_fused_qkv,
+    key_mask,
+    make_linear,
+)
 from model.config import EncoderConfig
 from model.embeddings import AlbertEmbeddings
 from model.norm import LayerNorm
@@ -200,6 +206,8 @@ class Encoder(nn.Module):
         # (no grad) the maps are evaluated lazily, reusing the matrices kept across forwards.
         if checkpointing or torch.is_grad_enabled():
             evaluate_orthogonal_maps(self, store, required=checkpointing)
+        # The fused Q/K/V weights too, once per forward (not per application of a shared layer).
+        cache_fused_qkv(self, store, input_ids.device.type)
         x_BND = self.embeddings(input_ids, token_type_ids)
         aux: AuxLosses = {}
         extras = {}

@@ -7,6 +7,8 @@ evaluated in one batched solve per shape without a host sync.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ from test_fast_paths import MatmulLog, accumulating_engine
 from test_model_core import batch, tiny
 from torch.nn.attention.flex_attention import create_block_mask
 from torch.nn.utils.parametrizations import _Orthogonal
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import model.encoder as encoder_module
 from model import EncoderConfig, EncoderForPretraining
@@ -201,6 +204,59 @@ def test_qkv_is_one_product_and_parameters_are_unchanged():
     with log, torch.no_grad():
         ortho.project_qkv(x)
     assert len(log.calls) == 3
+
+
+class OpCount(TorchDispatchMode):
+    """Counts aten ops by name (the part before the overload)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_fused_qkv_weight_is_made_once_per_forward(monkeypatch, checkpointing, autocast):
+    """ALBERT applies one shared layer L times: the fused weight is concatenated (and cast to
+    bf16 under autocast) once per forward, recomputation included, not L times. The loss is
+    bit for bit that of making it at every application; the gradients agree to fp32 round-off,
+    and under bf16 autocast to the rounding of summing the L applications' gradients in bf16
+    before the cast's backward, which is how autocast treats every other shared weight (it
+    caches one cast of a leaf parameter per forward)."""
+    torch.manual_seed(0)
+    cfg = tiny("softmax", num_hidden_layers=4)
+    model = EncoderForPretraining(cfg)
+    if checkpointing:
+        model.encoder.enable_activation_checkpointing()
+    ids, mask = batch()
+
+    def run():
+        model.zero_grad()
+        counter = OpCount()
+        with counter, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_of(model(ids, mask))
+        with counter:  # the recomputation of checkpointed layers runs in backward
+            loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), grads, counter.counts
+
+    loss, grads, counts = run()
+    # one cat of the weights and one of the biases, once per forward, recomputation included
+    assert counts["cat"] == 2, counts["cat"]
+    monkeypatch.setattr(encoder_module, "cache_fused_qkv", lambda *args: None)
+    ref_loss, ref_grads, ref_counts = run()
+    assert ref_counts["cat"] == 2 * 4 * (2 if checkpointing else 1)
+    if autocast:
+        assert ref_counts["_to_copy"] > counts["_to_copy"]
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        tol = {"rtol": 2e-2, "atol": 1e-5} if autocast else {"rtol": 1e-5, "atol": 1e-7}
+        torch.testing.assert_close(grads[name], ref_grads[name], **tol)
 
 
 # ------------------------------------------------------------------------- TISA

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import EncoderConfig
-from model.orthogonal import Linear, make_orthogonal
+from model.orthogonal import Linear, active_orthogonal_cache, make_orthogonal
 
 if TYPE_CHECKING:  # annotations only: the encoder imports this module
     from model.attention.hf_export import HFExport
@@ -136,9 +136,13 @@ class MultiHeadAttention(Attention):
     instead of three), while the weights stay three parameters, `query`, `key` and `value`:
     state-dict keys, the HF ALBERT mapping, releases and checkpoints are unchanged, and LAMB
     keeps one trust ratio per matrix, as in ALBERT (a single (3d, d) parameter would share one).
-    The concatenation costs a copy of 3 d^2 weights per layer application, against the product's
-    2 B N d 3d FLOPs. The result is laid out (B, N, 3, H, h), the "packed QKV" layout SDPA's
-    cuDNN kernel accepts.
+    The concatenated weight is made once per encoder forward, not once per layer application
+    (ALBERT applies one shared layer L times): `cache_fused_qkv` puts it, already cast to the
+    autocast dtype, in the forward's cache before the first layer (and before the first
+    checkpointed region, so a recomputation finds the same tensor). Made per application, it
+    cost a concatenation and a cast of 3 d^2 weights each time, where three Linear products
+    cast each leaf weight once per forward (autocast caches casts of leaf parameters only).
+    The result is laid out (B, N, 3, H, h), the "packed QKV" layout SDPA's cuDNN kernel accepts.
 
     Under DeepSpeed ZeRO-3 (parameters partitioned, each gathered around its own module's
     forward) and with `cfg.orthogonal` (weights produced by parametrizations) the three
@@ -170,13 +174,20 @@ class MultiHeadAttention(Attention):
         bias = None if any(b is None for b in biases) else torch.cat(biases)
         return weight, bias
 
+    @property
+    def projects_fused(self) -> bool:
+        """Whether Q/K/V come from one product (not under ZeRO-3: `ds_id` marks parameters
+        partitioned by DeepSpeed, gathered around each Linear's own forward, so the
+        concatenation would read empty shards; not with orthogonal weights)."""
+        return self.fused_qkv and not hasattr(self.query.weight, "ds_id")
+
     def project_qkv(self, x_BND: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(q, k, v), each (B, H, N, h), from one matrix product (views of one tensor)."""
-        if not self.fused_qkv or hasattr(self.query.weight, "ds_id"):
-            # (ds_id: parameters partitioned by DeepSpeed ZeRO-3, gathered around each
-            # Linear's own forward: the concatenation would read empty shards)
+        if not self.projects_fused:
             return tuple(self._split(lin(x_BND)) for lin in (self.query, self.key, self.value))
-        weight, bias = self.qkv_weight()
+        store = active_orthogonal_cache()
+        cached = None if store is None else store.get(id(self))
+        weight, bias = self.qkv_weight() if cached is None else cached
         B, N, _ = x_BND.shape
         qkv_BN3Hh = F.linear(x_BND, weight, bias).view(B, N, 3, self.num_heads, -1)
         q_BHNh, k_BHNh, v_BHNh = qkv_BN3Hh.permute(2, 0, 3, 1, 4).unbind(0)
@@ -260,6 +271,23 @@ class AttentionRegistry:
 
     def __contains__(self, name: object) -> bool:
         return name in self._families
+
+
+def cache_fused_qkv(model: nn.Module, store: dict | None, device_type: str) -> None:
+    """Puts the fused Q/K/V weight and bias of every `MultiHeadAttention` of `model` that
+    projects fused into `store` (the forward's cache, keyed by the module's id), cast to the
+    autocast dtype when autocast is on for `device_type` (the same rounding autocast would
+    apply at the product). Called by the encoder once per forward, before the first layer."""
+    if store is None:
+        return
+    cast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    for module in model.modules():
+        if isinstance(module, MultiHeadAttention) and module.projects_fused:
+            weight, bias = module.qkv_weight()
+            if cast is not None and weight.is_floating_point():
+                weight = weight.to(cast)
+                bias = None if bias is None else bias.to(cast)
+            store[id(module)] = (weight, bias)
 
 
 def batch_is_padded(attention_mask: Tensor | None) -> bool:
