@@ -1,0 +1,83 @@
+"""`engine.compile=true` in the real trainer: the DeepSpeed engine (the shipped setting, ZeRO-0,
+and ZeRO-2) around an encoder compiled in place, for every attention family.
+
+The compiled runs use the ``aot_eager`` backend (Dynamo's capture and AOTAutograd's joint
+graph, the parts where a model breaks; inductor's code generation is slow on CPU and is
+checked on a GPU by ``bench/bench_fast_paths.py gpu-verify``). In fp32 each step's losses must
+equal the eager run's to round-off, with no graph break; under ``bf16-mixed`` the run must
+train to the eager run's losses within bf16 rounding. Masks: a batch without padding reaches
+the model with no mask (``Engine.to_device``), a padded one with its mask, so a run sees both
+kinds; the graph count stays bounded (mask or none, eval, one dynamic-shape recompile).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from pretrain_support import FAMILY, base_overrides, make_shards, one_process_rendezvous
+from torch._dynamo.utils import counters
+
+import pretrain.train as train_module
+from engine.metrics import read_jsonl
+from engine.recipe import load_recipe
+from pretrain.config import pretrain_config
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+]
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return make_shards(tmp_path_factory.mktemp("compile"))
+
+
+def run(shards, run_dir, family, extra, compiled):
+    torch._dynamo.reset()
+    counters.clear()
+    overrides = [
+        *base_overrides(shards, run_dir, STEPS),
+        *FAMILY[family],
+        "model.hidden_dropout_prob=0.0",
+        "model.attention_probs_dropout_prob=0.0",
+        "data.verify_checksums=false",
+        "train.export_at_end=false",
+        f"engine.compile={'true' if compiled else 'false'}",
+        "engine.compile_backend=aot_eager",
+        *extra,
+    ]
+    trainer = train_module.Trainer(pretrain_config(load_recipe(None, overrides)))
+    if compiled:
+        assert trainer.engine.module.encoder._compiled_call_impl is not None
+    result = trainer.run()
+    assert result.state == "completed" and result.step == STEPS
+    rows = read_jsonl(run_dir / "tensorboard")
+    losses = [[rows[s]["loss/total"], rows[s]["optim/grad_norm"]] for s in range(1, STEPS + 1)]
+    graphs = counters["stats"]["unique_graphs"]
+    breaks = dict(counters["graph_break"])
+    torch._dynamo.reset()
+    return losses, graphs, breaks
+
+
+@pytest.mark.parametrize("family", ["softmax", "tisa", "kernel", "transject"])
+def test_compiled_trainer_equals_eager_zero0_fp32(shards, tmp_path, monkeypatch, family):
+    one_process_rendezvous(monkeypatch)
+    extra = ["engine.zero_stage=0"]
+    eager, _, _ = run(shards, tmp_path / "eager", family, extra, compiled=False)
+    compiled, graphs, breaks = run(shards, tmp_path / "compiled", family, extra, compiled=True)
+    assert not breaks, breaks
+    assert 1 <= graphs <= 4, graphs
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_trainer_zero2_bf16_mixed(shards, tmp_path, monkeypatch):
+    one_process_rendezvous(monkeypatch)
+    extra = ["engine.zero_stage=2", "engine.precision=bf16-mixed", "optimizer.name=lamb"]
+    eager, _, _ = run(shards, tmp_path / "eager", "softmax", extra, compiled=False)
+    compiled, graphs, breaks = run(shards, tmp_path / "compiled", "softmax", extra, compiled=True)
+    assert not breaks, breaks
+    assert 1 <= graphs <= 4, graphs
+    torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
