@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from data_prep.loader import DEFAULT_GROUP_CHUNK, DEFAULT_GROUP_WINDOW, LengthGrouping
 from data_prep.masking import MaskingConfig
 from engine.engine import EngineConfig
 from engine.optim import OptimizerConfig, ScheduleConfig
@@ -48,6 +49,31 @@ class DataConfig:
     """Micro-batches per process of the held-out validation set evaluated every
     ``train.eval_every`` steps (the same examples and masks every time; the shards need a
     validation split: ``data_prep shards --validation-fraction``)."""
+    group_by_length: bool = False
+    """Batch training examples of similar length, so that most batches need no padding (a
+    batch without padding passes no attention mask: the fastest attention kernels) and a
+    batch of short examples is only as wide as its longest. Each epoch's seeded order is cut
+    into windows of ``group_by_length_window`` examples; each window is sorted by example
+    length (longest first), cut into chunks of ``group_by_length_chunk`` examples, and the
+    chunks are shuffled (seeded by ``train.seed``, epoch and window). The order does not
+    depend on the number of processes or the micro-batch, so exact and elastic resume stay
+    exact; a checkpoint saved with another setting is refused. Trade-off: a step holds either
+    full-length or short examples instead of a uniform mix (short ones come in runs of a
+    chunk, at a random place of each window). Off: the random order of before."""
+    group_by_length_window: int = DEFAULT_GROUP_WINDOW
+    """Examples of the epoch's order per length-grouping window (a multiple of
+    ``group_by_length_chunk``): how far an example may move from its random position."""
+    group_by_length_chunk: int = DEFAULT_GROUP_CHUNK
+    """Examples per shuffled chunk of a length-grouped window. Make it a multiple of
+    ``engine.micro_batch_size`` x processes, so that a micro-step of full-length examples lies
+    in one chunk (no padding on any process); smaller chunks spread the short examples more
+    finely over the steps."""
+
+    def length_grouping(self) -> LengthGrouping | None:
+        """The loader's ``group_by_length`` argument (None when off)."""
+        if not self.group_by_length:
+            return None
+        return LengthGrouping(self.group_by_length_window, self.group_by_length_chunk)
 
     def __post_init__(self) -> None:
         if not self.shards:
@@ -59,6 +85,14 @@ class DataConfig:
         if self.validation_batches < 1:
             raise ValueError(
                 f"data.validation_batches={self.validation_batches} is invalid; valid: >= 1"
+            )
+        for name in ("group_by_length_window", "group_by_length_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.{name}={getattr(self, name)} is invalid; valid: >= 1")
+        if self.group_by_length_window % self.group_by_length_chunk:
+            raise ValueError(
+                f"data.group_by_length_window={self.group_by_length_window} is invalid; valid: "
+                f"a multiple of data.group_by_length_chunk={self.group_by_length_chunk}"
             )
 
 
@@ -82,8 +116,16 @@ RESUMABLE_CHANGES = (
     "engine.compile",
     "engine.compile_backend",
     *TRACKER_KEYS,
+    # These do change the order of the examples, but the loader state records them and refuses
+    # a checkpoint saved with another setting (a clear error when it loads); listed here so that
+    # run directories from before these keys existed (group_by_length off) still resume.
+    "data.group_by_length",
+    "data.group_by_length_window",
+    "data.group_by_length_chunk",
 )
-"""Config keys a resumed run may change (they do not affect the training trajectory)."""
+"""Config keys a resumed run may change without the run-directory check refusing it: they do
+not affect the training trajectory, except ``data.group_by_length*``, which the loader state
+checks instead (see the comment above)."""
 
 RELEASE_DIR = "release"
 """The release inside every checkpoint directory and, exported at the end, in the run directory."""
