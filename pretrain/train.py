@@ -301,6 +301,7 @@ class Trainer:
             # Epochs end on optimizer-step boundaries, so a resume on another number of
             # processes gives every step the examples an uninterrupted run gives it.
             global_batch_size=phase.micro_batch_size * accumulation * self.dist.world_size,
+            group_by_length=self.cfg.data.length_grouping(),
         )
 
     # -- checkpoints -------------------------------------------------------------------------
