@@ -2,10 +2,12 @@
 and ZeRO-2) around an encoder compiled in place, for every attention family.
 
 The compiled runs use the ``aot_eager`` backend (Dynamo's capture and AOTAutograd's joint
-graph, the parts where a model breaks; inductor's code generation is slow on CPU and is
-checked on a GPU by ``bench/bench_fast_paths.py gpu-verify``). In fp32 each step's losses must
-equal the eager run's to round-off, with no graph break; under ``bf16-mixed`` the run must
-train to the eager run's losses within bf16 rounding. Masks: a batch without padding reaches
+graph, the parts where a model breaks) and, in the slow tier, ``inductor`` itself (its C++
+code generation on the CPU, about 50 s for the four families; its Triton code generation on a
+GPU is checked by ``bench/bench_fast_paths.py gpu-verify``). In fp32 each step's loss and
+gradient norm must equal the eager run's to round-off (1e-5 with aot_eager; 1e-4 with
+inductor, whose fused kernels sum in another order: 2.4e-5 seen), with no graph break; under
+``bf16-mixed`` the run must train to the eager run's losses within bf16 rounding. Masks: a batch without padding reaches
 the model with no mask (``Engine.to_device``), a padded one with its mask, so a run sees both
 kinds; the graph count stays bounded (mask or none, eval, one dynamic-shape recompile).
 """
@@ -35,7 +37,7 @@ def shards(tmp_path_factory):
     return make_shards(tmp_path_factory.mktemp("compile"))
 
 
-def run(shards, run_dir, family, extra, compiled):
+def run(shards, run_dir, family, extra, compiled, backend="aot_eager"):
     torch._dynamo.reset()
     counters.clear()
     overrides = [
@@ -46,7 +48,7 @@ def run(shards, run_dir, family, extra, compiled):
         "data.verify_checksums=false",
         "train.export_at_end=false",
         f"engine.compile={'true' if compiled else 'false'}",
-        "engine.compile_backend=aot_eager",
+        f"engine.compile_backend={backend}",
         *extra,
     ]
     trainer = train_module.Trainer(pretrain_config(load_recipe(None, overrides)))
@@ -62,15 +64,19 @@ def run(shards, run_dir, family, extra, compiled):
     return losses, graphs, breaks
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family", ["softmax", "tisa", "kernel", "transject"])
-def test_compiled_trainer_equals_eager_zero0_fp32(shards, tmp_path, monkeypatch, family):
+def test_compiled_trainer_equals_eager_zero0_fp32(shards, tmp_path, monkeypatch, family, backend):
     one_process_rendezvous(monkeypatch)
     extra = ["engine.zero_stage=0"]
     eager, _, _ = run(shards, tmp_path / "eager", family, extra, compiled=False)
-    compiled, graphs, breaks = run(shards, tmp_path / "compiled", family, extra, compiled=True)
+    compiled, graphs, breaks = run(
+        shards, tmp_path / "compiled", family, extra, compiled=True, backend=backend
+    )
     assert not breaks, breaks
     assert 1 <= graphs <= 4, graphs
-    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if backend == "aot_eager" else 1e-4
+    torch.testing.assert_close(compiled, eager, rtol=tol, atol=tol)
 
 
 def test_compiled_trainer_zero2_bf16_mixed(shards, tmp_path, monkeypatch):
