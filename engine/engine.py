@@ -139,6 +139,7 @@ from engine.optim import (
     build_scheduler,
     resolve_lamb_implementation,
 )
+from model.orthogonal import OrthogonalStepCache, orthogonal_modules
 from model.typed_config import deep_merge
 
 BACKENDS = ("deepspeed", "torch")
@@ -180,6 +181,15 @@ class EngineConfig:
     example (fine-tuning) recompile once, at the second length, with dynamic shapes, then not
     again. Eval mode and no-grad (evaluation) compile one more graph. Unused parameters (e.g.
     the pooler under mean pooling) get zero gradients instead of None. Not with ZeRO-3."""
+    orthogonal_step_cache: bool = True
+    """With gradient accumulation, evaluate each orthogonal map (TransJect,
+    ``orthogonal: true``) once per optimizer step, forward and backward, instead of once per
+    micro-batch: the parameters do not change between a step's micro-batches, and the
+    gradient reaches them unchanged (exact to fp32 round-off; docs/methods.md, TransJect;
+    ``model.orthogonal.OrthogonalStepCache``). Not under ZeRO-3 (partitioned parameters) nor
+    with ``compile`` (the compiled graph evaluates its maps), where the maps are evaluated once
+    per micro-batch forward as with this off; without orthogonal maps, or with accumulation 1,
+    there is nothing to cache."""
     compile_backend: str = "inductor"
     """The ``torch.compile`` backend: ``"inductor"`` (generates fused kernels), or a debugging
     backend such as ``"aot_eager"`` (traces forward and backward, runs them eagerly: isolates
@@ -236,6 +246,11 @@ class EngineConfig:
             raise ValueError("engine.dist_timeout_minutes must be > 0")
         if not isinstance(self.compile, bool):
             raise ValueError(f"engine.compile={self.compile!r} is invalid; valid: true, false")
+        if not isinstance(self.orthogonal_step_cache, bool):
+            raise ValueError(
+                f"engine.orthogonal_step_cache={self.orthogonal_step_cache!r} is invalid; "
+                "valid: true, false"
+            )
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise ValueError(
                 f"engine.compile_backend={self.compile_backend!r} is invalid; valid: a "
@@ -768,6 +783,17 @@ class Engine:
         self._lr_table: torch.Tensor | None = None  # the schedule's multiplier per position
         self._unsynced_steps = 0  # deferred steps since the host's schedule was last synced
         self._host_group: Any = None  # a gloo group for host flags when the default is NCCL
+        self.orthogonal_steps: OrthogonalStepCache | None = (
+            OrthogonalStepCache()
+            if cfg.orthogonal_step_cache
+            and cfg.gradient_accumulation_steps > 1
+            and not cfg.compile
+            and not (cfg.backend == "deepspeed" and cfg.zero_stage == 3)
+            and orthogonal_modules(model)
+            else None
+        )
+        """The orthogonal maps evaluated once per optimizer step (``orthogonal_step_cache``),
+        or None where they are evaluated once per forward."""
 
     # -- configuration -------------------------------------------------------------------------
 
@@ -918,12 +944,36 @@ class Engine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward on this rank's micro-batch (tensors must be on ``self.device``)."""
-        with self.autocast():
+        with self.autocast(), self._orthogonal_micro_batch():
             if self._ds is not None:
                 return self._ds(*args, **kwargs)
             if self._ddp is not None:
-                return self._ddp(*args, **kwargs)
+                # DDP decides in its forward whether the backward all-reduces (it prepares the
+                # reducer there), so no_sync must hold around the forward, not only the
+                # backward: the micro-batches before the last reduce nothing, and their
+                # backward need not reach every parameter (the orthogonal step cache's does not).
+                with (
+                    self._ddp.no_sync()
+                    if not self._next_is_boundary()
+                    else contextlib.nullcontext()
+                ):
+                    return self._ddp(*args, **kwargs)
             return self.module(*args, **kwargs)
+
+    def _orthogonal_micro_batch(self) -> contextlib.AbstractContextManager:
+        """Tells the model which micro-batch of the step a training forward runs, so that it
+        takes its orthogonal maps from the step's cache (``orthogonal_step_cache``). Forwards in
+        eval mode or without gradients (evaluation) run without it: they evaluate the maps of
+        the current parameters themselves and leave the step's matrices alone."""
+        steps = self.orthogonal_steps
+        if (
+            steps is None
+            or not self.module.training
+            or not torch.is_grad_enabled()
+            or self._accumulated >= self.cfg.gradient_accumulation_steps
+        ):
+            return contextlib.nullcontext()
+        return steps.micro_batch(self._accumulated, last=self._next_is_boundary())
 
     def all_finite(self, loss: torch.Tensor) -> bool:
         """True when ``loss`` is finite on every rank (one small all-reduce when distributed)."""
@@ -949,11 +999,12 @@ class Engine:
             if not finite:
                 self._poisoned = True
                 loss = loss * 0.0  # keeps DeepSpeed's per-micro-step bookkeeping intact
+        last = self._next_is_boundary()
         if self._ds is not None:
             self._ds.backward(loss)
             # DeepSpeed counts micro-steps in its step(), which updates only at the boundary;
             # the boundary's step() is ours (below), so the update can be vetoed.
-            if not self._next_is_boundary():
+            if not last:
                 self._ds.step()
         else:
             loss = loss / self.cfg.gradient_accumulation_steps
@@ -961,13 +1012,16 @@ class Engine:
                 loss = self._scaler.scale(loss)
             no_sync = (
                 self._ddp.no_sync()
-                if self._ddp is not None and not self._next_is_boundary()
+                if self._ddp is not None and not last
                 else contextlib.nullcontext()
             )
             with no_sync:
                 loss.backward()
         self.micro_step += 1
         self._accumulated += 1
+        if last and self.orthogonal_steps is not None:
+            # The step's map gradients reached the parameters in this backward: drop the maps.
+            self.orthogonal_steps.finish()
         return finite
 
     def _next_is_boundary(self) -> bool:
@@ -984,6 +1038,8 @@ class Engine:
                 f"call it once every {self.cfg.gradient_accumulation_steps} backward() calls"
             )
         self._accumulated = 0
+        if self.orthogonal_steps is not None:  # the parameters change: the next step maps anew
+            self.orthogonal_steps.reset()
         if defer and self.deferred:
             return self._deferred_step()
         result = self._synchronising_step()
@@ -1329,6 +1385,8 @@ class Engine:
         )
         # Deferred steps restart from the loaded schedule position.
         self._applied, self._unsynced_steps, self._bad = None, 0, None
+        if self.orthogonal_steps is not None:  # maps of the loaded parameters from now on
+            self.orthogonal_steps.reset()
 
     def _load_universal(self, directory: Path, universal_dir: Path | None) -> dict[str, Any]:
         """Collective: convert (rank 0; cached) and load ``directory`` in DeepSpeed's universal

@@ -32,6 +32,21 @@ compiled encoder (`EngineConfig.compile`) would split at every orthogonal weight
 `torch.nn.utils.parametrize.cached()`, which also keeps global state, it assumes that threads of
 one process do not run forwards concurrently (the autograd thread that recomputes checkpointed
 layers runs while the caller waits in backward; DataLoader workers are processes).
+
+Across the micro-batches of one optimizer step (gradient accumulation) the free parameters do
+not change, so the training engine (`engine.engine.Engine`) evaluates each map once per step,
+forward and backward, through an `OrthogonalStepCache` it activates around every training
+forward (`OrthogonalStepCache.micro_batch`). The maps are evaluated with their graph at the
+first micro-batch (Q = map(X)); the micro-batches before the last use a detached leaf
+Q' = Q.detach().requires_grad_(), on whose `.grad` their backward passes sum dL_i/dQ; the last
+micro-batch uses Q through an identity whose backward adds Q'.grad to its own dL_k/dQ, so the
+whole step's gradient goes through the map's backward once, inside the LAST micro-batch's own
+backward (where DDP and DeepSpeed ZeRO 1-2 reduce gradients). Exact: the map's backward is
+linear in its incoming gradient, J^T (sum_i g_i) = sum_i J^T g_i, up to fp32 summation order;
+the loss scaling of every micro-batch is already in g_i. The model stays single-device code: it
+only reads which micro-batch of a step it runs (`micro_batch(index, last)`); the engine decides
+where the cache applies (not with ZeRO-3, whose partitioned parameters are gathered only
+around each module's own forward, nor with `torch.compile`, whose graph holds the map).
 """
 
 from __future__ import annotations
@@ -48,6 +63,9 @@ from torch.nn.utils.parametrizations import _OrthMaps, _Orthogonal
 
 _STACK: list[dict[int, torch.Tensor]] = []
 """Active caches, innermost last (see the module docstring for why not a ContextVar)."""
+
+_STEPS: list[OrthogonalStepCache] = []
+"""Active step caches (`OrthogonalStepCache.micro_batch`), innermost last."""
 
 
 @contextlib.contextmanager
@@ -73,6 +91,131 @@ def active_orthogonal_cache() -> dict[int, torch.Tensor] | None:
     return _STACK[-1] if _STACK else None
 
 
+def active_step_cache() -> OrthogonalStepCache | None:
+    """The step cache of the enclosing training micro-batch, or None: outside one, with
+    gradients off (evaluation never touches the step's matrices) and while torch.compile
+    traces (a compiled graph evaluates its maps itself)."""
+    if not _STEPS or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    return _STEPS[-1]
+
+
+class OrthogonalStepCache:
+    """Each orthogonal map evaluated once per optimizer step, forward and backward (see the
+    module docstring); driven by the training engine, not state (never saved).
+
+    The engine enters `micro_batch(index, last)` around the forward of micro-batch `index`
+    (0-based) of a step, `last` for the step's last one, calls `finish()` after the last
+    micro-batch's backward and `reset()` at the step (and whenever the parameters may have
+    changed, e.g. a checkpoint load). Inside the block `evaluate_orthogonal_maps` and each
+    map's own forward take the step's matrices from here.
+    """
+
+    def __init__(self) -> None:
+        self.evaluations = 0
+        """Matrices mapped so far (an (E, n, n) tensor counts E); for tests and benchmarks."""
+        self.reset()
+
+    def reset(self) -> None:
+        """Drops the step's matrices, their graph and the gradients gathered on the leaves."""
+        self._graph: dict[int, torch.Tensor] = {}  # Q = map(X), with its graph to X
+        self._leaf: dict[int, torch.Tensor] = {}  # Q' = Q.detach(): dL/dQ of earlier batches
+        self._current: dict[int, torch.Tensor] = {}  # what this micro-batch's forwards use
+        self._micro: tuple[int, bool] | None = None
+        self._delivered: set[int] = set()
+
+    @property
+    def empty(self) -> bool:
+        return not self._graph
+
+    @contextlib.contextmanager
+    def micro_batch(self, index: int, last: bool) -> Iterator[OrthogonalStepCache]:
+        """Within the block, training forwards (gradients on) of micro-batch `index` use the
+        step's matrices. Several forwards of one micro-batch (e.g. one encoder applied to two
+        inputs, or a forward run again) share the very same tensors."""
+        if self._micro is not None and index < self._micro[0]:
+            self.reset()  # a new step without reset(): never mix two steps' matrices
+        if self._micro != (index, last):
+            self._micro = (index, last)
+            self._current = {}
+        _STEPS.append(self)
+        try:
+            yield self
+        finally:
+            _STEPS.pop()
+
+    def matrices(self, pairs: list[tuple[FP32Orthogonal, torch.Tensor]]) -> dict[int, torch.Tensor]:
+        """{id(map): matrix} for this micro-batch of the (map, free parameters) pairs: the
+        step's Q (evaluated now, batched, if this is its first use in the step), as the leaf
+        Q' before the last micro-batch, through `_AddStepGradient` in the last."""
+        assert self._micro is not None, "matrices() outside micro_batch()"
+        missing = [(orth, X) for orth, X in pairs if id(orth) not in self._graph]
+        if missing:
+            self.evaluations += sum(X.shape[:-2].numel() for _, X in missing)
+            self._graph.update(_evaluate_grouped(missing))
+        last = self._micro[1]
+        out = {}
+        for orth, _ in pairs:
+            key = id(orth)
+            M = self._current.get(key)
+            if M is None:
+                Q, leaf = self._graph[key], self._leaf.get(key)
+                if not last:
+                    if leaf is None:
+                        leaf = self._leaf[key] = Q.detach().requires_grad_()
+                    # Used through a view, not as the leaf itself: autocast keeps one cast of a
+                    # leaf for all its uses, where the gradients would meet in bf16; a view is
+                    # cast at each use, as the per-forward matrix is, so they meet in fp32.
+                    M = leaf.view_as(leaf)
+                elif leaf is None:  # first used in the last micro-batch: nothing to add
+                    M = Q
+                else:
+                    M = _AddStepGradient.apply(Q, self, key)
+                self._current[key] = M
+            out[key] = M
+        return out
+
+    def finish(self) -> None:
+        """After the last micro-batch's backward: raises if a map's gradient from earlier
+        micro-batches was not handed on (the last micro-batch's loss did not depend on the
+        map), then drops the step's matrices."""
+        try:
+            lost = [
+                key
+                for key, leaf in self._leaf.items()
+                if leaf.grad is not None and key not in self._delivered
+            ]
+            if lost:
+                raise RuntimeError(
+                    f"{len(lost)} orthogonal map(s) received gradients in earlier micro-batches "
+                    "of this optimizer step but not in its last one, so the step cache could "
+                    "not hand their gradient on; set engine.orthogonal_step_cache=false for a "
+                    "model whose last micro-batch may not use every map"
+                )
+        finally:
+            self.reset()
+
+    def _gradient(self, key: int) -> torch.Tensor | None:
+        self._delivered.add(key)
+        leaf = self._leaf.get(key)
+        return None if leaf is None else leaf.grad
+
+
+class _AddStepGradient(torch.autograd.Function):
+    """Identity on the step's Q whose backward adds the gradient the earlier micro-batches
+    gathered on the leaf Q' (`OrthogonalStepCache`)."""
+
+    @staticmethod
+    def forward(ctx, Q: torch.Tensor, cache: OrthogonalStepCache, key: int) -> torch.Tensor:
+        ctx.cache, ctx.key = cache, key
+        return Q.view_as(Q)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        earlier = ctx.cache._gradient(ctx.key)
+        return (grad if earlier is None else grad + earlier), None, None
+
+
 class FP32Orthogonal(_Orthogonal):
     """torch's orthogonal map, evaluated in fp32 (autocast off); returns an fp32 matrix."""
 
@@ -81,11 +224,15 @@ class FP32Orthogonal(_Orthogonal):
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         store = active_orthogonal_cache()
-        if store is None:
-            return self._evaluate_or_reuse(X)
-        Q = store.get(id(self))
+        Q = None if store is None else store.get(id(self))
         if Q is None:
-            Q = store[id(self)] = self._evaluate_or_reuse(X)
+            step = active_step_cache()
+            if step is not None and not _zero3_partitioned(X):
+                Q = step.matrices([(self, X)])[id(self)]
+            else:
+                Q = self._evaluate_or_reuse(X)
+            if store is not None:
+                store[id(self)] = Q
         return Q
 
     def train(self, mode: bool = True) -> FP32Orthogonal:
@@ -186,10 +333,13 @@ def evaluate_orthogonal_maps(
     module hooks) nothing is batched: with `required` (activation checkpointing needs every map
     before the first checkpointed region) each map is evaluated through its own module call,
     otherwise the maps are left to be evaluated where they are used.
+
+    In a training micro-batch under an `OrthogonalStepCache` the matrices come from the step's
+    cache (evaluated, batched as above, at their first use in the step).
     """
     if store is None:
         return
-    groups: dict[tuple, list[tuple[FP32Orthogonal, torch.Tensor]]] = {}
+    pairs: list[tuple[FP32Orthogonal, torch.Tensor]] = []
     singles: list[tuple[nn.Module, str]] = []
     for _, module, name in orthogonal_modules(model):
         plist = module.parametrizations[name]
@@ -202,20 +352,34 @@ def evaluate_orthogonal_maps(
                 return
             singles.append((module, name))
             continue
-        key = (orth.orthogonal_map, tuple(X.shape[-2:]), X.dtype, X.device)
-        groups.setdefault(key, []).append((orth, X))
+        pairs.append((orth, X))
     for module, name in singles:
         getattr(module, name)
+    step = active_step_cache()
+    store.update(step.matrices(pairs) if step is not None else _evaluate_grouped(pairs))
+
+
+def _evaluate_grouped(
+    pairs: list[tuple[FP32Orthogonal, torch.Tensor]],
+) -> dict[int, torch.Tensor]:
+    """{id(map): matrix} of (map, free parameters) pairs, maps of one kind, shape, dtype and
+    device in one evaluation (`evaluate_orthogonal_maps`)."""
+    groups: dict[tuple, list[tuple[FP32Orthogonal, torch.Tensor]]] = {}
+    for orth, X in pairs:
+        key = (orth.orthogonal_map, tuple(X.shape[-2:]), X.dtype, X.device)
+        groups.setdefault(key, []).append((orth, X))
+    out: dict[int, torch.Tensor] = {}
     for members in groups.values():
         if len(members) == 1:
             orth, X = members[0]
-            store[id(orth)] = orth._evaluate_or_reuse(X)
+            out[id(orth)] = orth._evaluate_or_reuse(X)
             continue
         shape = members[0][1].shape[-2:]
         flat = [X.reshape(-1, *shape) for _, X in members]
         Q_all = members[0][0].evaluate(torch.cat(flat))
         for (orth, X), Q in zip(members, Q_all.split([f.size(0) for f in flat])):
-            store[id(orth)] = Q.reshape(X.shape)
+            out[id(orth)] = Q.reshape(X.shape)
+    return out
 
 
 def make_orthogonal(

@@ -1,0 +1,401 @@
+"""The orthogonal maps evaluated once per optimizer step (``engine.orthogonal_step_cache``,
+``model.orthogonal.OrthogonalStepCache``): with gradient accumulation the weights after a step
+equal those of the per-micro-batch evaluation (fp32 round-off), with and without activation
+checkpointing, on the torch backend and DeepSpeed ZeRO 0-2; ZeRO-3 keeps the per-forward maps;
+evaluation forwards, non-finite micro-batches and checkpoints leave the step alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pretrain_support import one_process_rendezvous
+from test_engine import ONE  # the one-process DistEnv
+from test_model_core import count_map_evaluations, orthogonal_matrices
+from torch import nn
+
+from engine.distributed import detect
+from engine.engine import Engine, EngineConfig
+from engine.optim import OptimizerConfig, ScheduleConfig
+from model import EncoderConfig, EncoderForPretraining
+from model.orthogonal import Linear, OrthogonalStepCache, make_orthogonal
+
+ATOL, RTOL = 1e-6, 1e-5
+ADAMW = OptimizerConfig(name="adamw", lr=1e-3)
+LAMB = OptimizerConfig(name="lamb", lr=1e-3)  # the recipes' optimizer (foreach)
+
+
+def tiny(family: str = "transject", **kw) -> EncoderConfig:
+    kw.setdefault("hidden_dropout_prob", 0.0)
+    if family == "transject":
+        kw.setdefault("transject", {"num_experts": 2})
+    return EncoderConfig.preset("debug", attention=family, **kw)
+
+
+MODELS = {
+    "transject": lambda: tiny("transject", num_hidden_layers=3),
+    "orthogonal-softmax": lambda: tiny("softmax", orthogonal=True, intermediate_size=32),
+}
+
+
+def make_engine(
+    family: str = "transject",
+    *,
+    cache: bool = True,
+    accumulation: int = 2,
+    checkpointing: bool = False,
+    optimizer: OptimizerConfig = ADAMW,
+    dist=ONE,
+    **engine_options,
+) -> Engine:
+    torch.manual_seed(0)
+    model = EncoderForPretraining(MODELS[family]())
+    options = {"backend": "torch", "precision": "fp32", **engine_options}
+    cfg = EngineConfig(
+        device="cpu",
+        micro_batch_size=2,
+        gradient_accumulation_steps=accumulation,
+        activation_checkpointing=checkpointing,
+        orthogonal_step_cache=cache,
+        **options,
+    )
+    return Engine(model, cfg, optimizer, ScheduleConfig(warmup_steps=0, total_steps=8), dist=dist)
+
+
+def micro_batches(count: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(4, 512, (2, 12), generator=g)
+        mask = torch.ones(2, 12, dtype=torch.bool)
+        mask[1, 8:] = False
+        out.append((ids, mask))
+    return out
+
+
+def loss_of(out) -> torch.Tensor:
+    aux = sum(out.aux_losses.values(), torch.zeros(()))
+    return out.logits.square().mean() + out.sop_logits.square().mean() + aux
+
+
+def train(engine: Engine, steps: int = 2, seed: int = 0, poison: set[int] = frozenset(), **kw):
+    """`steps` optimizer steps; micro-batches whose global index is in `poison` get a NaN loss."""
+    n = engine.cfg.gradient_accumulation_steps
+    results = []
+    for i, (ids, mask) in enumerate(micro_batches(steps * n, seed)):
+        loss = loss_of(engine.forward(ids, mask))
+        if i in poison:
+            loss = loss * float("nan")
+        engine.backward(loss, **kw)
+        if engine.at_boundary:
+            results.append(engine.step(**kw))
+    return results
+
+
+def weights(engine: Engine) -> list[torch.Tensor]:
+    return [p.detach().float().clone() for p in engine.module.parameters()]
+
+
+def assert_same_weights(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, atol=ATOL, rtol=RTOL)
+
+
+# ----------------------------------------------------------------------- torch backend
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("accumulation", [2, 3])
+@pytest.mark.parametrize("family", list(MODELS))
+def test_step_cache_gives_the_per_micro_batch_weights(
+    family, accumulation, checkpointing, monkeypatch
+):
+    """Two optimizer steps: the same weights with the maps once per step as with the maps once
+    per micro-batch, and the maps really evaluated once per step (forward + backward +
+    checkpoint recompute)."""
+    calls = count_map_evaluations(monkeypatch)
+    finals, counts = [], []
+    for cache in (False, True):
+        calls.clear()
+        engine = make_engine(
+            family, cache=cache, accumulation=accumulation, checkpointing=checkpointing
+        )
+        assert (engine.orthogonal_steps is not None) == cache
+        results = train(engine, steps=2)
+        assert not any(r.skipped for r in results)
+        finals.append(weights(engine))
+        counts.append(len(calls))
+        maps = orthogonal_matrices(engine.module)
+    assert_same_weights(*finals)
+    assert counts == [2 * accumulation * maps, 2 * maps], (counts, maps)
+    assert engine.orthogonal_steps.evaluations == 2 * maps
+    assert engine.orthogonal_steps.empty  # nothing kept past the step
+
+
+def test_step_cache_with_bf16_autocast_and_deferred_lamb():
+    """bf16-mixed (the recipes' precision) with the foreach LAMB and ``defer=True`` (the
+    pretraining loop's step): the step cache gives the per-micro-batch weights."""
+    finals = []
+    for cache in (False, True):
+        engine = make_engine(
+            cache=cache, accumulation=3, optimizer=LAMB, precision="bf16-mixed", checkpointing=True
+        )
+        assert engine.deferred
+        results = train(engine, steps=2, defer=True)
+        assert not any(bool(r.skipped) for r in results)
+        finals.append(weights(engine))
+    assert_same_weights(*finals)
+
+
+def test_two_forwards_of_one_micro_batch_share_the_step_matrices():
+    """A micro-batch may run the model more than once (an encoder applied to both texts of a
+    pair): every forward of it sees the same matrices, and the last micro-batch hands the
+    earlier gradient on once, not once per forward."""
+    finals = []
+    for cache in (False, True):
+        engine = make_engine(cache=cache, accumulation=2, checkpointing=True)
+        for step in range(2):
+            for ids, mask in micro_batches(2, seed=step):
+                loss = loss_of(engine.forward(ids, mask)) + 0.5 * loss_of(
+                    engine.forward(ids.flip(1), mask)
+                )
+                engine.backward(loss)
+            assert not engine.step().skipped
+        finals.append(weights(engine))
+    assert_same_weights(*finals)
+
+
+def test_evaluation_forward_mid_step_leaves_the_step_alone(monkeypatch):
+    """An evaluation (eval mode, no gradients) between the micro-batches of a step sees the
+    maps of the current parameters and does not disturb the step: same weights as a step
+    without it, and the step's maps still evaluated once."""
+    batches = micro_batches(2)
+    probe = micro_batches(1, seed=7)[0]
+    reference = make_engine(cache=False)
+    reference.train(False)
+    with torch.no_grad():
+        expected = reference.forward(*probe).logits.clone()
+    reference.train(True)
+    train(reference, steps=1)
+
+    engine = make_engine(cache=True)
+    calls = count_map_evaluations(monkeypatch)
+    engine.backward(loss_of(engine.forward(*batches[0])))
+    assert not engine.orthogonal_steps.empty
+    engine.train(False)
+    with torch.no_grad():
+        seen = engine.forward(*probe).logits
+    engine.train(True)
+    torch.testing.assert_close(seen, expected, atol=0, rtol=0)
+    engine.backward(loss_of(engine.forward(*batches[1])))
+    assert not engine.step().skipped
+    maps = orthogonal_matrices(engine.module)
+    assert len(calls) == 2 * maps  # the step's maps once, the evaluation's once
+    assert_same_weights(weights(engine), weights(reference))
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["sync", "defer"])
+@pytest.mark.parametrize("poisoned", [0, 1], ids=["first", "last"])
+def test_nonfinite_micro_batch_leaks_nothing_into_the_next_step(poisoned, defer):
+    """A step with a NaN loss in one micro-batch is skipped; the next step is the same as
+    without the cache (no gradient of the skipped step carried over)."""
+    finals = []
+    for cache in (False, True):
+        engine = make_engine(cache=cache, accumulation=2, optimizer=LAMB)
+        results = [
+            r.resolve() if defer else r for r in train(engine, 2, poison={poisoned}, defer=defer)
+        ]
+        assert [r.skipped for r in results] == [True, False]
+        finals.append(weights(engine))
+        if cache:
+            assert engine.orthogonal_steps.empty
+    assert_same_weights(*finals)
+
+
+def test_checkpoint_mid_step_is_unaffected(tmp_path):
+    """The cache is not state: a checkpoint written between two micro-batches holds the same
+    tensors as without the cache, the step goes on unchanged, and a run resumed from a
+    checkpoint trains as the uninterrupted one."""
+    batches = micro_batches(4)
+    engines = {cache: make_engine(cache=cache) for cache in (False, True)}
+    for cache, engine in engines.items():
+        engine.backward(loss_of(engine.forward(*batches[0])))
+        (tmp_path / f"mid-{cache}").mkdir()
+        engine.save(tmp_path / f"mid-{cache}")
+        engine.backward(loss_of(engine.forward(*batches[1])))
+        engine.step()
+        (tmp_path / f"step-{cache}").mkdir()
+        engine.save(tmp_path / f"step-{cache}")
+        for ids, mask in batches[2:]:
+            engine.backward(loss_of(engine.forward(ids, mask)))
+        engine.step()
+    saved = [
+        torch.load(tmp_path / f"mid-{c}" / "engine.pt", weights_only=True) for c in (False, True)
+    ]
+    assert saved[0]["model"].keys() == saved[1]["model"].keys()
+    for key, value in saved[0]["model"].items():
+        torch.testing.assert_close(saved[1]["model"][key], value, atol=0, rtol=0)
+    assert_same_weights(weights(engines[False]), weights(engines[True]))
+    resumed = make_engine(cache=True)
+    resumed.load(tmp_path / "step-True")
+    for ids, mask in batches[2:]:
+        resumed.backward(loss_of(resumed.forward(ids, mask)))
+    resumed.step()
+    assert_same_weights(weights(resumed), weights(engines[True]))
+
+
+class TwoMaps(nn.Module):
+    """Two orthogonal maps, the second used only when asked (not an encoder: the maps are
+    taken from the step's cache by their own forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = make_orthogonal(Linear(4, 4))
+        self.b = make_orthogonal(Linear(4, 4))
+
+    def forward(self, x: torch.Tensor, use_b: bool = True) -> torch.Tensor:
+        y = self.a(x)
+        return self.b(y) if use_b else y
+
+
+def test_map_missing_from_the_last_micro_batch_is_an_error():
+    """A map whose gradient from earlier micro-batches cannot be handed on (the last
+    micro-batch does not use it) is an error, not a silently lost gradient; a map used in
+    every micro-batch outside an encoder is cached and exact."""
+    x = torch.randn(4, 4)
+    finals = []
+    for cache in (False, True):
+        torch.manual_seed(0)
+        cfg = EngineConfig(
+            backend="torch",
+            device="cpu",
+            precision="fp32",
+            gradient_accumulation_steps=2,
+            orthogonal_step_cache=cache,
+        )
+        engine = Engine(TwoMaps(), cfg, ADAMW, ScheduleConfig(warmup_steps=0, total_steps=4), ONE)
+        for half in x.chunk(2):
+            engine.backward(engine.forward(half).square().sum())
+        engine.step()
+        finals.append(weights(engine))
+        if cache:
+            assert engine.orthogonal_steps.evaluations == 2
+            engine.backward(engine.forward(x[:2]).square().sum())
+            with pytest.raises(RuntimeError, match="orthogonal_step_cache=false"):
+                engine.backward(engine.forward(x[2:], use_b=False).square().sum())
+            assert engine.orthogonal_steps.empty
+    assert_same_weights(*finals)
+
+
+def test_where_the_step_cache_is_off():
+    assert make_engine(cache=False).orthogonal_steps is None
+    assert make_engine(accumulation=1).orthogonal_steps is None  # nothing to share
+    compiled = make_engine(compile=True, compile_backend="aot_eager")
+    assert compiled.orthogonal_steps is None  # the compiled graph evaluates its maps
+    torch.manual_seed(0)
+    plain = EncoderForPretraining(tiny("softmax"))
+    cfg = EngineConfig(backend="torch", device="cpu", gradient_accumulation_steps=2)
+    assert cfg.orthogonal_step_cache  # on by default
+    engine = Engine(plain, cfg, ADAMW, ScheduleConfig(warmup_steps=0, total_steps=2), ONE)
+    assert engine.orthogonal_steps is None  # no orthogonal maps
+    with pytest.raises(ValueError, match="orthogonal_step_cache"):
+        EngineConfig(orthogonal_step_cache="yes")
+
+
+def test_step_cache_resets_when_a_new_step_begins_without_reset():
+    """Driven without the engine: a micro-batch index lower than the last one starts a new
+    step, whose matrices are evaluated afresh."""
+    steps = OrthogonalStepCache()
+    lin = make_orthogonal(Linear(3, 3))
+    x = torch.randn(2, 3)
+    with steps.micro_batch(0, last=False):
+        lin(x).sum().backward()
+    with steps.micro_batch(1, last=True):
+        first = lin.weight
+    with torch.no_grad():
+        lin.parametrizations.weight.original.mul_(0.5)
+    with steps.micro_batch(0, last=False):
+        again = lin.weight
+    assert steps.evaluations == 2
+    with torch.no_grad():
+        assert not torch.equal(first, again)
+        torch.testing.assert_close(
+            again, lin.parametrizations.weight[0].evaluate(lin.parametrizations.weight.original)
+        )
+
+
+# ----------------------------------------------------------------------- DeepSpeed
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    pytest.importorskip("deepspeed")
+    one_process_rendezvous(monkeypatch)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_step_cache_under_deepspeed_zero(one_process, zero_stage, checkpointing):
+    """DeepSpeed ZeRO 0-2 on CPU (one process, gloo): the same weights with the step cache as
+    without, the foreach LAMB reading ZeRO's layout on stages 1-2."""
+    finals = []
+    for cache in (False, True):
+        engine = make_engine(
+            cache=cache,
+            accumulation=3,
+            checkpointing=checkpointing,
+            optimizer=LAMB,
+            backend="deepspeed",
+            zero_stage=zero_stage,
+            dist=detect(),
+        )
+        assert (engine.orthogonal_steps is not None) == cache
+        results = train(engine, steps=2)
+        assert not any(r.skipped for r in results)
+        finals.append(
+            [t.detach().float().clone() for t in engine.consolidated_state_dict().values()]
+        )
+    assert_same_weights(*finals)
+
+
+def test_zero3_keeps_the_per_forward_maps(one_process, monkeypatch):
+    """ZeRO-3 (partitioned parameters) has no step cache: the maps are evaluated in every
+    micro-batch, as before."""
+    calls = count_map_evaluations(monkeypatch)
+    engine = make_engine(
+        accumulation=2, checkpointing=True, backend="deepspeed", zero_stage=3, dist=detect()
+    )
+    assert engine.orthogonal_steps is None
+    results = train(engine, steps=1)
+    assert not results[0].skipped
+    with engine.gathered_parameters():
+        maps = orthogonal_matrices(engine.module)
+    assert len(calls) == 2 * maps, (len(calls), maps)
+
+
+@pytest.mark.slow
+def test_step_cache_across_two_processes(tmp_path):
+    """2 ranks (gloo): DDP (whose all-reduce runs in the last micro-batch's backward only) and
+    DeepSpeed ZeRO 0-2 train to the same weights with the step cache as without it."""
+    import json
+    import subprocess
+
+    from pretrain_support import REPO, env, torchrun_cmd
+
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "report.json"
+    cmd = torchrun_cmd(2, str(REPO / "tests/multiproc/orthogonal_step_cache.py"), str(out))
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["world_size"] == 2
+    assert set(report["runs"]) == {
+        "torch-zero0",
+        "deepspeed-zero0",
+        "deepspeed-zero1",
+        "deepspeed-zero2",
+    }
+    for name, run in report["runs"].items():
+        assert run["cache_active"] == [False, True], name
+        assert run["max_diff"] < ATOL, (name, run)
+        assert run["moved"] > 1e-3, (name, run)
