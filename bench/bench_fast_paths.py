@@ -10,6 +10,7 @@ untimed ones (CUDA: synchronised). Ratios compare two paths in the same process.
     python bench/bench_fast_paths.py grouping --out grouping_cpu.json
     python bench/bench_fast_paths.py pretrain-padding
     python bench/bench_fast_paths.py orthogonal-cache --seq 256 1024 4096 --batch 1
+    python bench/bench_fast_paths.py orthogonal-step --seq 128 --batch 4 --accumulation 4
     python bench/bench_fast_paths.py gpu-verify            # CUDA: flex, compile, apex; asserts
     python bench/bench_fast_paths.py tisa-backends --device cuda --dtype bf16 --seq 256 512 1024 2048 4096
     python bench/bench_fast_paths.py attention-checks      # CUDA: masks, bf16 kernel, maps; asserts
@@ -497,6 +498,102 @@ def bench_orthogonal_cache(args) -> dict:
     return {"rows": rows, "orthogonal_maps": len(maps)}
 
 
+def bench_orthogonal_step(args) -> dict:
+    """A TransJect training step with gradient accumulation (`--accumulation` micro-batches of
+    `--batch` x N, forward + backward each, then the optimizer step) through the engine (torch
+    backend, the recipes' foreach LAMB), with the orthogonal maps evaluated once per step
+    (`engine.orthogonal_step_cache`, the default) vs once per micro-batch; two engines from the
+    same initial weights, steps interleaved. Also checks that they stay equal (the largest
+    weight difference after all the timed steps)."""
+    from engine.distributed import DistEnv
+    from engine.engine import Engine, EngineConfig
+    from engine.optim import OptimizerConfig, ScheduleConfig
+    from model.orthogonal import FP32Orthogonal
+
+    one = DistEnv(
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        node_rank=0,
+        master_addr="127.0.0.1",
+        master_port=29500,
+        launcher="single",
+    )
+    precision = "bf16-mixed" if args.dtype == "bf16" else "fp32"
+    rows = []
+    for N in args.seq:
+        ids, mask = make_batch(args, N, args.device)
+        engines = {}
+        for cache in (False, True):
+            torch.manual_seed(0)
+            model = EncoderForPretraining(model_config("transject", args))
+            cfg = EngineConfig(
+                backend="torch",
+                device=args.device,
+                precision=precision,
+                micro_batch_size=args.batch,
+                gradient_accumulation_steps=args.accumulation,
+                gradient_clipping=1.0,
+                orthogonal_step_cache=cache,
+            )
+            total = args.warmup + args.repeats
+            engines[cache] = Engine(
+                model,
+                cfg,
+                OptimizerConfig(name="lamb", lr=1e-4),
+                ScheduleConfig(warmup_steps=0, total_steps=total),
+                dist=one,
+            )
+        maps = sum(
+            m.parametrizations[n].original.shape[:-2].numel()
+            for m in engines[True].module.modules()
+            if hasattr(m, "parametrizations")
+            for n, plist in m.parametrizations.items()
+            if isinstance(plist[0], FP32Orthogonal)
+        )
+
+        def step(engine, ids=ids, mask=mask):
+            def run():
+                for _ in range(engine.cfg.gradient_accumulation_steps):
+                    out = engine.forward(ids, mask, masked_positions=mask & (ids % 7 == 0))
+                    loss = out.logits.float().logsumexp(-1).mean() + out.sop_logits.float().sum()
+                    loss = loss + sum(out.aux_losses.values(), torch.zeros((), device=ids.device))
+                    engine.backward(loss, defer=True)
+                engine.step(defer=True)
+
+            return run
+
+        t = time_steps(
+            {"per_micro_batch": step(engines[False]), "per_step": step(engines[True])},
+            args.warmup,
+            args.repeats,
+            args.device,
+        )
+        diff = max(
+            (a.detach().float() - b.detach().float()).abs().max().item()
+            for a, b in zip(
+                engines[False].module.parameters(), engines[True].module.parameters(), strict=True
+            )
+        )
+        row = {
+            "seq": N,
+            "batch": args.batch,
+            "accumulation": args.accumulation,
+            "maps_per_forward": maps,
+            "per_micro_batch_ms": 1e3 * t["per_micro_batch"],
+            "per_step_ms": 1e3 * t["per_step"],
+            "speedup": t["per_micro_batch"] / t["per_step"],
+            "saved_per_micro_batch_ms": 1e3
+            * (t["per_micro_batch"] - t["per_step"])
+            / (args.accumulation - 1),
+            "max_weight_difference": diff,
+        }
+        rows.append(row)
+        print(json.dumps(row))
+    return {"rows": rows}
+
+
 # ----------------------------------------------------------------------------- TISA backends
 
 
@@ -801,7 +898,7 @@ def main() -> None:
         "what",
         choices=[
             "tisa", "compile", "grouping", "pretrain-padding", "orthogonal-cache", "gpu-verify",
-            "tisa-backends", "attention-checks",
+            "tisa-backends", "attention-checks", "orthogonal-step",
         ],
     )  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -817,6 +914,9 @@ def main() -> None:
     p.add_argument("--examples", type=int, default=1024, help="grouping: training examples")
     p.add_argument("--documents", type=int, default=2000, help="pretrain-padding: documents")
     p.add_argument("--max-seq-length", type=int, default=512)
+    p.add_argument(
+        "--accumulation", type=int, default=4, help="orthogonal-step: micro-batches per step"
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -835,6 +935,7 @@ def main() -> None:
         "gpu-verify": gpu_verify,
         "tisa-backends": bench_tisa_backends,
         "attention-checks": attention_checks,
+        "orthogonal-step": bench_orthogonal_step,
     }[args.what]
     result = {"what": args.what, "args": {k: str(v) for k, v in vars(args).items()}}
     result.update(run(args))
