@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +62,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import _OrthMaps, _Orthogonal
 
-_STACK: list[dict[int, torch.Tensor]] = []
+_STACK: list[dict[int, Any]] = []
 """Active caches, innermost last (see the module docstring for why not a ContextVar)."""
 
 _STEPS: list[OrthogonalStepCache] = []
@@ -73,6 +74,10 @@ def orthogonal_cache(
     store: dict[int, torch.Tensor] | None = None,
 ) -> Iterator[dict[int, torch.Tensor]]:
     """Within the block each orthogonal map is evaluated at most once; yields the cache dict.
+
+    The dict is the forward's cache, keyed by module id: besides the orthogonal matrices it
+    holds what else a forward makes once for all applications of a shared layer (the fused
+    Q/K/V weight and bias of `model.attention.base.MultiHeadAttention`, a tuple).
 
     Without `store`, an already active cache is reused (nesting) or a new one started; with
     `store`, that dict becomes the active cache (to re-enter a forward's cache in a recompute).
