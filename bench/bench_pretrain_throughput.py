@@ -8,12 +8,17 @@ CUDA (fp32 weights, bf16 autocast) and fp32 on CPU (``--precision``), the recipe
 one process (a process group of one, rendezvous on a free local port). Each step is what
 ``pretrain.train.Trainer`` does: ``to_device`` -> ``forward(**model_inputs(batch, K))`` ->
 ``pretraining_loss`` -> ``backward(defer=True)`` -> ``step(defer=True)`` (no host
-synchronisation inside the step), on synthetic batches shaped like the loader's (full-length
-sequences, no padding, 15% of the tokens masked for MLM, random SOP labels; the MLM head
-decodes K positions per row, K the most masked tokens of any row of the batches).
+synchronisation inside the step), on synthetic batches shaped like the loader's (15% of the
+tokens masked for MLM, random SOP labels; the MLM head decodes K positions per row, K the most
+masked tokens of any row of the batches). ``--padding`` (default ``one-short-row``): the last
+row of each batch is 10% shorter, as nearly every batch of the loader holds a short example
+(ALBERT's short_seq_prob) and so carries a mask; ``none``: every row full length, the batch
+reaches the model without a mask (``Engine.to_device``), as most do with
+``data.group_by_length``. ``--accumulation K``: K micro-batches per optimizer step (the
+``time/step`` of a step, its FLOPs K times one micro-batch's).
 
 Timing: ``--warmup`` untimed steps, then ``--steps`` steps each ended by a device synchronisation;
-the median step time gives tokens/s (real tokens: no padding here) and samples/s. The split into
+the median step time gives tokens/s (positions computed, padding included) and samples/s. The split into
 data (host -> device copy) / forward / backward / optimizer step comes from CUDA events (CPU: host
 clocks); ``opt_share`` is the optimizer step's share of the step (the engine's part after the
 last backward: clipping, the LAMB update, DeepSpeed's bookkeeping). MFU = ``model.flops.training_flops`` (3 x forward matmul FLOPs, the recompute of
@@ -95,8 +100,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def synthetic_batches(count: int, batch: int, seq: int, vocab: int, seed: int = 0) -> list[dict]:
-    """Batches with the loader's keys and dtypes (`data_prep.loader.PretrainingCollator`)."""
+def synthetic_batches(
+    count: int, batch: int, seq: int, vocab: int, seed: int = 0, padded: bool = True
+) -> list[dict]:
+    """Batches with the loader's keys and dtypes (`data_prep.loader.PretrainingCollator`); with
+    `padded`, the last row is 10% shorter (padding id 0, mask 0, no label there)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -109,10 +117,14 @@ def synthetic_batches(count: int, batch: int, seq: int, vocab: int, seed: int = 
         masked = torch.rand(batch, seq, generator=g) < 0.15
         masked[:, 0] = False
         masked[:, 1] = True  # at least one masked token per row
+        attention = torch.ones(batch, seq, dtype=torch.long)
+        if padded:
+            short = seq - max(1, seq // 10)
+            ids[-1, short:], attention[-1, short:], masked[-1, short:] = 0, 0, False
         out.append(
             {
                 "input_ids": ids,
-                "attention_mask": torch.ones(batch, seq, dtype=torch.long),
+                "attention_mask": attention,
                 "token_type_ids": types,
                 "mlm_labels": torch.where(masked, ids, torch.full_like(ids, -100)),
                 "sop_labels": torch.randint(0, 2, (batch,), generator=g),
@@ -132,7 +144,7 @@ def load_config(base: str, family: str, seq: int, batch: int, args, extra: dict)
         "engine.zero_stage": args.zero_stage,
         "engine.precision": args.precision,
         "engine.micro_batch_size": batch,
-        "engine.gradient_accumulation_steps": 1,
+        "engine.gradient_accumulation_steps": args.accumulation,
         "engine.device": args.device,
         **extra,
     }
@@ -171,7 +183,7 @@ class Measurement:
         cfg = self.cfg
         self.engine = Engine(model, cfg.engine, cfg.optimizer, cfg.schedule, detect())
         self.static_gb = torch.cuda.memory_allocated() / 2**30 if self.cuda else None
-        batches = synthetic_batches(4, batch, seq, vocab)
+        batches = synthetic_batches(4, batch, seq, vocab, padded=args.padding != "none")
         # The MLM head's slots per row: the most masked tokens of any row (the trainer uses the
         # masking budget of a full row, which bounds the loader's rows the same way).
         self.max_masked = max(int((b["mlm_labels"] != -100).sum(1).max()) for b in batches)
@@ -179,7 +191,10 @@ class Measurement:
             batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
         self.batches = batches
         masked = max(1, int((batches[0]["mlm_labels"] != -100).sum()) // batch)
-        self.flops_per_step = training_flops(self.model_cfg, seq, masked_tokens=masked) * batch
+        self.accumulation = args.accumulation
+        self.flops_per_step = (
+            training_flops(self.model_cfg, seq, masked_tokens=masked) * batch * self.accumulation
+        )
         dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(args.precision, torch.bfloat16)
         self.peak = peak_flops(self.engine.device, dtype)
         self.engine.train()
@@ -193,7 +208,7 @@ class Measurement:
 
         from pretrain.objective import model_inputs, pretraining_loss
 
-        engine, cpu_batch = self.engine, self.batches[i % len(self.batches)]
+        engine = self.engine
         marks: list = []
 
         def mark() -> None:
@@ -205,20 +220,24 @@ class Measurement:
                 marks.append(time.perf_counter())
 
         start = time.perf_counter()
-        mark()
-        b = engine.to_device(cpu_batch)
-        mark()
-        loss = pretraining_loss(engine.forward(**model_inputs(b, self.max_masked)), b)
-        mark()
-        engine.backward(loss.total, defer=True)
+        for micro in range(self.accumulation):  # data, forward, backward marks per micro-batch
+            cpu_batch = self.batches[(i * self.accumulation + micro) % len(self.batches)]
+            mark()
+            b = engine.to_device(cpu_batch)
+            mark()
+            loss = pretraining_loss(engine.forward(**model_inputs(b, self.max_masked)), b)
+            mark()
+            engine.backward(loss.total, defer=True)
         mark()
         result = engine.step(defer=True)
         mark()
         if self.cuda:
             torch.cuda.synchronize()
-            phases = [marks[j].elapsed_time(marks[j + 1]) / 1e3 for j in range(4)]
+            gaps = [marks[j].elapsed_time(marks[j + 1]) / 1e3 for j in range(len(marks) - 1)]
         else:
-            phases = [marks[j + 1] - marks[j] for j in range(4)]
+            gaps = [marks[j + 1] - marks[j] for j in range(len(marks) - 1)]
+        # gaps: (data, forward, backward) per micro-batch, then the optimizer step
+        phases = [sum(gaps[k : len(gaps) - 1 : 3]) for k in range(3)] + [gaps[-1]]
         return time.perf_counter() - start, phases, bool(result.skipped)
 
     def record(self, i: int) -> None:
@@ -257,8 +276,10 @@ class Measurement:
             "step_s_all": self.totals,
             "split_s": split,
             "opt_share": split["step"] / step_s,  # the optimizer step's share of the step
-            "tokens_per_s": self.batch * self.seq / step_s,
-            "samples_per_s": self.batch / step_s,
+            "accumulation": self.accumulation,
+            "padding": self.args.padding,
+            "tokens_per_s": self.batch * self.accumulation * self.seq / step_s,
+            "samples_per_s": self.batch * self.accumulation / step_s,
             "model_tflops_per_s": self.flops_per_step / step_s / 1e12,
             "mfu": mfu(self.flops_per_step / step_s, self.peak),
             "skipped_steps": self.skipped,
@@ -391,6 +412,16 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=None, help="override the config's length")
     parser.add_argument("--batch", type=int, default=None, help="override the micro-batch")
     parser.add_argument(
+        "--accumulation", type=int, default=1, help="micro-batches per optimizer step"
+    )
+    parser.add_argument(
+        "--padding",
+        default="one-short-row",
+        choices=["one-short-row", "none"],
+        help="one-short-row: every batch padded, as the loader's nearly always are; none: "
+        "full-length rows, no mask reaches the model (as with data.group_by_length)",
+    )
+    parser.add_argument(
         "--precision", default=None, help="default: bf16-mixed (CUDA, the recipes'), fp32 (CPU)"
     )
     parser.add_argument("--zero-stage", type=int, default=0, help="default: 0 (the recipes')")
@@ -499,7 +530,11 @@ def print_table(rows: list[dict], meta: dict) -> None:
         split = " / ".join(f"{s[k] * 1e3:.1f}" for k in ("data", "forward", "backward", "step"))
         mem = r.get("peak_gb", r.get("max_rss_gb"))
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        batch = f"{r['batch']}" + (f" (OOM at {r['oom_batches']})" if r["oom_batches"] else "")
+        batch = f"{r['batch']}" + (
+            f" x {r['accumulation']}" if r.get("accumulation", 1) > 1 else ""
+        )
+        batch += f" (OOM at {r['oom_batches']})" if r["oom_batches"] else ""
+        batch += " unpadded" if r.get("padding") == "none" else ""
         print(
             f"| {r['name']} | {r['family']} | {r['zero_stage']} | {r['seq']} | {batch} | "
             f"{'on' if r['activation_checkpointing'] else 'off'} | {r['step_s']:.4f} "
