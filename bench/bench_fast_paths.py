@@ -510,16 +510,7 @@ def bench_orthogonal_step(args) -> dict:
     from engine.optim import OptimizerConfig, ScheduleConfig
     from model.orthogonal import FP32Orthogonal
 
-    one = DistEnv(
-        rank=0,
-        local_rank=0,
-        world_size=1,
-        local_world_size=1,
-        node_rank=0,
-        master_addr="127.0.0.1",
-        master_port=29500,
-        launcher="single",
-    )
+    one = DistEnv.single()
     precision = "bf16-mixed" if args.dtype == "bf16" else "fp32"
     rows = []
     for N in args.seq:

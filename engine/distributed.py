@@ -72,6 +72,20 @@ class DistEnv:
     launcher: Launcher
     """Who started the process: ``"torchrun"``, ``"slurm"`` or ``"single"``."""
 
+    @classmethod
+    def single(cls, master_addr: str = "127.0.0.1", master_port: int = 29500) -> DistEnv:
+        """A process alone in its job (rank 0 of 1), rendezvous at ``master_addr:master_port``."""
+        return cls(
+            rank=0,
+            local_rank=0,
+            world_size=1,
+            local_world_size=1,
+            node_rank=0,
+            master_addr=master_addr,
+            master_port=master_port,
+            launcher="single",
+        )
+
     @property
     def is_main(self) -> bool:
         """True on global rank 0 (the rank that logs and writes)."""
@@ -380,15 +394,9 @@ def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
     if environ.get("SLURM_PROCID", "").strip():
         return _detect_slurm(environ)
     port = _port(environ)
-    return DistEnv(
-        rank=0,
-        local_rank=0,
-        world_size=1,
-        local_world_size=1,
-        node_rank=0,
-        master_addr=environ.get("MASTER_ADDR", "").strip() or DEFAULT_MASTER_ADDR,
-        master_port=_single_process_port() if port is None else port,
-        launcher="single",
+    return DistEnv.single(
+        environ.get("MASTER_ADDR", "").strip() or DEFAULT_MASTER_ADDR,
+        _single_process_port() if port is None else port,
     )
 
 

@@ -21,16 +21,7 @@ from engine.engine import Engine, EngineConfig
 from engine.optim import OptimizerConfig, ScheduleConfig
 
 REPO = Path(__file__).resolve().parents[1]
-ONE = DistEnv(
-    rank=0,
-    local_rank=0,
-    world_size=1,
-    local_world_size=1,
-    node_rank=0,
-    master_addr="127.0.0.1",
-    master_port=29500,
-    launcher="single",
-)
+ONE = DistEnv.single()
 
 # A tuned file in the style users bring (Hugging Face's "auto" placeholders included).
 TUNED = {

@@ -41,16 +41,7 @@ from engine.signals import StopWatch
 from model.config import EncoderConfig
 from model.heads import EncoderForPretraining
 
-ONE = DistEnv(
-    rank=0,
-    local_rank=0,
-    world_size=1,
-    local_world_size=1,
-    node_rank=0,
-    master_addr="127.0.0.1",
-    master_port=29500,
-    launcher="single",
-)
+ONE = DistEnv.single()
 CPU = torch.device("cpu")
 ADAMW = OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.01)
 # No warmup: the first update already uses the peak lr, and the lr changes at every step.

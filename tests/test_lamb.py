@@ -22,16 +22,7 @@ from engine.engine import Engine, EngineConfig
 from engine.lamb import FlatLayout, Lamb
 from engine.optim import OptimizerConfig, ScheduleConfig
 
-ONE = DistEnv(
-    rank=0,
-    local_rank=0,
-    world_size=1,
-    local_world_size=1,
-    node_rank=0,
-    master_addr="127.0.0.1",
-    master_port=29500,
-    launcher="single",
-)
+ONE = DistEnv.single()
 SHAPES = [(5, 3), (7,), (4, 4), (2,), (3, 1, 2)]
 GROUPS = [(0, 2, 0.1), (2, 5, 0.0)]  # (first, end, weight decay): a decay and a no-decay group
 
