@@ -516,13 +516,17 @@ class ImportReport:
     """Largest |cayley(X) - W| over the orthogonal maps given back their free parameters."""
 
 
-def import_export(hf_dir: str | os.PathLike) -> tuple[torch.nn.Module, ImportReport]:
-    """This project's model (eval mode) from an export with remote code (``model_type:
-    albatross``), and what was loaded. ValueError naming the file for a directory that is not
-    one, or for a matrix that is no longer orthogonal (trained outside this project)."""
+def export_encoder_config(hf_dir: str | os.PathLike) -> EncoderConfig:
+    """The encoder config of an export with remote code (``model_type: albatross``), read from
+    its ``config.json`` alone (no weights). ValueError naming the file for a directory that is
+    not one."""
+    return _export_config(Path(hf_dir))[1]
+
+
+def _export_config(hf: Path) -> tuple[dict[str, Any], EncoderConfig]:
+    """(the export's config.json, its encoder config)."""
     from model.typed_config import config_from_dict
 
-    hf = Path(hf_dir)
     path = hf / CONFIG_FILE
     if not is_export(hf):
         raise ReleaseError(f"{path}: not an albatross export (model_type {EXPORT_MODEL_TYPE!r})")
@@ -537,18 +541,37 @@ def import_export(hf_dir: str | os.PathLike) -> tuple[torch.nn.Module, ImportRep
             encoder["orthogonal_map"],
         )
         encoder["orthogonal_map"] = "cayley"
-    cfg = config_from_dict(EncoderConfig, encoder)
+    return config, config_from_dict(EncoderConfig, encoder)
+
+
+def _exported_head(config: dict[str, Any]) -> dict[str, Any]:
+    """The head an export's ``architectures`` names."""
     arch = (config.get("architectures") or ["AlbatrossForPreTraining"])[0]
     if arch == "AlbatrossForSequenceClassification":
-        head: dict[str, Any] = {
+        return {
             "type": "sequence_classification",
             "num_labels": len(config.get("id2label") or {}) or int(config.get("num_labels", 2)),
             "pooling": config.get("classifier_pooling", "cls"),
             "classifier_dropout": config.get("classifier_dropout"),
         }
-    else:
-        head = {"type": "pretraining"}
-    model = build_model(cfg, head)
+    return {"type": "pretraining"}
+
+
+def import_export(
+    hf_dir: str | os.PathLike, head: dict[str, Any] | None = None
+) -> tuple[torch.nn.Module, ImportReport]:
+    """This project's model (eval mode) from an export with remote code (``model_type:
+    albatross``), and what was loaded. ValueError naming the file for a directory that is not
+    one, or for a matrix that is no longer orthogonal (trained outside this project).
+
+    ``head`` (e.g. {"type": "sequence_classification", "num_labels": 2}) replaces the exported
+    one, as `model.release.load_release` does: the encoder's tensors must all load, the head's
+    load where names and shapes match (fine-tuning or continued pretraining from an export)."""
+    hf = Path(hf_dir)
+    path = hf / CONFIG_FILE
+    config, cfg = _export_config(hf)
+    callers_head = head is not None
+    model = build_model(cfg, head if head is not None else _exported_head(config))
     weights_path = hf / WEIGHTS_FILE
     if not weights_path.is_file():
         raise FileNotFoundError(f"{weights_path} not found: the export {hf} has no weights")
@@ -578,6 +601,12 @@ def import_export(hf_dir: str | os.PathLike) -> tuple[torch.nn.Module, ImportRep
             updates[key] = X.to(tensor.dtype)
             report.loaded.append(plain)
         elif key in state:
+            if (
+                callers_head
+                and not key.startswith("encoder.")
+                and (tuple(state[key].shape) != tuple(tensor.shape))
+            ):
+                continue  # the caller's head: this tensor stays newly initialised
             if tuple(state[key].shape) != tuple(tensor.shape):
                 raise ReleaseError(
                     f"{weights_path}: {key} has shape {tuple(state[key].shape)}, the config in "
@@ -603,6 +632,7 @@ __all__ = [
     "ImportReport",
     "ModelCardInfo",
     "cayley_inverse",
+    "export_encoder_config",
     "export_hf",
     "import_export",
     "is_export",

@@ -2,8 +2,9 @@
 weights (``model.init_from``, ``python -m pretrain --init DIR``).
 
     model:
-      init_from: albert-base-v2/        # a release dir, or a local HF ALBERT dir (config.json,
-                                        # model.safetensors or pytorch_model.bin)
+      init_from: albert-base-v2/        # a release dir, a local HF ALBERT dir (config.json,
+                                        # model.safetensors or pytorch_model.bin), or this
+                                        # project's HF export of any family (a Hub download)
       attention: tisa                   # optional: switch the family where weights carry over
 
 The architecture comes from the checkpoint. The model section may add what does not change
@@ -44,7 +45,8 @@ class InitReport:
 
     source: str
     kind: str
-    """``"release"`` or ``"hf"``."""
+    """``"release"``, ``"hf"`` (an HF ALBERT checkpoint) or ``"export"`` (this project's HF
+    export with remote code, ``model_type: albatross``)."""
     loaded: list[str] = field(default_factory=list)
     initialised: list[str] = field(default_factory=list)
     """Our tensors the checkpoint has no counterpart for (new, freshly initialised)."""
@@ -66,6 +68,10 @@ def checkpoint_encoder(init: Path) -> tuple[dict[str, Any], str]:
         raise ValueError(f"model.{INIT_KEY}={str(init)!r}: no such directory")
     if is_release(init):
         return dict(read_release_config(init)["encoder"]), "release"
+    from model.hf_export import export_encoder_config, is_export
+
+    if is_export(init):
+        return export_encoder_config(init).to_dict(), "export"
     if not (init / CONFIG_FILE).is_file():
         raise ValueError(
             f"model.{INIT_KEY}={str(init)!r} is neither a release nor an HF ALBERT checkpoint "
@@ -130,7 +136,12 @@ def load_init(model: EncoderForPretraining, model_section: dict[str, Any]) -> In
         report.loaded, report.unused = list(imported.loaded), list(imported.unused)
         report.initialised = list(imported.initialised)
         return report
-    source = load_release(init).state_dict()
+    if kind == "release":
+        source = load_release(init).state_dict()
+    else:  # the export's pretraining head where it has one (a classifier's: none)
+        from model.hf_export import import_export
+
+        source = import_export(init, head={"type": "pretraining"})[0].state_dict()
     own = model.state_dict()
     shape_errors = [
         f"{name}: {tuple(t.shape)} in the checkpoint, {tuple(own[name].shape)} here"

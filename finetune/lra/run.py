@@ -51,6 +51,7 @@ from finetune.trainer import (
 )
 from model.config import EncoderConfig, deep_merge
 from model.heads import build_model
+from model.hf_export import export_encoder_config, import_export, is_export
 from model.release import directory_digest, load_release, read_release_config
 
 
@@ -144,7 +145,12 @@ def build_lra_model(cfg: LraConfig, init: Path | None, seq_len: int) -> torch.nn
     head: dict[str, Any] = {"num_labels": task.num_labels, "pooling": cfg.pooling}
     head["type"] = "dual_classification" if task.pair else "sequence_classification"
     if init is not None:
-        encoder = read_release_config(init)["encoder"]
+        export = is_export(init)  # this project's HF export (e.g. a Hub download), any family
+        encoder = (
+            export_encoder_config(init).to_dict()
+            if export
+            else read_release_config(init)["encoder"]
+        )
         if encoder["vocab_size"] != task.vocab_size:
             raise ValueError(
                 f"--init {init} has vocab_size {encoder['vocab_size']}, the {task.name} task "
@@ -155,7 +161,7 @@ def build_lra_model(cfg: LraConfig, init: Path | None, seq_len: int) -> torch.nn
                 f"--init {init} has {encoder['max_position_embeddings']} positions; the task "
                 f"needs {seq_len}"
             )
-        return load_release(init, head=head)
+        return import_export(init, head=head)[0] if export else load_release(init, head=head)
     model_cfg = EncoderConfig.from_dict(
         {
             **cfg.model,
