@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
+from data_prep.format import sha256_file
 from data_prep.transport import loader_batches
 from engine import checkpoint as ckpt
 from engine.distributed import detect
@@ -168,6 +169,10 @@ RESUMABLE_KEYS = (
 settings that do not change what it computes (a resumed run may change them)."""
 
 
+DS_CONFIG_DIGEST = "deepspeed_config_sha256"
+"""The identity's record of the content of ``engine.deepspeed_config``'s file."""
+
+
 def run_identity(config: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
     """A run's identity for :func:`check_run_identity`: its config without ``RESUMABLE_KEYS``,
     plus ``extra`` (the task, learning rate, seed, the init's content digest)."""
@@ -175,6 +180,10 @@ def run_identity(config: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
     engine = out.get("engine")
     if isinstance(engine, dict) and engine.get("deepspeed_config", 0) is None:
         del engine["deepspeed_config"]  # unset: the identity of runs from before the key existed
+    elif isinstance(engine, dict) and engine.get("deepspeed_config") is not None:
+        file = Path(str(engine["deepspeed_config"]))
+        if file.is_file():  # its content: a file edited between two attempts is another run
+            engine[DS_CONFIG_DIGEST] = sha256_file(file)
     for key in RESUMABLE_KEYS:
         *parents, last = key.split(".")
         node = out
@@ -197,11 +206,19 @@ def check_run_identity(run_dir: str | Path, identity: Mapping[str, Any]) -> bool
     except ValueError as e:
         raise ValueError(f"{path} is unreadable ({e}); move the run directory aside") from None
     current = json.loads(json.dumps(dict(identity)))  # the form it is saved in
+    if DS_CONFIG_DIGEST not in (saved.get("engine") or {}):  # saved before it was recorded
+        (current.get("engine") or {}).pop(DS_CONFIG_DIGEST, None)
     changed = diff_keys(saved, current)
     if changed:
+        edited = (
+            " (the file engine.deepspeed_config names was edited since the run started)"
+            if f"engine.{DS_CONFIG_DIGEST}" in changed
+            else ""
+        )
         raise ValueError(
             f"{run_dir} holds a fine-tuning run with another config ({path}); differing keys: "
-            f"{changed}. Use another train.run_dir, or restore those values to resume or reuse it."
+            f"{changed}{edited}. Use another train.run_dir, or restore those values to resume "
+            "or reuse it."
         )
     return True
 

@@ -150,12 +150,16 @@ def open_validation(cfg: PretrainConfig) -> list[PretrainingData]:
 
 
 def data_identity(
-    datas: list[PretrainingData], tokenizer: Path, init: str | None = None
+    datas: list[PretrainingData],
+    tokenizer: Path,
+    init: str | None = None,
+    deepspeed_config: str | None = None,
 ) -> dict[str, str]:
     """What the run trains on, by content: a digest of the shards' sha256s (from the
-    manifests, phase after phase), the tokenizer's sha256 and, when it continues from a
-    checkpoint, the checkpoint's content. A moved or copied shard directory or checkpoint keeps
-    its identity."""
+    manifests, phase after phase), the tokenizer's sha256, when it continues from a
+    checkpoint, the checkpoint's content, and with ``engine.deepspeed_config`` that file's
+    sha256 (a file edited between two attempts is not the run's any more). A moved or copied
+    shard directory or checkpoint keeps its identity."""
     import hashlib
 
     shards = [shard["sha256"] for data in datas for shard in data.manifest["shards"]]
@@ -163,6 +167,8 @@ def data_identity(
     identity = {"shards_sha256": digest, "tokenizer_sha256": sha256_file(tokenizer)}
     if init is not None:
         identity["init_sha256"] = directory_digest(init)
+    if deepspeed_config is not None:
+        identity["deepspeed_config_sha256"] = sha256_file(Path(deepspeed_config))
     return identity
 
 
@@ -186,6 +192,17 @@ def check_run_dir(run_dir: Path, resolved: dict[str, Any]) -> bool:
     for added in ("data_identity", "phases"):  # run dirs written before these existed
         if added not in saved and (added == "data_identity" or not resolved.get(added)):
             resolved = {k: v for k, v in resolved.items() if k != added}
+    identity = resolved.get("data_identity")
+    saved_identity = saved.get("data_identity")
+    if (
+        isinstance(identity, dict)
+        and isinstance(saved_identity, dict)
+        and "deepspeed_config_sha256" not in saved_identity
+    ):  # run dirs written before the DeepSpeed config file's content was recorded
+        resolved = {
+            **resolved,
+            "data_identity": {k: v for k, v in identity.items() if k != "deepspeed_config_sha256"},
+        }
     engine = resolved.get("engine", {})
     if "deepspeed_config" not in saved.get("engine", {}) and engine.get("deepspeed_config") is None:
         # run dirs written before engine.deepspeed_config existed
@@ -196,11 +213,14 @@ def check_run_dir(run_dir: Path, resolved: dict[str, Any]) -> bool:
     ignored = (*RESUMABLE_CHANGES, *LOCATION_KEYS)
     changed = [k for k in diff_keys(saved, resolved) if k not in ignored]
     if changed:
-        what = (
-            " (the shards or the tokenizer have other content than the run was started with)"
-            if any(k.startswith("data_identity") for k in changed)
-            else ""
-        )
+        what = ""
+        if "data_identity.deepspeed_config_sha256" in changed:
+            what = (
+                " (the file engine.deepspeed_config names was edited since the run started: "
+                "restore it, or start another run)"
+            )
+        elif any(k.startswith("data_identity") for k in changed):
+            what = " (the shards or the tokenizer have other content than the run was started with)"
         raise ValueError(
             f"{run_dir} holds a run with a different config ({path}); differing keys: "
             f"{changed}{what}. Use another train.run_dir, or restore those values to resume it."
@@ -237,7 +257,7 @@ class Trainer:
         resolved["model"] = {k: v for k, v in self.model_cfg.to_dict().items()}
         resolved["data"]["tokenizer"] = str(self.tokenizer)
         resolved["data_identity"] = data_identity(
-            self.datas, self.tokenizer, cfg.model.get(INIT_KEY)
+            self.datas, self.tokenizer, cfg.model.get(INIT_KEY), cfg.engine.deepspeed_config
         )
         self.resolved = resolved
         self.resuming = check_run_dir(self.run_dir, resolved)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from data_prep.format import sha256_file
 from engine.distributed import DistEnv
 from engine.engine import Engine, EngineConfig
 from engine.optim import OptimizerConfig, ScheduleConfig
@@ -339,3 +340,44 @@ def test_run_directories_from_before_the_new_keys_still_resume(tmp_path):
     assert run_identity(new, seed=0) == run_identity(old, seed=0)
     new["engine"]["deepspeed_config"] = "ds_config.json"
     assert run_identity(new, seed=0) != run_identity(old, seed=0)
+
+
+def test_a_file_edited_between_attempts_is_refused(tmp_path):
+    """The run directory records the content of engine.deepspeed_config's file: an edited file
+    is refused on resume (pretraining and fine-tuning), naming it; a run directory written
+    before the content was recorded still resumes."""
+    import copy
+
+    from engine.recipe import to_yaml
+    from finetune.trainer import check_run_identity, run_identity
+    from pretrain.config import pretrain_config
+    from pretrain.train import check_run_dir
+
+    path = Path(write(tmp_path, {"zero_optimization": {"reduce_bucket_size": 1000}}))
+    resolved = pretrain_config({"data": {"shards": "x"}}).to_dict()
+    resolved["engine"]["deepspeed_config"] = str(path)
+    resolved["data_identity"] = {"shards_sha256": "s", "tokenizer_sha256": "t"}
+    older = copy.deepcopy(resolved)  # written before the file's content was recorded
+    resolved["data_identity"]["deepspeed_config_sha256"] = sha256_file(path)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(to_yaml(resolved))
+    assert check_run_dir(run, resolved) is True
+    edited = copy.deepcopy(resolved)
+    edited["data_identity"]["deepspeed_config_sha256"] = "0" * 64
+    with pytest.raises(ValueError, match=r"engine\.deepspeed_config names was edited"):
+        check_run_dir(run, edited)
+    (run / "config.yaml").write_text(to_yaml(older))
+    assert check_run_dir(run, edited) is True
+
+    config = {"engine": {"backend": "deepspeed", "deepspeed_config": str(path)}}
+    identity = run_identity(config, seed=0)
+    assert identity["engine"]["deepspeed_config_sha256"] == sha256_file(path)
+    (run / "run.json").write_text(json.dumps(identity))
+    assert check_run_identity(run, run_identity(config, seed=0)) is True
+    path.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 2000}}))
+    with pytest.raises(ValueError, match=r"engine\.deepspeed_config names was edited"):
+        check_run_identity(run, run_identity(config, seed=0))
+    del identity["engine"]["deepspeed_config_sha256"]  # a run from before: resumes
+    (run / "run.json").write_text(json.dumps(identity))
+    assert check_run_identity(run, run_identity(config, seed=0)) is True
