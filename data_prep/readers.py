@@ -265,6 +265,24 @@ class _Warner:
             )
 
 
+@dataclass
+class _Reading:
+    """What every per-kind reader needs besides its path: the options of one
+    `iter_documents` call and its running counts."""
+
+    text_field: str
+    stats: ReadStats
+    max_line_chars: int
+    warn: _Warner
+    mode: str
+    """'lines' or 'split' (resolved for the input's kind; 'lines' when splitting is deferred)."""
+    streaming: bool
+
+    def line_sentences(self, line: str) -> list[str]:
+        """A stripped, non-empty line as sentences: itself ('lines') or split ('split')."""
+        return sentence_rules.split_line(line) if self.mode == "split" else [line]
+
+
 def _iter_lines(
     path: str, stats: ReadStats, max_line_chars: int, warn: _Warner, what: str = "line"
 ) -> Iterator[tuple[int, str]]:
@@ -321,9 +339,7 @@ def _is_compressed(path: str) -> bool:
     return path.lower().endswith((".gz", ".zst", ".zstd"))
 
 
-def _split_sentences(
-    text: str, stats: ReadStats, max_line_chars: int, where: str, warn: _Warner, mode: str
-) -> list[str]:
+def _split_sentences(text: str, read: _Reading, where: str) -> list[str]:
     """The sentences of a document's text: its lines (`mode` 'lines'), or each line split into
     sentences ('split'). A line longer than `max_line_chars` is skipped and counted."""
     sentences = []
@@ -331,42 +347,28 @@ def _split_sentences(
         line = line.strip()
         if not line:
             continue
-        if len(line) > max_line_chars:
-            stats.skipped["long_lines"] += 1
-            warn(
+        if len(line) > read.max_line_chars:
+            read.stats.skipped["long_lines"] += 1
+            read.warn(
                 "long",
                 where,
                 f"{where}: line of {len(line)} characters skipped "
-                f"(> --max-line-chars {max_line_chars})",
+                f"(> --max-line-chars {read.max_line_chars})",
             )
             continue
-        if mode == "split":
-            sentences.extend(sentence_rules.split_line(line))
-        else:
-            sentences.append(line)
+        sentences.extend(read.line_sentences(line))
     return sentences
 
 
 # ----------------------------------------------------------------------------- per-kind readers
 
 
-def _read_text(
-    path: str,
-    text_field: str,
-    stats: ReadStats,
-    max_line_chars: int,
-    warn: _Warner,
-    mode: str,
-    streaming: bool,
-) -> Iterator[list[str]]:
+def _read_text(path: str, read: _Reading) -> Iterator[list[str]]:
     doc: list[str] = []
-    for _, line in _iter_lines(path, stats, max_line_chars, warn):
+    for _, line in _iter_lines(path, read.stats, read.max_line_chars, read.warn):
         line = line.strip()
         if line:
-            if mode == "split":
-                doc.extend(sentence_rules.split_line(line))
-            else:
-                doc.append(line)
+            doc.extend(read.line_sentences(line))
         elif doc:
             yield doc
             doc = []
@@ -374,24 +376,17 @@ def _read_text(
         yield doc
 
 
-def _read_jsonl(
-    path: str,
-    text_field: str,
-    stats: ReadStats,
-    max_line_chars: int,
-    warn: _Warner,
-    mode: str,
-    streaming: bool,
-) -> Iterator[list[str]]:
-    max_record = JSONL_RECORD_FACTOR * max_line_chars
-    for lineno, line in _iter_lines(path, stats, max_record, warn, what="record"):
+def _read_jsonl(path: str, read: _Reading) -> Iterator[list[str]]:
+    max_record = JSONL_RECORD_FACTOR * read.max_line_chars
+    text_field, stats = read.text_field, read.stats
+    for lineno, line in _iter_lines(path, stats, max_record, read.warn, what="record"):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             stats.skipped["bad_json_lines"] += 1
-            warn("json", path, f"{path}:{lineno}: not valid JSON, line skipped ({e})")
+            read.warn("json", path, f"{path}:{lineno}: not valid JSON, line skipped ({e})")
             continue
         if not isinstance(record, dict) or text_field not in record:
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
@@ -407,41 +402,28 @@ def _read_jsonl(
             raise ValueError(
                 f"{path}:{lineno}: field {text_field!r} is a {type(text).__name__}, not a string"
             )
-        yield _split_sentences(text, stats, max_line_chars, f"{path}:{lineno}", warn, mode)
+        yield _split_sentences(text, read, f"{path}:{lineno}")
 
 
 def _texts_from_column(
-    path: str,
-    column: Iterable[Any],
-    text_field: str,
-    stats: ReadStats,
-    max_line_chars: int,
-    warn: _Warner,
-    row0: int,
-    mode: str,
+    path: str, column: Iterable[Any], read: _Reading, row0: int, name: str | None = None
 ) -> Iterator[list[str]]:
+    """The documents of a column of texts whose first row is row `row0`; `name`: the column's
+    name in errors (default: the text field)."""
+    name = read.text_field if name is None else name
     for i, text in enumerate(column):
-        stats.records += 1
+        read.stats.records += 1
         if text is None:
-            stats.skipped["null_text"] += 1
+            read.stats.skipped["null_text"] += 1
             continue
         if not isinstance(text, str):
             raise ValueError(
-                f"{path}: row {row0 + i}: column {text_field!r} holds {type(text).__name__}, "
-                "not strings"
+                f"{path}: row {row0 + i}: column {name!r} holds {type(text).__name__}, not strings"
             )
-        yield _split_sentences(text, stats, max_line_chars, f"{path} row {row0 + i}", warn, mode)
+        yield _split_sentences(text, read, f"{path} row {row0 + i}")
 
 
-def _read_parquet(
-    path: str,
-    text_field: str,
-    stats: ReadStats,
-    max_line_chars: int,
-    warn: _Warner,
-    mode: str,
-    streaming: bool,
-) -> Iterator[list[str]]:
+def _read_parquet(path: str, read: _Reading) -> Iterator[list[str]]:
     import pyarrow.parquet as pq
 
     try:
@@ -449,16 +431,14 @@ def _read_parquet(
     except Exception as e:
         raise ValueError(f"{path}: not a readable Parquet file: {e}") from e
     names = pf.schema_arrow.names
-    if text_field not in names:
+    if read.text_field not in names:
         raise ValueError(
-            f"{path}: no column {text_field!r} (columns: {names}); pick it with --text-field"
+            f"{path}: no column {read.text_field!r} (columns: {names}); pick it with --text-field"
         )
     row = 0
-    for batch in pf.iter_batches(batch_size=1024, columns=[text_field]):
+    for batch in pf.iter_batches(batch_size=1024, columns=[read.text_field]):
         column = batch.column(0).to_pylist()
-        yield from _texts_from_column(
-            path, column, text_field, stats, max_line_chars, warn, row, mode
-        )
+        yield from _texts_from_column(path, column, read, row)
         row += len(column)
 
 
@@ -470,15 +450,7 @@ class Unsplit(list):
         return [s for line in self for s in sentence_rules.split_line(line)]
 
 
-def _read_hf(
-    path: str,
-    text_field: str,
-    stats: ReadStats,
-    max_line_chars: int,
-    warn: _Warner,
-    mode: str,
-    streaming: bool,
-) -> Iterator[list[str]]:
+def _read_hf(path: str, read: _Reading) -> Iterator[list[str]]:
     import datasets
 
     ds = datasets.load_from_disk(path)
@@ -487,33 +459,23 @@ def _read_hf(
             f"{path} holds a DatasetDict with splits {sorted(ds)}; pass one split's directory, "
             f"e.g. {os.path.join(path, sorted(ds)[0])}"
         )
-    if text_field not in ds.column_names:
+    if read.text_field not in ds.column_names:
         raise ValueError(
-            f"{path}: no column {text_field!r} (columns: {ds.column_names}); "
+            f"{path}: no column {read.text_field!r} (columns: {ds.column_names}); "
             "pick it with --text-field"
         )
-    ds = ds.select_columns([text_field])
+    ds = ds.select_columns([read.text_field])
     row = 0
     for batch in ds.iter(batch_size=1024):
-        column = batch[text_field]
-        yield from _texts_from_column(
-            path, column, text_field, stats, max_line_chars, warn, row, mode
-        )
+        column = batch[read.text_field]
+        yield from _texts_from_column(path, column, read, row)
         row += len(column)
 
 
-def _read_embedded(
-    item: str,
-    text_field: str,
-    stats: ReadStats,
-    max_line_chars: int,
-    warn: _Warner,
-    mode: str,
-    streaming: bool,
-) -> Iterator[list[str]]:
+def _read_embedded(item: str, read: _Reading) -> Iterator[list[str]]:
     for i, text in enumerate(_embedded_texts(item)):
-        stats.records += 1
-        yield _split_sentences(text, stats, max_line_chars, f"{item} document {i}", warn, mode)
+        read.stats.records += 1
+        yield _split_sentences(text, read, f"{item} document {i}")
 
 
 def _embedded_texts(item: str) -> Iterator[str]:
@@ -527,28 +489,18 @@ def _embedded_texts(item: str) -> Iterator[str]:
         yield text
 
 
-def _read_datasets(
-    spec: str,
-    text_field: str,
-    stats: ReadStats,
-    max_line_chars: int,
-    warn: _Warner,
-    mode: str,
-    streaming: bool,
-) -> Iterator[list[str]]:
+def _read_datasets(spec: str, read: _Reading) -> Iterator[list[str]]:
     src = datasets_source.parse(spec)
-    column = src.text_column(text_field)
+    column = src.text_column(read.text_field)
     rows: list[Any] = []
     row = 0
-    for text in datasets_source.iter_texts(src, text_field, streaming):
+    for text in datasets_source.iter_texts(src, read.text_field, read.streaming):
         rows.append(text)
         if len(rows) == datasets_source.BATCH_ROWS:
-            yield from _texts_from_column(
-                spec, rows, column, stats, max_line_chars, warn, row, mode
-            )
+            yield from _texts_from_column(spec, rows, read, row, column)
             row += len(rows)
             rows = []
-    yield from _texts_from_column(spec, rows, column, stats, max_line_chars, warn, row, mode)
+    yield from _texts_from_column(spec, rows, read, row, column)
 
 
 _READERS = {
@@ -598,9 +550,10 @@ def iter_documents(
         records, problems = stats.records, stats.problems()
         mode = sentence_rules.resolve(sentences, kind)
         defer = defer_split and mode == "split"
-        reader = _READERS[kind]
-        read_mode = "lines" if defer else mode
-        for doc in reader(path, text_field, stats, max_line_chars, warn, read_mode, streaming):
+        read = _Reading(
+            text_field, stats, max_line_chars, warn, "lines" if defer else mode, streaming
+        )
+        for doc in _READERS[kind](path, read):
             if not doc:
                 continue
             stats.documents += 1
