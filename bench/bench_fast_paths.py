@@ -261,24 +261,11 @@ def bench_pretrain_padding(args) -> dict:
     """Padding share of pretraining batches: ALBERT example construction (data_prep.shards.
     build_examples, short_seq_prob 0.1) on synthetic documents, random batches padded to the
     batch's longest (the loader's default) or to max_seq_length (static shapes)."""
-    import random
-
-    from data_prep.shards import build_examples
+    from bench_length_grouping import synthetic_lengths  # bench/ (this script's folder)
 
     rows = []
     for doc_tokens in (300, 1000, 5000):  # median document length (news, Wikipedia, books)
-        rng = np.random.default_rng(0)
-        lengths = []
-        for d in range(args.documents):
-            n_doc = int(rng.lognormal(np.log(doc_tokens), 0.8))
-            sentences, total = [], 0
-            while total < n_doc:
-                s = max(3, int(rng.lognormal(np.log(25), 0.5)))
-                sentences.append([7] * s)
-                total += s
-            examples, _ = build_examples(sentences, args.max_seq_length - 3, 0.1, random.Random(d))
-            lengths += [3 + len(a) + len(b) for a, b in examples]
-        lengths = np.array(lengths)
+        lengths = synthetic_lengths(doc_tokens, args.documents, args.max_seq_length)
         order = np.random.default_rng(1).permutation(len(lengths))
         usable = len(order) // args.batch * args.batch
         batches = lengths[order[:usable]].reshape(-1, args.batch)

@@ -105,6 +105,9 @@ def batch_cost(data, batch: int, grouping, batches: int, repeats: int) -> dict:
 
 
 def synthetic_lengths(doc_tokens: int, documents: int, seq: int) -> np.ndarray:
+    """Built lengths of ALBERT examples (`data_prep.shards.build_examples`, short_seq_prob 0.1)
+    made from `documents` synthetic documents of lognormal length (median `doc_tokens`) and
+    sentences (median 25 tokens)."""
     from data_prep.shards import build_examples
 
     rng = np.random.default_rng(0)
