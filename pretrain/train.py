@@ -23,6 +23,7 @@ time budget; a checkpoint was saved, re-run the same command to resume) or raise
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -172,6 +173,33 @@ def data_identity(
     return identity
 
 
+ADDED_KEYS = (
+    ("data_identity", False),
+    ("phases", True),
+    ("engine.deepspeed_config", True),
+    ("data_identity.deepspeed_config_sha256", False),
+)
+"""Keys added to a run's config.yaml after run directories were first written: (dotted key,
+whether it is left out only when its value now is empty). A run directory saved without one
+is compared without it, so it still resumes."""
+
+
+def _without_keys_added_since(saved: dict[str, Any], resolved: dict[str, Any]) -> dict[str, Any]:
+    """``resolved`` less the ``ADDED_KEYS`` that ``saved`` does not have (a copy)."""
+    out = copy.deepcopy(resolved)
+    for key, only_if_empty in ADDED_KEYS:
+        *parents, last = key.split(".")
+        old, new = saved, out
+        for part in parents:
+            old, new = old.get(part, {}), new.get(part)
+            if not isinstance(old, dict) or not isinstance(new, dict):
+                break
+        else:
+            if last not in old and last in new and not (only_if_empty and new[last]):
+                del new[last]
+    return out
+
+
 def check_run_dir(run_dir: Path, resolved: dict[str, Any]) -> bool:
     """True when ``run_dir`` already holds this run (resume); ValueError when it holds another
     config (differences other than ``RESUMABLE_CHANGES``).
@@ -189,27 +217,7 @@ def check_run_dir(run_dir: Path, resolved: dict[str, Any]) -> bool:
 
     saved = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     assert isinstance(saved, dict)
-    for added in ("data_identity", "phases"):  # run dirs written before these existed
-        if added not in saved and (added == "data_identity" or not resolved.get(added)):
-            resolved = {k: v for k, v in resolved.items() if k != added}
-    identity = resolved.get("data_identity")
-    saved_identity = saved.get("data_identity")
-    if (
-        isinstance(identity, dict)
-        and isinstance(saved_identity, dict)
-        and "deepspeed_config_sha256" not in saved_identity
-    ):  # run dirs written before the DeepSpeed config file's content was recorded
-        resolved = {
-            **resolved,
-            "data_identity": {k: v for k, v in identity.items() if k != "deepspeed_config_sha256"},
-        }
-    engine = resolved.get("engine", {})
-    if "deepspeed_config" not in saved.get("engine", {}) and engine.get("deepspeed_config") is None:
-        # run dirs written before engine.deepspeed_config existed
-        resolved = {
-            **resolved,
-            "engine": {k: v for k, v in engine.items() if k != "deepspeed_config"},
-        }
+    resolved = _without_keys_added_since(saved, resolved)
     ignored = (*RESUMABLE_CHANGES, *LOCATION_KEYS)
     changed = [k for k in diff_keys(saved, resolved) if k not in ignored]
     if changed:
