@@ -24,24 +24,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import bench_loader  # noqa: E402  (the real CLI, as bench_loader runs it)
 
 
 def make_data(root: Path, seq: int) -> Path:
-    py = sys.executable
-    tok = root / "tokenizer"
-    subprocess.run(
-        [py, "-m", "data_prep", "tokenizer", "--input", "embedded", "--out", str(tok),
-         "--vocab-size", "2000"],
-        check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    shards = root / "shards"
-    subprocess.run(
-        [py, "-m", "data_prep", "shards", "--input", "embedded", "--tokenizer",
-         str(tok / "tokenizer.json"), "--out", str(shards), "--num-shards", "2",
-         "--max-seq-length", str(seq), "--validation-fraction", "0.1"],
-        check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    return shards
+    """Shards of the embedded corpus, 10% of its documents held out (bench_loader's maker)."""
+    _, shards = bench_loader.make_data(
+        root, {seq}, dict(os.environ), vocab_size=2000, shard_args=("--validation-fraction", "0.1")
+    )
+    return shards[seq]
 
 
 def run(shards: Path, run_dir: Path, args, seed: int, grouped: bool) -> dict:

@@ -67,12 +67,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_data(work: Path, seqs: set[int], env: dict) -> tuple[Path, dict[int, Path]]:
+def make_data(
+    work: Path, seqs: set[int], env: dict, vocab_size: int = 8000, shard_args: tuple = ()
+) -> tuple[Path, dict[int, Path]]:
+    """A tokenizer and shards per sequence length from the embedded corpus, with the real CLI
+    (`shard_args`: more `data_prep shards` options, e.g. a validation split)."""
     py = sys.executable
     tok_dir = work / "tokenizer"
     subprocess.run(
         [py, "-m", "data_prep", "tokenizer", "--input", "embedded", "--out", str(tok_dir),
-         "--vocab-size", "8000"],
+         "--vocab-size", str(vocab_size)],
         check=True, env=env, cwd=ROOT, capture_output=True,
     )  # fmt: skip
     shards = {}
@@ -81,7 +85,7 @@ def make_data(work: Path, seqs: set[int], env: dict) -> tuple[Path, dict[int, Pa
         subprocess.run(
             [py, "-m", "data_prep", "shards", "--input", "embedded", "--tokenizer",
              str(tok_dir / "tokenizer.json"), "--out", str(out), "--num-shards", "2",
-             "--max-seq-length", str(seq)],
+             "--max-seq-length", str(seq), *shard_args],
             check=True, env=env, cwd=ROOT, capture_output=True,
         )  # fmt: skip
         shards[seq] = out
