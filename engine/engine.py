@@ -139,6 +139,7 @@ from engine.optim import (
     build_scheduler,
     resolve_lamb_implementation,
 )
+from engine.orthogonal_sharding import DataParallelMapSharding
 from model.orthogonal import OrthogonalStepCache, orthogonal_modules
 from model.typed_config import deep_merge
 
@@ -190,6 +191,15 @@ class EngineConfig:
     with ``compile`` (the compiled graph evaluates its maps), where the maps are evaluated once
     per micro-batch forward as with this off; without orthogonal maps, or with accumulation 1,
     there is nothing to cache."""
+    orthogonal_shard_maps: bool = True
+    """With several data-parallel ranks, each rank evaluates only its share of the orthogonal
+    maps (TransJect, ``orthogonal: true``) in a training step and an all-gather hands every rank
+    all of them; the gradient comes back through a reduce-scatter to the rank that mapped it,
+    and the usual gradient average makes it the unsharded one (exact to fp32 round-off;
+    docs/methods.md, TransJect; ``engine/orthogonal_sharding.py``). Map work per rank drops by
+    the number of ranks, for one all-gather and one reduce-scatter of the matrices per step.
+    Combines with ``orthogonal_step_cache`` (maps once per step, sharded); not under ZeRO-3 nor
+    with ``compile``, like it. Maps of one shape fewer than the ranks are evaluated by all."""
     compile_backend: str = "inductor"
     """The ``torch.compile`` backend: ``"inductor"`` (generates fused kernels), or a debugging
     backend such as ``"aot_eager"`` (traces forward and backward, runs them eagerly: isolates
@@ -246,11 +256,11 @@ class EngineConfig:
             raise ValueError("engine.dist_timeout_minutes must be > 0")
         if not isinstance(self.compile, bool):
             raise ValueError(f"engine.compile={self.compile!r} is invalid; valid: true, false")
-        if not isinstance(self.orthogonal_step_cache, bool):
-            raise ValueError(
-                f"engine.orthogonal_step_cache={self.orthogonal_step_cache!r} is invalid; "
-                "valid: true, false"
-            )
+        for name in ("orthogonal_step_cache", "orthogonal_shard_maps"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"engine.{name}={getattr(self, name)!r} is invalid; valid: true, false"
+                )
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise ValueError(
                 f"engine.compile_backend={self.compile_backend!r} is invalid; valid: a "
@@ -783,17 +793,24 @@ class Engine:
         self._lr_table: torch.Tensor | None = None  # the schedule's multiplier per position
         self._unsynced_steps = 0  # deferred steps since the host's schedule was last synced
         self._host_group: Any = None  # a gloo group for host flags when the default is NCCL
+        self._orthogonal_across_micro_batches = (
+            cfg.orthogonal_step_cache and cfg.gradient_accumulation_steps > 1
+        )
+        shard = cfg.orthogonal_shard_maps and self.dist.world_size > 1
         self.orthogonal_steps: OrthogonalStepCache | None = (
-            OrthogonalStepCache()
-            if cfg.orthogonal_step_cache
-            and cfg.gradient_accumulation_steps > 1
+            OrthogonalStepCache(
+                DataParallelMapSharding(self.dist.rank, self.dist.world_size) if shard else None
+            )
+            if (self._orthogonal_across_micro_batches or shard)
             and not cfg.compile
             and not (cfg.backend == "deepspeed" and cfg.zero_stage == 3)
             and orthogonal_modules(model)
             else None
         )
-        """The orthogonal maps evaluated once per optimizer step (``orthogonal_step_cache``),
-        or None where they are evaluated once per forward."""
+        """The orthogonal maps of a training step: evaluated once per optimizer step
+        (``orthogonal_step_cache``) and/or in shards over the ranks (``orthogonal_shard_maps``;
+        then once per micro-batch without the step cache); None where every forward evaluates
+        them itself."""
 
     # -- configuration -------------------------------------------------------------------------
 
@@ -973,6 +990,8 @@ class Engine:
             or self._accumulated >= self.cfg.gradient_accumulation_steps
         ):
             return contextlib.nullcontext()
+        if not self._orthogonal_across_micro_batches:  # sharded, each micro-batch its own maps
+            return steps.micro_batch(0, last=True)
         return steps.micro_batch(self._accumulated, last=self._next_is_boundary())
 
     def all_finite(self, loss: torch.Tensor) -> bool:
@@ -1019,8 +1038,10 @@ class Engine:
                 loss.backward()
         self.micro_step += 1
         self._accumulated += 1
-        if last and self.orthogonal_steps is not None:
-            # The step's map gradients reached the parameters in this backward: drop the maps.
+        if self.orthogonal_steps is not None and (
+            last or not self._orthogonal_across_micro_batches
+        ):
+            # The maps' gradients reached the parameters in this backward: drop the maps.
             self.orthogonal_steps.finish()
         return finite
 

@@ -47,6 +47,16 @@ the loss scaling of every micro-batch is already in g_i. The model stays single-
 only reads which micro-batch of a step it runs (`micro_batch(index, last)`); the engine decides
 where the cache applies (not with ZeRO-3, whose partitioned parameters are gathered only
 around each module's own forward, nor with `torch.compile`, whose graph holds the map).
+
+With several data-parallel ranks every rank would map the same matrices from the same free
+parameters. Given a `MapSharding` (the engine's, `engine.orthogonal_sharding`), the step cache
+maps each batch of matrices of one kind and shape in shards instead: rank r evaluates its
+share, an all-gather hands every rank the whole batch, and the all-gather's backward (a
+reduce-scatter, summing) gives each owner sum_r dL_r/dQ of its share, whose map backward yields
+the gradient of its free parameters; the other ranks' gradient for them is zero. The data
+parallel reduction (an average over ranks) then gives J^T (mean_r dL_r/dQ) = mean_r J^T dL_r/dQ,
+the gradient of the unsharded evaluation, up to fp32 summation order. The model still only
+calls what it is handed (`bounds`, `gather`); no collective is written here.
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +115,21 @@ def active_step_cache() -> OrthogonalStepCache | None:
     return _STEPS[-1]
 
 
+class MapSharding(Protocol):
+    """How a batch of `total` maps is spread over data-parallel ranks (module docstring); the
+    engine provides it (`engine.orthogonal_sharding.DataParallelMapSharding`)."""
+
+    def bounds(self, total: int) -> tuple[int, int] | None:
+        """[lo, hi): the rows of a batch of `total` maps this rank evaluates, or None when the
+        batch is not sharded (too few maps for the ranks): every rank evaluates all of it."""
+        ...
+
+    def gather(self, part: torch.Tensor, total: int) -> torch.Tensor:
+        """Every rank's `part`, in rank order: the whole batch of `total` matrices, on every
+        rank; its backward hands each rank the gradient of its part summed over the ranks."""
+        ...
+
+
 class OrthogonalStepCache:
     """Each orthogonal map evaluated once per optimizer step, forward and backward (see the
     module docstring); driven by the training engine, not state (never saved).
@@ -116,9 +141,12 @@ class OrthogonalStepCache:
     map's own forward take the step's matrices from here.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sharding: MapSharding | None = None) -> None:
+        self.sharding = sharding
+        """Spreads the step's maps over data-parallel ranks (module docstring), or None."""
         self.evaluations = 0
-        """Matrices mapped so far (an (E, n, n) tensor counts E); for tests and benchmarks."""
+        """Matrices mapped so far by this rank (an (E, n, n) tensor counts E; with `sharding`
+        only this rank's share); for tests and benchmarks."""
         self.reset()
 
     def reset(self) -> None:
@@ -156,8 +184,9 @@ class OrthogonalStepCache:
         assert self._micro is not None, "matrices() outside micro_batch()"
         missing = [(orth, X) for orth, X in pairs if id(orth) not in self._graph]
         if missing:
-            self.evaluations += sum(X.shape[:-2].numel() for _, X in missing)
-            self._graph.update(_evaluate_grouped(missing))
+            matrices, evaluated = _evaluate_grouped_counted(missing, self.sharding)
+            self.evaluations += evaluated
+            self._graph.update(matrices)
         last = self._micro[1]
         out = {}
         for orth, _ in pairs:
@@ -369,22 +398,42 @@ def _evaluate_grouped(
 ) -> dict[int, torch.Tensor]:
     """{id(map): matrix} of (map, free parameters) pairs, maps of one kind, shape, dtype and
     device in one evaluation (`evaluate_orthogonal_maps`)."""
+    return _evaluate_grouped_counted(pairs, None)[0]
+
+
+def _evaluate_grouped_counted(
+    pairs: list[tuple[FP32Orthogonal, torch.Tensor]], sharding: MapSharding | None
+) -> tuple[dict[int, torch.Tensor], int]:
+    """`_evaluate_grouped`, each group's batch spread over the ranks by `sharding` (module
+    docstring) when given; also returns how many matrices this rank mapped."""
     groups: dict[tuple, list[tuple[FP32Orthogonal, torch.Tensor]]] = {}
     for orth, X in pairs:
         key = (orth.orthogonal_map, tuple(X.shape[-2:]), X.dtype, X.device)
         groups.setdefault(key, []).append((orth, X))
     out: dict[int, torch.Tensor] = {}
+    evaluated = 0
     for members in groups.values():
-        if len(members) == 1:
-            orth, X = members[0]
-            out[id(orth)] = orth._evaluate_or_reuse(X)
-            continue
         shape = members[0][1].shape[-2:]
         flat = [X.reshape(-1, *shape) for _, X in members]
-        Q_all = members[0][0].evaluate(torch.cat(flat))
+        total = sum(f.size(0) for f in flat)
+        rows = None if sharding is None else sharding.bounds(total)
+        if rows is None and len(members) == 1:
+            orth, X = members[0]
+            out[id(orth)] = orth._evaluate_or_reuse(X)
+            evaluated += total
+            continue
+        X_all = torch.cat(flat) if len(flat) > 1 else flat[0]
+        evaluate = members[0][0].evaluate
+        if rows is None:
+            Q_all = evaluate(X_all)
+            evaluated += total
+        else:
+            lo, hi = rows
+            Q_all = sharding.gather(evaluate(X_all[lo:hi]), total)
+            evaluated += hi - lo
         for (orth, X), Q in zip(members, Q_all.split([f.size(0) for f in flat])):
             out[id(orth)] = Q.reshape(X.shape)
-    return out
+    return out, evaluated
 
 
 def make_orthogonal(

@@ -6,6 +6,8 @@ evaluation forwards, non-finite micro-batches and checkpoints leave the step alo
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from pretrain_support import one_process_rendezvous
@@ -16,6 +18,7 @@ from torch import nn
 from engine.distributed import detect
 from engine.engine import Engine, EngineConfig
 from engine.optim import OptimizerConfig, ScheduleConfig
+from engine.orthogonal_sharding import DataParallelMapSharding
 from model import EncoderConfig, EncoderForPretraining
 from model.orthogonal import Linear, OrthogonalStepCache, make_orthogonal
 
@@ -302,6 +305,28 @@ def test_where_the_step_cache_is_off():
         EngineConfig(orthogonal_step_cache="yes")
 
 
+def test_map_shares_cover_each_batch_once():
+    """`engine.orthogonal_shard_maps`: the shares of a batch of maps are contiguous, in rank
+    order, cover it once and differ by at most one; a batch smaller than the ranks is not
+    split; one process never shards."""
+    for world in (2, 3, 8):
+        for total in range(1, 30):
+            shares = [DataParallelMapSharding(r, world).bounds(total) for r in range(world)]
+            if total < world:
+                assert shares == [None] * world
+                continue
+            assert shares[0][0] == 0 and shares[-1][1] == total
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(shares))
+            sizes = [hi - lo for lo, hi in shares]
+            assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+    with pytest.raises(ValueError, match="world_size"):
+        DataParallelMapSharding(0, 1)
+    assert make_engine(accumulation=1).orthogonal_steps is None  # one rank: nothing to share
+    assert EngineConfig().orthogonal_shard_maps  # on by default
+    with pytest.raises(ValueError, match="orthogonal_shard_maps"):
+        EngineConfig(orthogonal_shard_maps=1)
+
+
 def test_step_cache_resets_when_a_new_step_begins_without_reset():
     """Driven without the engine: a micro-batch index lower than the last one starts a new
     step, whose matrices are evaluated afresh."""
@@ -374,9 +399,11 @@ def test_zero3_keeps_the_per_forward_maps(one_process, monkeypatch):
 
 
 @pytest.mark.slow
-def test_step_cache_across_two_processes(tmp_path):
+def test_step_cache_and_map_sharding_across_two_processes(tmp_path):
     """2 ranks (gloo): DDP (whose all-reduce runs in the last micro-batch's backward only) and
-    DeepSpeed ZeRO 0-2 train to the same weights with the step cache as without it."""
+    DeepSpeed ZeRO 0-2 train to the same weights with the step cache, with the maps sharded
+    over the ranks (each micro-batch, or once per step with the cache) as with neither; sharded,
+    each rank maps about half of the matrices."""
     import json
     import subprocess
 
@@ -385,7 +412,7 @@ def test_step_cache_across_two_processes(tmp_path):
     pytest.importorskip("deepspeed")
     out = tmp_path / "report.json"
     cmd = torchrun_cmd(2, str(REPO / "tests/multiproc/orthogonal_step_cache.py"), str(out))
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["world_size"] == 2
@@ -396,6 +423,15 @@ def test_step_cache_across_two_processes(tmp_path):
         "deepspeed-zero2",
     }
     for name, run in report["runs"].items():
-        assert run["cache_active"] == [False, True], name
-        assert run["max_diff"] < ATOL, (name, run)
         assert run["moved"] > 1e-3, (name, run)
+        assert not run["off"]["active"], name
+        for way in ("cache", "shard", "both"):
+            assert run[way]["active"], (name, way)
+            assert run[way]["sharded"] == (way != "cache"), (name, way)
+            assert run[way]["max_diff"] < ATOL, (name, way, run[way])
+        whole = run["cache"]["mapped_per_rank"]  # every rank maps every matrix, once per step
+        assert whole[0] == whole[1] > 0, (name, whole)
+        both = run["both"]["mapped_per_rank"]  # shared: about half each, nothing left out
+        assert sum(both) >= whole[0] and max(both) < 0.6 * whole[0], (name, both, whole)
+        per_micro_batch = run["shard"]["mapped_per_rank"]  # 3 micro-batches per step
+        assert per_micro_batch == [3 * n for n in both], (name, per_micro_batch, both)

@@ -1,12 +1,13 @@
-"""Run under torchrun (2 ranks): the orthogonal step cache across processes.
+"""Run under torchrun (2 ranks): the orthogonal step cache and map sharding across processes.
 
 A small TransJect pretraining model trains STEPS optimizer steps of gradient accumulation
 ACCUMULATION through ``engine.Engine`` on the torch backend (DDP: ``no_sync`` before the last
 micro-batch, the all-reduce in its backward) and on DeepSpeed ZeRO 0, 1 and 2 (the reduction
-of ZeRO 1-2 in the last backward), with activation checkpointing, each with
-``orthogonal_step_cache`` off and on, each rank on its own micro-batches. Rank 0 writes a JSON
-report: per run, the largest difference between the weights with and without the cache, and how
-far the weights moved.
+of ZeRO 1-2 in the last backward), with activation checkpointing, each rank on its own
+micro-batches, four ways: ``orthogonal_step_cache`` and ``orthogonal_shard_maps`` each off and
+on. Rank 0 writes a JSON report: per run and way, whether the step cache was active and with
+sharding, how many matrices each rank mapped, the largest difference between its weights and
+those of the way with both off, and how far the weights moved.
 
     torchrun --nproc_per_node 2 tests/multiproc/orthogonal_step_cache.py OUT.json
 """
@@ -46,7 +47,10 @@ def model() -> EncoderForPretraining:
     return EncoderForPretraining(cfg)
 
 
-def run(backend: str, stage: int, cache: bool) -> tuple[dict[str, torch.Tensor], bool]:
+WAYS = {"off": (False, False), "cache": (True, False), "shard": (False, True), "both": (True, True)}
+
+
+def run(backend: str, stage: int, cache: bool, shard: bool) -> tuple[dict[str, torch.Tensor], dict]:
     dist = detect()
     cfg = EngineConfig(
         backend=backend,
@@ -57,9 +61,10 @@ def run(backend: str, stage: int, cache: bool) -> tuple[dict[str, torch.Tensor],
         gradient_accumulation_steps=ACCUMULATION,
         activation_checkpointing=True,
         orthogonal_step_cache=cache,
+        orthogonal_shard_maps=shard,
     )
     engine = Engine(model(), cfg, OPT, SCHEDULE, dist)
-    active = engine.orthogonal_steps is not None
+    steps = engine.orthogonal_steps
     g = torch.Generator().manual_seed(1000 + dist.rank)  # each rank its own micro-batches
     for _ in range(STEPS * ACCUMULATION):
         ids = torch.randint(4, 512, (2, 12), generator=g)
@@ -69,11 +74,19 @@ def run(backend: str, stage: int, cache: bool) -> tuple[dict[str, torch.Tensor],
         if engine.at_boundary:
             assert not engine.step().skipped
     state = engine.consolidated_state_dict()
+    mapped = torch.tensor([steps.evaluations if steps is not None else -1])
+    gathered = [torch.zeros_like(mapped) for _ in range(dist.world_size)]
+    torch.distributed.all_gather(gathered, mapped)
+    info = {
+        "active": steps is not None,
+        "sharded": steps is not None and steps.sharding is not None,
+        "mapped_per_rank": [int(t) for t in gathered],
+    }
     # Gone before the process group is: a DDP reducer (or DeepSpeed engine) collected only at
     # interpreter exit, after destroy_process_group, sometimes aborted the process there.
     del engine
     gc.collect()
-    return state, active
+    return state, info
 
 
 def main() -> None:
@@ -81,12 +94,17 @@ def main() -> None:
     initial = {k: v.clone() for k, v in model().state_dict().items()}
     report: dict = {"world_size": detect().world_size, "runs": {}}
     for backend, stage in RUNS:
-        (off, off_active), (on, on_active) = (run(backend, stage, c) for c in (False, True))
+        states, infos = {}, {}
+        for way, (cache, shard) in WAYS.items():
+            states[way], infos[way] = run(backend, stage, cache, shard)
+        off = states["off"]
         report["runs"][f"{backend}-zero{stage}"] = {
-            "cache_active": [off_active, on_active],
-            "max_diff": max(float((on[k] - off[k]).abs().max()) for k in off),
-            "moved": max(float((off[k] - initial[k]).abs().max()) for k in off),
-        }
+            way: {
+                **infos[way],
+                "max_diff": max(float((states[way][k] - off[k]).abs().max()) for k in off),
+            }
+            for way in WAYS
+        } | {"moved": max(float((off[k] - initial[k]).abs().max()) for k in off)}
     if detect().rank == 0:
         out.write_text(json.dumps(report))
     shutdown()
