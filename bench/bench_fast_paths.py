@@ -11,6 +11,7 @@ untimed ones (CUDA: synchronised). Ratios compare two paths in the same process.
     python bench/bench_fast_paths.py pretrain-padding
     python bench/bench_fast_paths.py orthogonal-cache --seq 256 1024 4096 --batch 1
     python bench/bench_fast_paths.py orthogonal-step --seq 128 --batch 4 --accumulation 4
+    python bench/bench_fast_paths.py orthogonal-shard --ranks 2 --seq 128 --batch 4 --accumulation 1
     python bench/bench_fast_paths.py gpu-verify            # CUDA: flex, compile, apex; asserts
     python bench/bench_fast_paths.py tisa-backends --device cuda --dtype bf16 --seq 256 512 1024 2048 4096
     python bench/bench_fast_paths.py attention-checks      # CUDA: masks, bf16 kernel, maps; asserts
@@ -572,6 +573,151 @@ def bench_orthogonal_step(args) -> dict:
     return {"rows": rows}
 
 
+def maps_alone(model, sharding, args) -> dict[str, float]:
+    """All of `model`'s orthogonal maps, forward + backward, as one training micro-batch maps
+    them: every rank all of them, sharded, and the sharded collectives alone (the gather of
+    the shares and its backward, on the free parameters instead of their maps)."""
+    from model.orthogonal import OrthogonalStepCache, evaluate_orthogonal_maps
+
+    def run(cache):
+        def go():
+            with cache.micro_batch(0, last=True):
+                store: dict = {}
+                evaluate_orthogonal_maps(model, store)
+                sum(q.float().sum() for q in store.values()).backward()
+            cache.reset()
+            model.zero_grad(set_to_none=True)
+
+        return go
+
+    groups: dict = {}
+    for m in model.modules():
+        for plist in getattr(m, "parametrizations", {}).values():
+            X = plist.original
+            groups.setdefault(tuple(X.shape[-2:]), []).append(X)
+
+    def collectives():
+        for Xs in groups.values():
+            flat = torch.cat([X.reshape(-1, *X.shape[-2:]) for X in Xs])
+            rows = sharding.bounds(flat.size(0))
+            if rows is not None:
+                sharding.gather(flat[rows[0] : rows[1]] * 1.0, flat.size(0)).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    return time_steps(
+        {
+            "every_rank_all": run(OrthogonalStepCache()),
+            "sharded": run(OrthogonalStepCache(sharding)),
+            "collectives": collectives,
+        },
+        args.warmup,
+        args.repeats,
+        args.device,
+    )
+
+
+def bench_orthogonal_shard(args) -> dict:
+    """A TransJect training step on `--ranks` data-parallel ranks (torch backend: DDP over gloo
+    on CPU, NCCL on GPUs; the recipes' foreach LAMB), the orthogonal maps evaluated in shards
+    over the ranks (`engine.orthogonal_shard_maps`, the default) vs every rank mapping all of
+    them; `--accumulation` micro-batches per step (default 1: no step cache to share the maps
+    over micro-batches). Two engines from the same initial weights, steps interleaved, each
+    rank on its own batch; rank 0 reports, with the largest weight difference after all timed
+    steps. Relaunches itself under torchrun when started without it."""
+    import os
+    import subprocess
+
+    if "RANK" not in os.environ:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={args.ranks}", __file__, *sys.argv[1:],
+        ]  # fmt: skip
+        subprocess.run(cmd, check=True)
+        args.out = None  # rank 0 of the launched job wrote it
+        return {"launched": cmd}
+
+    from engine.distributed import detect
+    from engine.engine import Engine, EngineConfig, shutdown
+    from engine.optim import OptimizerConfig, ScheduleConfig
+
+    dist = detect()
+    precision = "bf16-mixed" if args.dtype == "bf16" else "fp32"
+    device = f"cuda:{dist.local_rank}" if args.device == "cuda" else "cpu"
+    if args.device == "cuda":
+        torch.cuda.set_device(dist.local_rank)
+    rows = []
+    for N in args.seq:
+        ids, mask = make_batch(args, N, device)
+        ids = (ids + dist.rank) % args.vocab  # each rank its own batch
+        engines = {}
+        for shard in (False, True):
+            torch.manual_seed(0)
+            model = EncoderForPretraining(model_config("transject", args))
+            cfg = EngineConfig(
+                backend="torch",
+                device=args.device,
+                precision=precision,
+                micro_batch_size=args.batch,
+                gradient_accumulation_steps=args.accumulation,
+                gradient_clipping=1.0,
+                orthogonal_shard_maps=shard,
+            )
+            engines[shard] = Engine(
+                model,
+                cfg,
+                OptimizerConfig(name="lamb", lr=1e-4),
+                ScheduleConfig(warmup_steps=0, total_steps=args.warmup + args.repeats),
+                dist=dist,
+            )
+
+        def step(engine, ids=ids, mask=mask):
+            def run():
+                for _ in range(engine.cfg.gradient_accumulation_steps):
+                    out = engine.forward(ids, mask, masked_positions=mask & (ids % 7 == 0))
+                    loss = out.logits.float().logsumexp(-1).mean() + out.sop_logits.float().sum()
+                    loss = loss + sum(out.aux_losses.values(), torch.zeros((), device=ids.device))
+                    engine.backward(loss, defer=True)
+                engine.step(defer=True)
+
+            return run
+
+        t = time_steps(
+            {"every_rank_all_maps": step(engines[False]), "sharded": step(engines[True])},
+            args.warmup,
+            args.repeats,
+            args.device,
+        )
+        diff = max(
+            (a.detach().float() - b.detach().float()).abs().max().item()
+            for a, b in zip(
+                engines[False].module.parameters(), engines[True].module.parameters(), strict=True
+            )
+        )
+        steps = engines[True].orthogonal_steps
+        mapped = steps.evaluations / (args.warmup + args.repeats) if steps is not None else None
+        maps = maps_alone(engines[True].module, steps.sharding, args)
+        row = {
+            "seq": N,
+            "batch": args.batch,
+            "accumulation": args.accumulation,
+            "ranks": dist.world_size,
+            "maps_per_step_rank0_sharded": mapped,
+            "every_rank_all_maps_ms": 1e3 * t["every_rank_all_maps"],
+            "sharded_ms": 1e3 * t["sharded"],
+            "speedup": t["every_rank_all_maps"] / t["sharded"],
+            "max_weight_difference": diff,
+            **{f"maps_alone_{k}_ms": 1e3 * v for k, v in maps.items()},
+        }
+        rows.append(row)
+        if dist.rank == 0:
+            print(json.dumps(row))
+        del engines
+    shutdown()
+    if dist.rank != 0:
+        args.out = None  # rank 0 writes the report
+    return {"rows": rows}
+
+
 # ----------------------------------------------------------------------------- TISA backends
 
 
@@ -876,7 +1022,7 @@ def main() -> None:
         "what",
         choices=[
             "tisa", "compile", "grouping", "pretrain-padding", "orthogonal-cache", "gpu-verify",
-            "tisa-backends", "attention-checks", "orthogonal-step",
+            "tisa-backends", "attention-checks", "orthogonal-step", "orthogonal-shard",
         ],
     )  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -895,6 +1041,7 @@ def main() -> None:
     p.add_argument(
         "--accumulation", type=int, default=4, help="orthogonal-step: micro-batches per step"
     )
+    p.add_argument("--ranks", type=int, default=2, help="orthogonal-shard: data-parallel ranks")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -914,6 +1061,7 @@ def main() -> None:
         "tisa-backends": bench_tisa_backends,
         "attention-checks": attention_checks,
         "orthogonal-step": bench_orthogonal_step,
+        "orthogonal-shard": bench_orthogonal_shard,
     }[args.what]
     result = {"what": args.what, "args": {k: str(v) for k, v in vars(args).items()}}
     result.update(run(args))
