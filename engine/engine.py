@@ -140,7 +140,12 @@ from engine.optim import (
     resolve_lamb_implementation,
 )
 from engine.orthogonal_sharding import DataParallelMapSharding
-from model.orthogonal import OrthogonalStepCache, orthogonal_modules
+from model.orthogonal import (
+    OrthogonalStepCache,
+    evaluate_orthogonal_maps,
+    orthogonal_cache,
+    orthogonal_modules,
+)
 from model.typed_config import deep_merge
 
 BACKENDS = ("deepspeed", "torch")
@@ -181,16 +186,19 @@ class EngineConfig:
     ``data.masking.static_masked_positions``) compile once; batches padded to their longest
     example (fine-tuning) recompile once, at the second length, with dynamic shapes, then not
     again. Eval mode and no-grad (evaluation) compile one more graph. Unused parameters (e.g.
-    the pooler under mean pooling) get zero gradients instead of None. Not with ZeRO-3."""
+    the pooler under mean pooling) get zero gradients instead of None. Orthogonal maps
+    (TransJect) in training are evaluated eagerly before the compiled encoder, through
+    ``orthogonal_step_cache`` and ``orthogonal_shard_maps``, and enter its graph as inputs.
+    Not with ZeRO-3."""
     orthogonal_step_cache: bool = True
     """With gradient accumulation, evaluate each orthogonal map (TransJect,
     ``orthogonal: true``) once per optimizer step, forward and backward, instead of once per
     micro-batch: the parameters do not change between a step's micro-batches, and the
     gradient reaches them unchanged (exact to fp32 round-off; docs/methods.md, TransJect;
-    ``model.orthogonal.OrthogonalStepCache``). Not under ZeRO-3 (partitioned parameters) nor
-    with ``compile`` (the compiled graph evaluates its maps), where the maps are evaluated once
-    per micro-batch forward as with this off; without orthogonal maps, or with accumulation 1,
-    there is nothing to cache."""
+    ``model.orthogonal.OrthogonalStepCache``). With ``compile`` the step's maps are evaluated
+    eagerly before the compiled encoder, which takes them as inputs. Not under ZeRO-3
+    (partitioned parameters), where the maps are evaluated once per micro-batch forward as with
+    this off; without orthogonal maps, or with accumulation 1, there is nothing to cache."""
     orthogonal_shard_maps: bool = True
     """With several data-parallel ranks, each rank evaluates only its share of the orthogonal
     maps (TransJect, ``orthogonal: true``) in a training step and an all-gather hands every rank
@@ -198,8 +206,9 @@ class EngineConfig:
     and the usual gradient average makes it the unsharded one (exact to fp32 round-off;
     docs/methods.md, TransJect; ``engine/orthogonal_sharding.py``). Map work per rank drops by
     the number of ranks, for one all-gather and one reduce-scatter of the matrices per step.
-    Combines with ``orthogonal_step_cache`` (maps once per step, sharded); not under ZeRO-3 nor
-    with ``compile``, like it. Maps of one shape fewer than the ranks are evaluated by all."""
+    Combines with ``orthogonal_step_cache`` (maps once per step, sharded) and with ``compile``
+    (the maps evaluated eagerly before the compiled encoder); not under ZeRO-3. Maps of one
+    shape fewer than the ranks are evaluated by all."""
     compile_backend: str = "inductor"
     """The ``torch.compile`` backend: ``"inductor"`` (generates fused kernels), or a debugging
     backend such as ``"aot_eager"`` (traces forward and backward, runs them eagerly: isolates
@@ -802,7 +811,6 @@ class Engine:
                 DataParallelMapSharding(self.dist.rank, self.dist.world_size) if shard else None
             )
             if (self._orthogonal_across_micro_batches or shard)
-            and not cfg.compile
             and not (cfg.backend == "deepspeed" and cfg.zero_stage == 3)
             and orthogonal_modules(model)
             else None
@@ -991,8 +999,24 @@ class Engine:
         ):
             return contextlib.nullcontext()
         if not self._orthogonal_across_micro_batches:  # sharded, each micro-batch its own maps
-            return steps.micro_batch(0, last=True)
-        return steps.micro_batch(self._accumulated, last=self._next_is_boundary())
+            index, last = 0, True
+        else:
+            index, last = self._accumulated, self._next_is_boundary()
+        if self.cfg.compile:
+            return self._step_maps_up_front(steps, index, last)
+        return steps.micro_batch(index, last)
+
+    @contextlib.contextmanager
+    def _step_maps_up_front(
+        self, steps: OrthogonalStepCache, index: int, last: bool
+    ) -> Iterator[None]:
+        """``compile``: the step's orthogonal maps, evaluated eagerly (with the step cache and
+        the sharding) into the forward's orthogonal cache before the compiled encoder runs; the
+        compiled graph takes them as inputs instead of evaluating its own (it skips maps already
+        in the active cache), and their gradient leaves the graph into the eager maps."""
+        with steps.micro_batch(index, last), orthogonal_cache() as store:
+            evaluate_orthogonal_maps(self.module, store)
+            yield
 
     def all_finite(self, loss: torch.Tensor) -> bool:
         """True when ``loss`` is finite on every rank (one small all-reduce when distributed)."""

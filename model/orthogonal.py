@@ -46,7 +46,10 @@ linear in its incoming gradient, J^T (sum_i g_i) = sum_i J^T g_i, up to fp32 sum
 the loss scaling of every micro-batch is already in g_i. The model stays single-device code: it
 only reads which micro-batch of a step it runs (`micro_batch(index, last)`); the engine decides
 where the cache applies (not with ZeRO-3, whose partitioned parameters are gathered only
-around each module's own forward, nor with `torch.compile`, whose graph holds the map).
+around each module's own forward). With `torch.compile` the engine evaluates the step's maps
+eagerly into the forward's cache before calling the compiled encoder, whose graph then takes
+them as inputs (it skips maps already in the active cache) and returns their gradient to the
+eager maps.
 
 With several data-parallel ranks every rank would map the same matrices from the same free
 parameters. Given a `MapSharding` (the engine's, `engine.orthogonal_sharding`), the step cache
@@ -109,7 +112,8 @@ def active_orthogonal_cache() -> dict[int, torch.Tensor] | None:
 def active_step_cache() -> OrthogonalStepCache | None:
     """The step cache of the enclosing training micro-batch, or None: outside one, with
     gradients off (evaluation never touches the step's matrices) and while torch.compile
-    traces (a compiled graph evaluates its maps itself)."""
+    traces (a compiled graph either finds the step's maps in the active cache, put there by
+    the engine before the graph runs, or evaluates its own)."""
     if not _STEPS or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None
     return _STEPS[-1]

@@ -293,8 +293,6 @@ def test_map_missing_from_the_last_micro_batch_is_an_error():
 def test_where_the_step_cache_is_off():
     assert make_engine(cache=False).orthogonal_steps is None
     assert make_engine(accumulation=1).orthogonal_steps is None  # nothing to share
-    compiled = make_engine(compile=True, compile_backend="aot_eager")
-    assert compiled.orthogonal_steps is None  # the compiled graph evaluates its maps
     torch.manual_seed(0)
     plain = EncoderForPretraining(tiny("softmax"))
     cfg = EngineConfig(backend="torch", device="cpu", gradient_accumulation_steps=2)
@@ -303,6 +301,37 @@ def test_where_the_step_cache_is_off():
     assert engine.orthogonal_steps is None  # no orthogonal maps
     with pytest.raises(ValueError, match="orthogonal_step_cache"):
         EngineConfig(orthogonal_step_cache="yes")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_step_cache_under_compile(monkeypatch, checkpointing, backend):
+    """`engine.compile`: the engine evaluates the step's maps eagerly before the compiled
+    encoder, which takes them as inputs: the maps are evaluated once per step and never inside
+    the graph (a map traced into it would count here), one graph without a break, and the
+    weights are those of the eager run without the cache."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    eager = make_engine(cache=False, accumulation=3, checkpointing=checkpointing)
+    train(eager, steps=2)
+    torch._dynamo.reset()
+    counters.clear()
+    calls = count_map_evaluations(monkeypatch)
+    compiled = make_engine(
+        accumulation=3, checkpointing=checkpointing, compile=True, compile_backend=backend
+    )
+    assert compiled.orthogonal_steps is not None
+    train(compiled, steps=2)
+    graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+    assert not breaks, breaks
+    assert graphs == 1, graphs
+    assert len(calls) == 2 * orthogonal_matrices(compiled.module)  # once per step, eagerly
+    tol = {} if backend == "aot_eager" else {"atol": 1e-4, "rtol": 1e-4}
+    for x, y in zip(weights(compiled), weights(eager), strict=True):
+        torch.testing.assert_close(x, y, **({"atol": ATOL, "rtol": RTOL} | tol))
 
 
 def test_map_shares_cover_each_batch_once():
@@ -403,7 +432,7 @@ def test_step_cache_and_map_sharding_across_two_processes(tmp_path):
     """2 ranks (gloo): DDP (whose all-reduce runs in the last micro-batch's backward only) and
     DeepSpeed ZeRO 0-2 train to the same weights with the step cache, with the maps sharded
     over the ranks (each micro-batch, or once per step with the cache) as with neither; sharded,
-    each rank maps about half of the matrices."""
+    each rank maps about half of the matrices. DDP with both under engine.compile too."""
     import json
     import subprocess
 
@@ -435,3 +464,6 @@ def test_step_cache_and_map_sharding_across_two_processes(tmp_path):
         assert sum(both) >= whole[0] and max(both) < 0.6 * whole[0], (name, both, whole)
         per_micro_batch = run["shard"]["mapped_per_rank"]  # 3 micro-batches per step
         assert per_micro_batch == [3 * n for n in both], (name, per_micro_batch, both)
+    compiled = report["runs"]["torch-zero0"]["compiled"]  # both on, engine.compile
+    assert compiled["sharded"] and compiled["max_diff"] < ATOL, compiled
+    assert compiled["mapped_per_rank"] == report["runs"]["torch-zero0"]["both"]["mapped_per_rank"]

@@ -5,7 +5,7 @@ ACCUMULATION through ``engine.Engine`` on the torch backend (DDP: ``no_sync`` be
 micro-batch, the all-reduce in its backward) and on DeepSpeed ZeRO 0, 1 and 2 (the reduction
 of ZeRO 1-2 in the last backward), with activation checkpointing, each rank on its own
 micro-batches, four ways: ``orthogonal_step_cache`` and ``orthogonal_shard_maps`` each off and
-on. Rank 0 writes a JSON report: per run and way, whether the step cache was active and with
+on; on the torch backend also both on under ``engine.compile`` (aot_eager). Rank 0 writes a JSON report: per run and way, whether the step cache was active and with
 sharding, how many matrices each rank mapped, the largest difference between its weights and
 those of the way with both off, and how far the weights moved.
 
@@ -50,7 +50,9 @@ def model() -> EncoderForPretraining:
 WAYS = {"off": (False, False), "cache": (True, False), "shard": (False, True), "both": (True, True)}
 
 
-def run(backend: str, stage: int, cache: bool, shard: bool) -> tuple[dict[str, torch.Tensor], dict]:
+def run(
+    backend: str, stage: int, cache: bool, shard: bool, compiled: bool = False
+) -> tuple[dict[str, torch.Tensor], dict]:
     dist = detect()
     cfg = EngineConfig(
         backend=backend,
@@ -62,6 +64,8 @@ def run(backend: str, stage: int, cache: bool, shard: bool) -> tuple[dict[str, t
         activation_checkpointing=True,
         orthogonal_step_cache=cache,
         orthogonal_shard_maps=shard,
+        compile=compiled,
+        compile_backend="aot_eager",
     )
     engine = Engine(model(), cfg, OPT, SCHEDULE, dist)
     steps = engine.orthogonal_steps
@@ -97,13 +101,15 @@ def main() -> None:
         states, infos = {}, {}
         for way, (cache, shard) in WAYS.items():
             states[way], infos[way] = run(backend, stage, cache, shard)
+        if backend == "torch":  # both on under engine.compile: maps eager, before the graph
+            states["compiled"], infos["compiled"] = run(backend, stage, True, True, compiled=True)
         off = states["off"]
         report["runs"][f"{backend}-zero{stage}"] = {
             way: {
                 **infos[way],
                 "max_diff": max(float((states[way][k] - off[k]).abs().max()) for k in off),
             }
-            for way in WAYS
+            for way in states
         } | {"moved": max(float((off[k] - initial[k]).abs().max()) for k in off)}
     if detect().rank == 0:
         out.write_text(json.dumps(report))
