@@ -486,6 +486,64 @@ def bench_orthogonal_cache(args) -> dict:
     return {"rows": rows, "orthogonal_maps": len(maps)}
 
 
+def transject_engines(args, dist, option: str) -> dict:
+    """{False: engine, True: engine}: the same TransJect pretraining model (same initial
+    weights) through the engine with the boolean engine option `option` off and on; torch
+    backend, the recipes' foreach LAMB, `--accumulation` micro-batches of `--batch`; with
+    `--compiled`, `engine.compile` (`--compile-backend`)."""
+    from engine.engine import Engine, EngineConfig
+    from engine.optim import OptimizerConfig, ScheduleConfig
+
+    engines = {}
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = EncoderForPretraining(model_config("transject", args))
+        cfg = EngineConfig(
+            backend="torch",
+            device=args.device,
+            precision="bf16-mixed" if args.dtype == "bf16" else "fp32",
+            micro_batch_size=args.batch,
+            gradient_accumulation_steps=args.accumulation,
+            gradient_clipping=1.0,
+            compile=args.compiled,
+            compile_backend=args.compile_backend,
+            **{option: on},
+        )
+        engines[on] = Engine(
+            model,
+            cfg,
+            OptimizerConfig(name="lamb", lr=1e-4),
+            ScheduleConfig(warmup_steps=0, total_steps=args.warmup + args.repeats),
+            dist=dist,
+        )
+    return engines
+
+
+def optimizer_step(engine, ids, mask):
+    """One optimizer step of `engine` (its micro-batches, forward + backward, then the step),
+    as pretraining runs it (`defer=True`)."""
+
+    def run():
+        for _ in range(engine.cfg.gradient_accumulation_steps):
+            out = engine.forward(ids, mask, masked_positions=mask & (ids % 7 == 0))
+            loss = out.logits.float().logsumexp(-1).mean() + out.sop_logits.float().sum()
+            loss = loss + sum(out.aux_losses.values(), torch.zeros((), device=ids.device))
+            engine.backward(loss, defer=True)
+        engine.step(defer=True)
+
+    return run
+
+
+def weight_difference(engines: dict) -> float:
+    """The largest difference between the two engines' weights."""
+    return max(
+        (a.detach().float() - b.detach().float()).abs().max().item()
+        for a, b in zip(
+            engines[False].module.parameters(), engines[True].module.parameters(), strict=True
+        )
+    )
+
+
 def bench_orthogonal_step(args) -> dict:
     """A TransJect training step with gradient accumulation (`--accumulation` micro-batches of
     `--batch` x N, forward + backward each, then the optimizer step) through the engine (torch
@@ -494,36 +552,12 @@ def bench_orthogonal_step(args) -> dict:
     same initial weights, steps interleaved. Also checks that they stay equal (the largest
     weight difference after all the timed steps)."""
     from engine.distributed import DistEnv
-    from engine.engine import Engine, EngineConfig
-    from engine.optim import OptimizerConfig, ScheduleConfig
     from model.orthogonal import FP32Orthogonal
 
-    one = DistEnv.single()
-    precision = "bf16-mixed" if args.dtype == "bf16" else "fp32"
     rows = []
     for N in args.seq:
         ids, mask = make_batch(args, N, args.device)
-        engines = {}
-        for cache in (False, True):
-            torch.manual_seed(0)
-            model = EncoderForPretraining(model_config("transject", args))
-            cfg = EngineConfig(
-                backend="torch",
-                device=args.device,
-                precision=precision,
-                micro_batch_size=args.batch,
-                gradient_accumulation_steps=args.accumulation,
-                gradient_clipping=1.0,
-                orthogonal_step_cache=cache,
-            )
-            total = args.warmup + args.repeats
-            engines[cache] = Engine(
-                model,
-                cfg,
-                OptimizerConfig(name="lamb", lr=1e-4),
-                ScheduleConfig(warmup_steps=0, total_steps=total),
-                dist=one,
-            )
+        engines = transject_engines(args, DistEnv.single(), "orthogonal_step_cache")
         maps = sum(
             m.parametrizations[n].original.shape[:-2].numel()
             for m in engines[True].module.modules()
@@ -532,33 +566,21 @@ def bench_orthogonal_step(args) -> dict:
             if isinstance(plist[0], FP32Orthogonal)
         )
 
-        def step(engine, ids=ids, mask=mask):
-            def run():
-                for _ in range(engine.cfg.gradient_accumulation_steps):
-                    out = engine.forward(ids, mask, masked_positions=mask & (ids % 7 == 0))
-                    loss = out.logits.float().logsumexp(-1).mean() + out.sop_logits.float().sum()
-                    loss = loss + sum(out.aux_losses.values(), torch.zeros((), device=ids.device))
-                    engine.backward(loss, defer=True)
-                engine.step(defer=True)
-
-            return run
-
         t = time_steps(
-            {"per_micro_batch": step(engines[False]), "per_step": step(engines[True])},
+            {
+                "per_micro_batch": optimizer_step(engines[False], ids, mask),
+                "per_step": optimizer_step(engines[True], ids, mask),
+            },
             args.warmup,
             args.repeats,
             args.device,
         )
-        diff = max(
-            (a.detach().float() - b.detach().float()).abs().max().item()
-            for a, b in zip(
-                engines[False].module.parameters(), engines[True].module.parameters(), strict=True
-            )
-        )
+        diff = weight_difference(engines)
         row = {
             "seq": N,
             "batch": args.batch,
             "accumulation": args.accumulation,
+            "compiled": args.compiled,
             "maps_per_forward": maps,
             "per_micro_batch_ms": 1e3 * t["per_micro_batch"],
             "per_step_ms": 1e3 * t["per_step"],
@@ -637,11 +659,9 @@ def bench_orthogonal_shard(args) -> dict:
         return {"launched": cmd}
 
     from engine.distributed import detect
-    from engine.engine import Engine, EngineConfig, shutdown
-    from engine.optim import OptimizerConfig, ScheduleConfig
+    from engine.engine import shutdown
 
     dist = detect()
-    precision = "bf16-mixed" if args.dtype == "bf16" else "fp32"
     device = f"cuda:{dist.local_rank}" if args.device == "cuda" else "cpu"
     if args.device == "cuda":
         torch.cuda.set_device(dist.local_rank)
@@ -649,50 +669,17 @@ def bench_orthogonal_shard(args) -> dict:
     for N in args.seq:
         ids, mask = make_batch(args, N, device)
         ids = (ids + dist.rank) % args.vocab  # each rank its own batch
-        engines = {}
-        for shard in (False, True):
-            torch.manual_seed(0)
-            model = EncoderForPretraining(model_config("transject", args))
-            cfg = EngineConfig(
-                backend="torch",
-                device=args.device,
-                precision=precision,
-                micro_batch_size=args.batch,
-                gradient_accumulation_steps=args.accumulation,
-                gradient_clipping=1.0,
-                orthogonal_shard_maps=shard,
-            )
-            engines[shard] = Engine(
-                model,
-                cfg,
-                OptimizerConfig(name="lamb", lr=1e-4),
-                ScheduleConfig(warmup_steps=0, total_steps=args.warmup + args.repeats),
-                dist=dist,
-            )
-
-        def step(engine, ids=ids, mask=mask):
-            def run():
-                for _ in range(engine.cfg.gradient_accumulation_steps):
-                    out = engine.forward(ids, mask, masked_positions=mask & (ids % 7 == 0))
-                    loss = out.logits.float().logsumexp(-1).mean() + out.sop_logits.float().sum()
-                    loss = loss + sum(out.aux_losses.values(), torch.zeros((), device=ids.device))
-                    engine.backward(loss, defer=True)
-                engine.step(defer=True)
-
-            return run
-
+        engines = transject_engines(args, dist, "orthogonal_shard_maps")
         t = time_steps(
-            {"every_rank_all_maps": step(engines[False]), "sharded": step(engines[True])},
+            {
+                "every_rank_all_maps": optimizer_step(engines[False], ids, mask),
+                "sharded": optimizer_step(engines[True], ids, mask),
+            },
             args.warmup,
             args.repeats,
             args.device,
         )
-        diff = max(
-            (a.detach().float() - b.detach().float()).abs().max().item()
-            for a, b in zip(
-                engines[False].module.parameters(), engines[True].module.parameters(), strict=True
-            )
-        )
+        diff = weight_difference(engines)
         steps = engines[True].orthogonal_steps
         mapped = steps.evaluations / (args.warmup + args.repeats) if steps is not None else None
         maps = maps_alone(engines[True].module, steps.sharding, args)
@@ -1035,6 +1022,11 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=8000)
     p.add_argument("--families", nargs="+", default=["softmax", "tisa", "kernel", "transject"])
     p.add_argument("--compile-backend", default="inductor")
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="orthogonal-step / orthogonal-shard: both engines with engine.compile",
+    )
     p.add_argument("--examples", type=int, default=1024, help="grouping: training examples")
     p.add_argument("--documents", type=int, default=2000, help="pretrain-padding: documents")
     p.add_argument("--max-seq-length", type=int, default=512)
