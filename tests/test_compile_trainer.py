@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch._dynamo
 from pretrain_support import FAMILY, base_overrides, make_shards, one_process_rendezvous
+from test_model_core import orthogonal_matrices
 from torch._dynamo.utils import counters
 
 import pretrain.train as train_module
@@ -37,7 +38,9 @@ def shards(tmp_path_factory):
     return make_shards(tmp_path_factory.mktemp("compile"))
 
 
-def run(shards, run_dir, family, extra, compiled, backend="aot_eager"):
+def run(shards, run_dir, family, extra, compiled, backend="aot_eager", seen=None):
+    """(loss and gradient norm per step, graphs, graph breaks) of a STEPS-step run; `seen`, a
+    dict, receives the trainer's engine."""
     torch._dynamo.reset()
     counters.clear()
     overrides = [
@@ -54,6 +57,8 @@ def run(shards, run_dir, family, extra, compiled, backend="aot_eager"):
     trainer = train_module.Trainer(pretrain_config(load_recipe(None, overrides)))
     if compiled:
         assert trainer.engine.module.encoder._compiled_call_impl is not None
+    if seen is not None:
+        seen["engine"] = trainer.engine
     result = trainer.run()
     assert result.state == "completed" and result.step == STEPS
     rows = read_jsonl(run_dir / "tensorboard")
@@ -87,3 +92,22 @@ def test_compiled_trainer_zero2_bf16_mixed(shards, tmp_path, monkeypatch):
     assert not breaks, breaks
     assert 1 <= graphs <= 4, graphs
     torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
+
+
+def test_compiled_transject_keeps_its_maps_once_per_step(shards, tmp_path, monkeypatch):
+    """TransJect compiled under DeepSpeed ZeRO-2 with gradient accumulation: the engine maps the
+    orthogonal weights once per optimizer step, eagerly, before the compiled encoder (the step
+    cache stays on under compile), and the run equals the eager run."""
+    one_process_rendezvous(monkeypatch)
+    extra = ["engine.zero_stage=2", "engine.gradient_accumulation_steps=2", "optimizer.name=lamb"]
+    eager, _, _ = run(shards, tmp_path / "eager", "transject", extra, compiled=False)
+    seen: dict = {}
+    compiled, graphs, breaks = run(
+        shards, tmp_path / "compiled", "transject", extra, compiled=True, seen=seen
+    )
+    steps = seen["engine"].orthogonal_steps
+    assert steps is not None
+    assert steps.evaluations == STEPS * orthogonal_matrices(seen["engine"].module)
+    assert not breaks, breaks
+    assert 1 <= graphs <= 4, graphs
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
