@@ -507,6 +507,7 @@ def transject_engines(args, dist, option: str) -> dict:
             gradient_clipping=1.0,
             compile=args.compiled,
             compile_backend=args.compile_backend,
+            orthogonal_shard_min_size=args.shard_min_size,
             **{option: on},
         )
         engines[on] = Engine(
@@ -534,14 +535,25 @@ def optimizer_step(engine, ids, mask):
     return run
 
 
-def weight_difference(engines: dict) -> float:
-    """The largest difference between the two engines' weights."""
-    return max(
+def race(engines: dict, names: tuple[str, str], ids, mask, args) -> tuple[dict, float]:
+    """({name: median seconds per optimizer step}, the largest difference between the two
+    engines' weights afterwards): the engines' steps interleaved, `names` for off and on."""
+    t = time_steps(
+        {
+            names[0]: optimizer_step(engines[False], ids, mask),
+            names[1]: optimizer_step(engines[True], ids, mask),
+        },
+        args.warmup,
+        args.repeats,
+        args.device,
+    )
+    diff = max(
         (a.detach().float() - b.detach().float()).abs().max().item()
         for a, b in zip(
             engines[False].module.parameters(), engines[True].module.parameters(), strict=True
         )
     )
+    return t, diff
 
 
 def bench_orthogonal_step(args) -> dict:
@@ -566,16 +578,7 @@ def bench_orthogonal_step(args) -> dict:
             if isinstance(plist[0], FP32Orthogonal)
         )
 
-        t = time_steps(
-            {
-                "per_micro_batch": optimizer_step(engines[False], ids, mask),
-                "per_step": optimizer_step(engines[True], ids, mask),
-            },
-            args.warmup,
-            args.repeats,
-            args.device,
-        )
-        diff = weight_difference(engines)
+        t, diff = race(engines, ("per_micro_batch", "per_step"), ids, mask, args)
         row = {
             "seq": N,
             "batch": args.batch,
@@ -621,7 +624,7 @@ def maps_alone(model, sharding, args) -> dict[str, float]:
     def collectives():
         for Xs in groups.values():
             flat = torch.cat([X.reshape(-1, *X.shape[-2:]) for X in Xs])
-            rows = sharding.bounds(flat.size(0))
+            rows = sharding.bounds(flat.size(0), tuple(flat.shape[-2:]))
             if rows is not None:
                 sharding.gather(flat[rows[0] : rows[1]] * 1.0, flat.size(0)).sum().backward()
         model.zero_grad(set_to_none=True)
@@ -670,16 +673,7 @@ def bench_orthogonal_shard(args) -> dict:
         ids, mask = make_batch(args, N, device)
         ids = (ids + dist.rank) % args.vocab  # each rank its own batch
         engines = transject_engines(args, dist, "orthogonal_shard_maps")
-        t = time_steps(
-            {
-                "every_rank_all_maps": optimizer_step(engines[False], ids, mask),
-                "sharded": optimizer_step(engines[True], ids, mask),
-            },
-            args.warmup,
-            args.repeats,
-            args.device,
-        )
-        diff = weight_difference(engines)
+        t, diff = race(engines, ("every_rank_all_maps", "sharded"), ids, mask, args)
         steps = engines[True].orthogonal_steps
         mapped = steps.evaluations / (args.warmup + args.repeats) if steps is not None else None
         maps = maps_alone(engines[True].module, steps.sharding, args)
@@ -1034,6 +1028,9 @@ def main() -> None:
         "--accumulation", type=int, default=4, help="orthogonal-step: micro-batches per step"
     )
     p.add_argument("--ranks", type=int, default=2, help="orthogonal-shard: data-parallel ranks")
+    p.add_argument(
+        "--shard-min-size", type=int, default=256, help="engine.orthogonal_shard_min_size"
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")

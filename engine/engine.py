@@ -208,7 +208,13 @@ class EngineConfig:
     the number of ranks, for one all-gather and one reduce-scatter of the matrices per step.
     Combines with ``orthogonal_step_cache`` (maps once per step, sharded) and with ``compile``
     (the maps evaluated eagerly before the compiled encoder); not under ZeRO-3. Maps of one
-    shape fewer than the ranks are evaluated by all."""
+    shape fewer than the ranks, or smaller than ``orthogonal_shard_min_size``, are evaluated
+    by all."""
+    orthogonal_shard_min_size: int = 256
+    """``orthogonal_shard_maps`` shares out only matrices whose both sides are at least this
+    long; smaller ones cost less to map than the collectives (2 CPU ranks: 64 x 64 maps were
+    slower sharded, 128 x 128 even, 256 x 256 faster; on a GPU a batched solve of small
+    matrices costs about the same whatever their number). 0 shares out every size."""
     compile_backend: str = "inductor"
     """The ``torch.compile`` backend: ``"inductor"`` (generates fused kernels), or a debugging
     backend such as ``"aot_eager"`` (traces forward and backward, runs them eagerly: isolates
@@ -265,6 +271,11 @@ class EngineConfig:
             raise ValueError("engine.dist_timeout_minutes must be > 0")
         if not isinstance(self.compile, bool):
             raise ValueError(f"engine.compile={self.compile!r} is invalid; valid: true, false")
+        size = self.orthogonal_shard_min_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(
+                f"engine.orthogonal_shard_min_size={size!r} is invalid; valid: an integer >= 0"
+            )
         for name in ("orthogonal_step_cache", "orthogonal_shard_maps"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
@@ -805,13 +816,27 @@ class Engine:
         self._orthogonal_across_micro_batches = (
             cfg.orthogonal_step_cache and cfg.gradient_accumulation_steps > 1
         )
-        shard = cfg.orthogonal_shard_maps and self.dist.world_size > 1
+        zero3 = cfg.backend == "deepspeed" and cfg.zero_stage == 3  # partitioned parameters
+        shard = (
+            cfg.orthogonal_shard_maps
+            and self.dist.world_size > 1
+            and not zero3
+            and any(  # some matrices large enough to share out
+                min(module.parametrizations[name].original.shape[-2:])
+                >= cfg.orthogonal_shard_min_size
+                for _, module, name in orthogonal_modules(model)
+            )
+        )
         self.orthogonal_steps: OrthogonalStepCache | None = (
             OrthogonalStepCache(
-                DataParallelMapSharding(self.dist.rank, self.dist.world_size) if shard else None
+                DataParallelMapSharding(
+                    self.dist.rank, self.dist.world_size, cfg.orthogonal_shard_min_size
+                )
+                if shard
+                else None
             )
             if (self._orthogonal_across_micro_batches or shard)
-            and not (cfg.backend == "deepspeed" and cfg.zero_stage == 3)
+            and not zero3
             and orthogonal_modules(model)
             else None
         )

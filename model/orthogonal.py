@@ -123,9 +123,10 @@ class MapSharding(Protocol):
     """How a batch of `total` maps is spread over data-parallel ranks (module docstring); the
     engine provides it (`engine.orthogonal_sharding.DataParallelMapSharding`)."""
 
-    def bounds(self, total: int) -> tuple[int, int] | None:
-        """[lo, hi): the rows of a batch of `total` maps this rank evaluates, or None when the
-        batch is not sharded (too few maps for the ranks): every rank evaluates all of it."""
+    def bounds(self, total: int, shape: tuple[int, int]) -> tuple[int, int] | None:
+        """[lo, hi): the rows of a batch of `total` maps of free parameters of `shape` this rank
+        evaluates, or None when the batch is not sharded (too few maps for the ranks, or maps
+        too small to be worth the collectives): every rank evaluates all of it."""
         ...
 
     def gather(self, part: torch.Tensor, total: int) -> torch.Tensor:
@@ -420,7 +421,7 @@ def _evaluate_grouped_counted(
         shape = members[0][1].shape[-2:]
         flat = [X.reshape(-1, *shape) for _, X in members]
         total = sum(f.size(0) for f in flat)
-        rows = None if sharding is None else sharding.bounds(total)
+        rows = None if sharding is None else sharding.bounds(total, tuple(shape))
         if rows is None and len(members) == 1:
             orth, X = members[0]
             out[id(orth)] = orth._evaluate_or_reuse(X)

@@ -340,7 +340,7 @@ def test_map_shares_cover_each_batch_once():
     split; one process never shards."""
     for world in (2, 3, 8):
         for total in range(1, 30):
-            shares = [DataParallelMapSharding(r, world).bounds(total) for r in range(world)]
+            shares = [DataParallelMapSharding(r, world).bounds(total, (8, 8)) for r in range(world)]
             if total < world:
                 assert shares == [None] * world
                 continue
@@ -350,6 +350,10 @@ def test_map_shares_cover_each_batch_once():
             assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
     with pytest.raises(ValueError, match="world_size"):
         DataParallelMapSharding(0, 1)
+    large = DataParallelMapSharding(1, 2, min_size=256)  # small matrices: mapped by every rank
+    assert large.bounds(11, (768, 768)) == (6, 11) and large.bounds(11, (768, 255)) is None
+    with pytest.raises(ValueError, match="orthogonal_shard_min_size"):
+        EngineConfig(orthogonal_shard_min_size=-1)
     assert make_engine(accumulation=1).orthogonal_steps is None  # one rank: nothing to share
     assert EngineConfig().orthogonal_shard_maps  # on by default
     with pytest.raises(ValueError, match="orthogonal_shard_maps"):
