@@ -845,6 +845,29 @@ class Engine:
         then once per micro-batch without the step cache); None where every forward evaluates
         them itself."""
 
+    @property
+    def orthogonal_summary(self) -> str | None:
+        """One line on how a training step evaluates the orthogonal maps, or None where every
+        forward evaluates them itself (no maps, or neither option applies)."""
+        steps = self.orthogonal_steps
+        if steps is None:
+            return None
+        how = []
+        if self._orthogonal_across_micro_batches:
+            how.append(
+                f"once per optimizer step ({self.cfg.gradient_accumulation_steps} micro-batches)"
+            )
+        if steps.sharding is not None:
+            how.append(
+                f"shared out over {self.dist.world_size} ranks (matrices from "
+                f"{self.cfg.orthogonal_shard_min_size} x {self.cfg.orthogonal_shard_min_size})"
+            )
+        return (
+            "orthogonal maps "
+            + ", ".join(how)
+            + (", before the compiled encoder" if self.cfg.compile else "")
+        )
+
     # -- configuration -------------------------------------------------------------------------
 
     def deepspeed_config(self) -> dict[str, Any]:

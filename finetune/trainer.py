@@ -524,6 +524,8 @@ class Finetuner:
         )
         if result.resumed_from is not None:
             progress.write(f"finetune: resumed from {result.resumed_from} (step {self.step})")
+        if self.is_main and self.engine.orthogonal_summary is not None:
+            progress.write(f"finetune: {self.engine.orthogonal_summary}")
         best_value = -math.inf
         if result.best_step is not None:
             best_value = result.best.get(cfg.select_split, {}).get(cfg.select, -math.inf)

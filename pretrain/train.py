@@ -593,6 +593,8 @@ class Trainer:
             )
             if self.init_report is not None:
                 progress.write(f"pretrain: {self.init_report.summary()}")
+            if self.engine.orthogonal_summary is not None:
+                progress.write(f"pretrain: {self.engine.orthogonal_summary}")
             if not self.resuming:
                 writer.text("config", "```\n" + to_yaml(self.resolved) + "\n```", self.step)
         stopwatch = StopWatch(
