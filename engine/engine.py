@@ -858,9 +858,10 @@ class Engine:
                 f"once per optimizer step ({self.cfg.gradient_accumulation_steps} micro-batches)"
             )
         if steps.sharding is not None:
+            size = self.cfg.orthogonal_shard_min_size
             how.append(
-                f"shared out over {self.dist.world_size} ranks (matrices from "
-                f"{self.cfg.orthogonal_shard_min_size} x {self.cfg.orthogonal_shard_min_size})"
+                f"shared out over {self.dist.world_size} ranks"
+                + (f" (matrices from {size} x {size})" if size else "")
             )
         return (
             "orthogonal maps "
