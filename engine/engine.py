@@ -1432,7 +1432,9 @@ class Engine:
         """Collective. Restores what ``save`` wrote; raises when it cannot. ``engine.pt``
         (``backend="torch"``) is loaded with ``weights_only=True``: a file holding anything but
         tensors and plain data raises ``CheckpointError`` naming it. DeepSpeed loads its own
-        files with ``weights_only=False`` (see the module docstring).
+        files with ``weights_only=False`` (see the module docstring). Only at a step boundary:
+        between two micro-batches of a step it raises (their gradients belong to the old
+        weights).
 
         Another world size. ``engine.pt`` and DeepSpeed ZeRO-0 checkpoints hold the whole
         optimizer state and load on any number of processes as they are. A DeepSpeed ZeRO 1-3
@@ -1447,6 +1449,14 @@ class Engine:
         (``PretrainingLoader.load_state_dict`` with a state of another world size)."""
         from engine import reshard
 
+        if self._accumulated:
+            # The micro-batches' gradients so far (on the parameters, and the orthogonal step
+            # cache's on its matrices) belong to the weights being replaced.
+            raise RuntimeError(
+                f"Engine.load({directory}) between two micro-batches of an optimizer step "
+                f"({self._accumulated} of {self.cfg.gradient_accumulation_steps} backward() "
+                "calls done): load at a step boundary, before the first forward or after step()"
+            )
         directory = Path(directory)
         if self._ds is not None:
             saved_world = reshard.saved_world_size(directory)

@@ -218,7 +218,7 @@ def test_nonfinite_micro_batch_leaks_nothing_into_the_next_step(poisoned, defer)
 def test_checkpoint_mid_step_is_unaffected(tmp_path):
     """The cache is not state: a checkpoint written between two micro-batches holds the same
     tensors as without the cache, the step goes on unchanged, and a run resumed from a
-    checkpoint trains as the uninterrupted one."""
+    checkpoint trains as the uninterrupted one. Loading one mid-step is refused."""
     batches = micro_batches(4)
     engines = {cache: make_engine(cache=cache) for cache in (False, True)}
     for cache, engine in engines.items():
@@ -239,6 +239,10 @@ def test_checkpoint_mid_step_is_unaffected(tmp_path):
     for key, value in saved[0]["model"].items():
         torch.testing.assert_close(saved[1]["model"][key], value, atol=0, rtol=0)
     assert_same_weights(weights(engines[False]), weights(engines[True]))
+    resumed = make_engine(cache=True)
+    resumed.backward(loss_of(resumed.forward(*batches[0])))
+    with pytest.raises(RuntimeError, match="between two micro-batches"):
+        resumed.load(tmp_path / "step-True")  # its gradients so far would meet other weights
     resumed = make_engine(cache=True)
     resumed.load(tmp_path / "step-True")
     for ids, mask in batches[2:]:
