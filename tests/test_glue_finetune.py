@@ -299,3 +299,59 @@ def test_glue_on_two_ranks_with_deepspeed_zero2(tmp_path, release):
     assert row["dev"]["dev"]["accuracy"] >= 0.8, row
     assert (Path(row["run_dir"]) / "best" / "model.safetensors").is_file()
     assert (run_dir / "submission" / "SST-2.tsv").is_file()
+
+
+@pytest.mark.slow
+def test_glue_transject_on_two_ranks_with_sharded_maps(tmp_path, tokenizer_file):
+    """Fine-tuning a TransJect release on 2 processes with its orthogonal maps shared out over
+    the ranks (every size): the run says so, and its fine-tuned weights and dev metrics equal
+    those of the run where every rank maps everything."""
+    import subprocess
+
+    from pretrain_support import REPO, env, torchrun_cmd
+
+    vocab = load_glue_tokenizer(tokenizer_file).get_vocab_size()
+    torch.manual_seed(0)
+    cfg = EncoderConfig.preset(
+        "debug",
+        attention="transject",
+        vocab_size=vocab,
+        hidden_size=32,
+        num_hidden_layers=2,
+        max_position_embeddings=64,
+        transject={"num_experts": 2},
+    )
+    release = save_release(
+        tmp_path / "release", EncoderForPretraining(cfg), tokenizer_file=tokenizer_file
+    )
+    data = write_sst2(tmp_path / "glue")
+    results = {}
+    for shard in (False, True):
+        run_dir = tmp_path / f"runs-{shard}"
+        args = ["-m", "finetune", "glue", "--task", "sst2", "--data", str(data)]
+        args += ["--init", str(release), "engine.backend=torch", "engine.precision=fp32"]
+        args += ["engine.device=cpu", "engine.micro_batch_size=8", "data.max_length=32"]
+        args += ["schedule.warmup_steps=2", "schedule.total_steps=12", "train.eval_every=12"]
+        args += ["optimizer.lr=0.002", f"train.run_dir={run_dir}"]
+        args += [f"engine.orthogonal_shard_maps={str(shard).lower()}"]
+        args += ["engine.orthogonal_shard_min_size=0", "model.hidden_dropout_prob=0.0"]
+        proc = subprocess.run(
+            torchrun_cmd(2, *args), cwd=REPO, env=env(), capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert ("shared out over 2 ranks" in proc.stdout + proc.stderr) == shard
+        (row,) = json.loads((run_dir / "results.json").read_text())["runs"]
+        results[shard] = row
+    assert results[True]["dev"] == results[False]["dev"], results
+    from safetensors.torch import load_file
+
+    tuned = {
+        s: load_file(Path(results[s]["run_dir"]) / "best" / "model.safetensors") for s in results
+    }
+    start = load_file(release / "model.safetensors")
+    moved = max(
+        (tuned[False][k] - v).abs().max().item() for k, v in start.items() if k in tuned[False]
+    )
+    assert moved > 1e-3, moved  # the runs trained
+    for key, value in tuned[False].items():
+        torch.testing.assert_close(tuned[True][key], value, atol=1e-5, rtol=1e-4)
