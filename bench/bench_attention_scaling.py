@@ -11,7 +11,11 @@ around each forward after `--warmup` forwards (which also absorb torch.compile o
 FlexAttention), median of `--repeats`. Memory: `torch.cuda.max_memory_allocated()` after a
 reset, minus what was allocated before the forward. `--dtype bf16` runs the forward under
 `torch.autocast(dtype=torch.bfloat16)` (weights stay fp32). An out-of-memory point is recorded
-as an error and the next one runs.
+as an error and the next one runs. The batch holds no padding; by default it comes with an
+all-ones mask, which on a GPU the model must treat as padded (it cannot read the mask without
+a sync: softmax then runs SDPA with a key-padding bias, not flash); `--no-mask` passes none,
+as the trainers do for an unpadded batch (`Engine.to_device`), so every family runs its
+unpadded path.
 
     python bench/bench_attention_scaling.py --lengths 256 512 1024 2048 4096 8192 --out bench/results/scaling.json
     python bench/bench_attention_scaling.py --device cuda --dtype bf16 --lengths 256 512 1024 2048 4096 8192 16384 --out scaling_gpu.json
@@ -101,7 +105,7 @@ def run_point_cuda(family: str, n: int, args: argparse.Namespace) -> dict:
 
     model = build(family, n, args.width, args.heads, args.layers).cuda()
     ids = torch.randint(4, 1000, (args.batch, n), device="cuda")
-    mask = torch.ones(args.batch, n, dtype=torch.bool, device="cuda")
+    mask = None if args.no_mask else torch.ones(args.batch, n, dtype=torch.bool, device="cuda")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.dtype == "bf16")
     try:
         with torch.no_grad(), autocast:
@@ -148,6 +152,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="CUDA: bf16 "
                         "autocast (fp32 weights); the CPU path is fp32 only")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=3, help="untimed forwards (CUDA)")
+    parser.add_argument(
+        "--no-mask",
+        action="store_true",
+        help="CUDA: no attention mask (the unpadded path) instead of an all-ones one",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--point", nargs=2, metavar=("FAMILY", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -9,6 +9,7 @@
 #                                       # only); default: the recipes' own (auto = foreach)
 #   EXTRA="engine.compile=true" bash bench/gpu_suite.sh   # extra recipe overrides (engine parts)
 #   PRETRAIN="--accumulation 8 --padding none" bash bench/gpu_suite.sh  # pretrain part's options
+#   SCALING="--no-mask" bash bench/gpu_suite.sh   # scaling part without a mask (unpadded path)
 #
 # On the device machine (see BENCHMARKS.md): run(command="bash bench/gpu_suite.sh",
 # carry=[".whl"], timeout_s=600). .whl/ holds the wheels the image lacks (DeepSpeed built here
@@ -62,6 +63,7 @@ LAMB=${LAMB:-auto}
 # EXTRA="engine.compile=true" (then budget the compile time: warm-up steps absorb it).
 read -ra EXTRA_OVERRIDES <<<"${EXTRA:-}"
 read -ra PRETRAIN_ARGS <<<"${PRETRAIN:-}"  # e.g. PRETRAIN="--accumulation 8 --padding none"
+read -ra SCALING_ARGS <<<"${SCALING:-}"  # e.g. SCALING="--no-mask" (the unpadded path)
 OVERRIDES=("${EXTRA_OVERRIDES[@]}")
 # OPTX: EXTRA alone (the recipes' own LAMB), for the syncs part, which checks the shipped setup.
 if [ ${#OVERRIDES[@]} -gt 0 ]; then OPTX=(--override "${OVERRIDES[@]}"); else OPTX=(); fi
@@ -154,7 +156,7 @@ else
     --repeats 20 --warmup 3 --out "$OUT/fused_qkv_gpu.json"
   part scaling 80 python3 bench/bench_attention_scaling.py --device cuda --dtype bf16 \
     --width 768 --heads 12 --batch 8 --lengths 256 512 1024 2048 4096 8192 16384 \
-    --repeats 10 --warmup 3 --out "$OUT/scaling_gpu.json"
+    --repeats 10 --warmup 3 "${SCALING_ARGS[@]}" --out "$OUT/scaling_gpu.json"
   part pretrain 210 python3 bench/bench_pretrain_throughput.py --device cuda --preset albert \
     --steps 8 --warmup 3 --timeout 75 "${PRETRAIN_ARGS[@]}" "${OPT[@]}" --out "$OUT/pretrain_gpu.json"
   # The other shipped engine setting: ZeRO-2 (flat partitions; the LAMB per tensor on them).
