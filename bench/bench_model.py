@@ -5,7 +5,11 @@ to a temp dir and imported through `model.hf_import`, so both models hold identi
 (checked: the fp32 losses agree before anything is timed). Each step computes the same loss on
 both (MLM cross-entropy over the full logits + SOP) and its backward. Runs are interleaved (ours,
 theirs, ours, ...) and the median is reported; the ratio is ours / theirs (<= 1.0 means we are at
-least as fast).
+least as fast). The batch holds no padding and reaches each model as its own pipeline hands
+it over: HF gets an all-ones `attention_mask` (transformers checks it on the host and drops it,
+so SDPA may pick flash); ours gets None, what the trainers' `Engine.to_device` makes of such a
+mask while it is still on the host. (Runs before this used the all-ones mask on the device for
+ours too, which the model must treat as padded: SDPA with a key-padding bias, not flash.)
 
 Precision (`--dtype`): `fp32`, or `bf16` = `torch.autocast(dtype=torch.bfloat16)` around forward
 and loss with fp32 weights and gradients on both sides (the engine's `bf16-mixed`), so both models
@@ -23,12 +27,17 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.engine import batch_to_device
 
 
 def build_pair(layers: int, vocab: int, device: str):
@@ -56,13 +65,13 @@ def build_pair(layers: int, vocab: int, device: str):
     return ours.to(device).train(), theirs.to(device).train()
 
 
-def step(model, is_hf: bool, ids, mask, labels, sop, autocast=None):
+def step(model, is_hf: bool, ids, masks, labels, sop, autocast=None):
     with autocast if autocast is not None else contextlib.nullcontext():
         if is_hf:
-            out = model(input_ids=ids, attention_mask=mask)
+            out = model(input_ids=ids, attention_mask=masks["hf"])
             logits, sop_logits = out.prediction_logits, out.sop_logits
         else:
-            out = model(ids, mask)
+            out = model(ids, masks["ours"])
             logits, sop_logits = out.logits, out.sop_logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
         loss = loss + F.cross_entropy(sop_logits.float(), sop)
@@ -118,10 +127,18 @@ def main() -> None:
     for n in args.seq:
         g = torch.Generator().manual_seed(n)
         ids = torch.randint(5, args.vocab, (args.batch, n), generator=g).to(args.device)
-        mask = torch.ones(args.batch, n, dtype=torch.long, device=args.device)
+        # An unpadded batch as each side's own pipeline hands it to its model: HF gets the
+        # all-ones attention_mask (transformers reads it, a host sync, and drops it, so SDPA may
+        # use flash); ours gets what the trainers' Engine.to_device makes of it (read on the
+        # host before the copy): None, so the attention knows without a sync.
+        mask = torch.ones(args.batch, n, dtype=torch.long)
+        masks = {
+            "hf": mask.to(args.device),
+            "ours": batch_to_device({"attention_mask": mask}, args.device)["attention_mask"],
+        }
         labels = torch.where(torch.rand(ids.shape, generator=g).to(args.device) < 0.15, ids, -100)
         sop = torch.randint(0, 2, (args.batch,), generator=g).to(args.device)
-        inputs = (ids, mask, labels, sop)
+        inputs = (ids, masks, labels, sop)
         # Same weights -> same fp32 loss (TF32 off for the check, so it is exact to rounding).
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False

@@ -493,6 +493,25 @@ def lamb_exactness(
     return False, why
 
 
+def batch_to_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+    """``batch`` with its tensors on ``device``, every ``attention_mask*`` entry without padding
+    replaced by None (read on the host, before the copy): what `Engine.to_device` does, for
+    code that feeds a model without an engine (the benchmarks)."""
+    unpadded = {
+        k: None
+        for k, v in batch.items()
+        if k.startswith("attention_mask")  # also the LRA pair's attention_mask_b
+        and isinstance(v, torch.Tensor)
+        and v.device.type == "cpu"
+        and bool(v.numpy().all())  # host memory (numpy fails on a device tensor)
+    }
+    batch = {**batch, **unpadded}
+    return {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        for k, v in batch.items()
+    }
+
+
 def compile_encoder(model: nn.Module, backend: str = "inductor") -> nn.Module:
     """Compiles ``model.encoder`` (or ``model`` when it has no encoder) in place with
     ``nn.Module.compile``: parameters and state-dict keys stay as they are (no ``_orig_mod.``
@@ -1002,19 +1021,7 @@ class Engine:
         (``model.attention.base.batch_is_padded``) and the attention keeps a mask, which rules
         out SDPA's flash and cuDNN kernels. None says "no padding" for free: every model of
         this project reads a missing mask as all real tokens."""
-        unpadded = {
-            k: None
-            for k, v in batch.items()
-            if k.startswith("attention_mask")  # also the LRA pair's attention_mask_b
-            and isinstance(v, torch.Tensor)
-            and v.device.type == "cpu"
-            and bool(v.numpy().all())  # host memory (numpy fails on a device tensor)
-        }
-        batch = {**batch, **unpadded}
-        return {
-            k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-            for k, v in batch.items()
-        }
+        return batch_to_device(batch, self.device)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward on this rank's micro-batch (tensors must be on ``self.device``)."""
