@@ -15,6 +15,7 @@ and how many tensors DeepSpeed split between the ranks' flat partitions. A last 
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import warnings
@@ -161,6 +162,7 @@ def main() -> None:
             }
     if detect().rank == 0:
         out.write_text(json.dumps(report))
+    gc.collect()  # the runs' DeepSpeed engines (reference cycles) before the process group
     shutdown()
 
 

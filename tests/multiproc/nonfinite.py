@@ -9,6 +9,7 @@ max_nonfinite_in_a_row=3 such steps the run saves and raises NonFiniteLossError.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import sys
@@ -83,6 +84,9 @@ def main() -> None:
             "digest_after_6": digests[6][1],
         }
         (out / "report.json").write_text(json.dumps(report, indent=2))
+    # The trainer and its DeepSpeed engine before the process group (not at interpreter exit).
+    trainer = step_fn = None  # (closed over by recording_step: rebound, not deleted)
+    gc.collect()
     shutdown()
 
 
