@@ -627,6 +627,23 @@ def import_export(
     return model.eval(), report
 
 
+def load_release_or_export(
+    path: str | os.PathLike, head: dict[str, Any] | None = None
+) -> torch.nn.Module:
+    """A release directory or this project's HF export (any family, e.g. a Hub download) as
+    this project's model; ``head`` replaces the saved one (`load_release`, `import_export`)."""
+    if is_export(path):
+        return import_export(path, head=head)[0]
+    return load_release(path, head=head)
+
+
+def release_or_export_encoder(path: str | os.PathLike) -> dict[str, Any]:
+    """The encoder section (a dict) of a release or of this project's HF export."""
+    if is_export(path):
+        return export_encoder_config(path).to_dict()
+    return dict(read_release_config(path)["encoder"])
+
+
 __all__ = [
     "ExportError",
     "ImportReport",
@@ -636,5 +653,7 @@ __all__ = [
     "export_hf",
     "import_export",
     "is_export",
+    "load_release_or_export",
     "materialised_state_dict",
+    "release_or_export_encoder",
 ]

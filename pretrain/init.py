@@ -30,7 +30,7 @@ from typing import Any
 
 from model.config import SIZE_FIELDS, EncoderConfig
 from model.heads import EncoderForPretraining
-from model.release import CONFIG_FILE, is_release, load_release, read_release_config
+from model.release import CONFIG_FILE, is_release, read_release_config
 
 INIT_KEY = "init_from"
 """The model-section key naming the checkpoint to start from."""
@@ -136,12 +136,9 @@ def load_init(model: EncoderForPretraining, model_section: dict[str, Any]) -> In
         report.loaded, report.unused = list(imported.loaded), list(imported.unused)
         report.initialised = list(imported.initialised)
         return report
-    if kind == "release":
-        source = load_release(init).state_dict()
-    else:  # the export's pretraining head where it has one (a classifier's: none)
-        from model.hf_export import import_export
+    from model.hf_export import load_release_or_export
 
-        source = import_export(init, head={"type": "pretraining"})[0].state_dict()
+    source = load_release_or_export(init).state_dict()  # its own head (a classifier's: no MLM)
     own = model.state_dict()
     shape_errors = [
         f"{name}: {tuple(t.shape)} in the checkpoint, {tuple(own[name].shape)} here"

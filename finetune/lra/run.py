@@ -51,8 +51,8 @@ from finetune.trainer import (
 )
 from model.config import EncoderConfig, deep_merge
 from model.heads import build_model
-from model.hf_export import export_encoder_config, import_export, is_export
-from model.release import directory_digest, load_release, read_release_config
+from model.hf_export import load_release_or_export, release_or_export_encoder
+from model.release import directory_digest
 
 
 @dataclass
@@ -145,12 +145,7 @@ def build_lra_model(cfg: LraConfig, init: Path | None, seq_len: int) -> torch.nn
     head: dict[str, Any] = {"num_labels": task.num_labels, "pooling": cfg.pooling}
     head["type"] = "dual_classification" if task.pair else "sequence_classification"
     if init is not None:
-        export = is_export(init)  # this project's HF export (e.g. a Hub download), any family
-        encoder = (
-            export_encoder_config(init).to_dict()
-            if export
-            else read_release_config(init)["encoder"]
-        )
+        encoder = release_or_export_encoder(init)  # an HF export too (e.g. a Hub download)
         if encoder["vocab_size"] != task.vocab_size:
             raise ValueError(
                 f"--init {init} has vocab_size {encoder['vocab_size']}, the {task.name} task "
@@ -161,7 +156,7 @@ def build_lra_model(cfg: LraConfig, init: Path | None, seq_len: int) -> torch.nn
                 f"--init {init} has {encoder['max_position_embeddings']} positions; the task "
                 f"needs {seq_len}"
             )
-        return import_export(init, head=head)[0] if export else load_release(init, head=head)
+        return load_release_or_export(init, head=head)
     model_cfg = EncoderConfig.from_dict(
         {
             **cfg.model,
