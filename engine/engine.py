@@ -836,14 +836,14 @@ class Engine:
             cfg.orthogonal_step_cache and cfg.gradient_accumulation_steps > 1
         )
         zero3 = cfg.backend == "deepspeed" and cfg.zero_stage == 3  # partitioned parameters
+        maps = [] if zero3 else orthogonal_modules(model)
         shard = (
             cfg.orthogonal_shard_maps
             and self.dist.world_size > 1
-            and not zero3
             and any(  # some matrices large enough to share out
                 min(module.parametrizations[name].original.shape[-2:])
                 >= cfg.orthogonal_shard_min_size
-                for _, module, name in orthogonal_modules(model)
+                for _, module, name in maps
             )
         )
         self.orthogonal_steps: OrthogonalStepCache | None = (
@@ -854,9 +854,7 @@ class Engine:
                 if shard
                 else None
             )
-            if (self._orthogonal_across_micro_batches or shard)
-            and not zero3
-            and orthogonal_modules(model)
+            if (self._orthogonal_across_micro_batches or shard) and maps
             else None
         )
         """The orthogonal maps of a training step: evaluated once per optimizer step

@@ -87,12 +87,21 @@ def tokenizer_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def release(tmp_path_factory, tokenizer_file) -> Path:
     """A randomly initialised tiny encoder as a release (what pretraining would hand over)."""
+    return tiny_release(tmp_path_factory.mktemp("release") / "tiny", tokenizer_file)
+
+
+def tiny_release(out: Path, tokenizer_file: Path, **overrides) -> Path:
+    """A randomly initialised tiny encoder (debug preset, `overrides` on top) saved as a release."""
     vocab = load_glue_tokenizer(tokenizer_file).get_vocab_size()
     torch.manual_seed(0)
     cfg = EncoderConfig.preset(
-        "debug", vocab_size=vocab, hidden_size=32, num_hidden_layers=2, max_position_embeddings=64
+        "debug",
+        vocab_size=vocab,
+        hidden_size=32,
+        num_hidden_layers=2,
+        max_position_embeddings=64,
+        **overrides,
     )
-    out = tmp_path_factory.mktemp("release") / "tiny"
     return save_release(out, EncoderForPretraining(cfg), tokenizer_file=tokenizer_file)
 
 
@@ -310,19 +319,8 @@ def test_glue_transject_on_two_ranks_with_sharded_maps(tmp_path, tokenizer_file)
 
     from pretrain_support import REPO, env, torchrun_cmd
 
-    vocab = load_glue_tokenizer(tokenizer_file).get_vocab_size()
-    torch.manual_seed(0)
-    cfg = EncoderConfig.preset(
-        "debug",
-        attention="transject",
-        vocab_size=vocab,
-        hidden_size=32,
-        num_hidden_layers=2,
-        max_position_embeddings=64,
-        transject={"num_experts": 2},
-    )
-    release = save_release(
-        tmp_path / "release", EncoderForPretraining(cfg), tokenizer_file=tokenizer_file
+    release = tiny_release(
+        tmp_path / "release", tokenizer_file, attention="transject", transject={"num_experts": 2}
     )
     data = write_sst2(tmp_path / "glue")
     results = {}
