@@ -255,7 +255,7 @@ def _hash_files(paths: list[Path], algorithm: str, *, fsync: bool) -> list[tuple
         return [future.result() for future in hashed]
 
 
-def _write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Write ``path`` through ``<path>.tmp`` + fsync + ``os.replace``: readers see the old file or
     the whole new one, never a prefix."""
     tmp = path.with_name(path.name + ".tmp")
@@ -269,9 +269,9 @@ def _write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
 
 def write_json_atomically(path: str | os.PathLike[str], value: Any) -> None:
     """``value`` as indented JSON at ``path``, atomically and durably (see
-    ``_write_atomically``): a status or results file is never seen half-written."""
+    ``write_atomically``): a status or results file is never seen half-written."""
     data = (json.dumps(value, indent=2) + "\n").encode()
-    _write_atomically(Path(path), lambda f: f.write(data))
+    write_atomically(Path(path), lambda f: f.write(data))
 
 
 def remove_tree(path: str | os.PathLike[str]) -> None:
@@ -424,7 +424,7 @@ class CheckpointStore:
         if self.rank == 0:
             self._seal(staging, step, meta)
             self._publish(staging, final)
-            _write_atomically(self.root / LATEST_FILE, lambda f: f.write(tag.encode()))
+            write_atomically(self.root / LATEST_FILE, lambda f: f.write(tag.encode()))
             self._prune(step)
         self._barrier()
         return final
@@ -458,7 +458,7 @@ class CheckpointStore:
         data = json.dumps(record, indent=2).encode()
         for dirpath, _, _ in os.walk(staging):  # entries of nested directories are durable too
             _fsync_dir(Path(dirpath))
-        _write_atomically(staging / COMPLETE_FILE, lambda f: f.write(data))
+        write_atomically(staging / COMPLETE_FILE, lambda f: f.write(data))
 
     def _publish(self, staging: Path, final: Path) -> None:
         aside = final.with_name(final.name + REMOVING_SUFFIX)
@@ -903,7 +903,7 @@ def save_rank_state(directory: str | os.PathLike[str], rank: int, state: dict[st
     if not isinstance(state, dict):
         raise ValueError(f"rank state must be a dict, got {type(state).__name__}")
     path = rank_state_path(directory, rank)
-    _write_atomically(path, lambda f: torch.save(state, f))
+    write_atomically(path, lambda f: torch.save(state, f))
     return path
 
 

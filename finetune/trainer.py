@@ -25,6 +25,10 @@ the same batches, dropout and evaluation history, so the result equals an uninte
       evaluation history, best metrics and predictions), best/ (the best release so far, hard
       links), COMPLETE.json (sizes and checksums, written last)
 
+A finished run leaves ``results.json`` (its evaluation history and best metrics; written last),
+``predictions.npz`` (every evaluation set's predictions at the best and at the last evaluation,
+and the labels: what ``finetune.compare`` needs to tell two runs apart) and ``best/``.
+
 A run directory belongs to one run: ``identity`` (the caller's description: task, learning
 rate, seed, config, the init's content) is written to ``run.json`` on the first start and a
 different one is refused. :func:`finished_run` tells a sweep which runs are done.
@@ -59,6 +63,7 @@ from engine.recipe import diff_keys
 from engine.signals import StopWatch
 from engine.trackers import TRACKER_KEYS, TrackerConfig, default_run_name, open_trackers
 from finetune.batching import LengthGroupedBatchSampler, collate, example_lengths
+from finetune.compare import save_predictions
 from model.release import save_release
 
 ScoreFn = Callable[[np.ndarray, np.ndarray], dict[str, float]]
@@ -405,13 +410,22 @@ class Finetuner:
         self.engine.train(True)
         return np.concatenate(out) if out else np.zeros((0,))
 
+    def eval_labels(self) -> dict[str, np.ndarray]:
+        """The labels of every evaluation set that has them (all its examples labelled)."""
+        out = {}
+        for name, examples in self.eval_sets.items():
+            labels = [e.get("label") for e in examples]
+            if labels and all(x is not None for x in labels):
+                out[name] = np.asarray(labels)
+        return out
+
     def evaluate(self) -> tuple[dict[str, dict[str, float]], dict[str, np.ndarray]]:
         metrics, predictions = {}, {}
+        labelled = self.eval_labels()
         for name, examples in self.eval_sets.items():
             preds = self.predict(examples)
-            labels = np.array([e.get("label") for e in examples], dtype=object)
-            if all(x is not None for x in labels):
-                metrics[name] = self.score_fn(preds, labels.astype(preds.dtype))
+            if name in labelled:
+                metrics[name] = self.score_fn(preds, labelled[name].astype(preds.dtype))
             predictions[name] = preds
         return metrics, predictions
 
@@ -530,9 +544,12 @@ class Finetuner:
         if result.best_step is not None:
             best_value = result.best.get(cfg.select_split, {}).get(cfg.select, -math.inf)
 
+        last_predictions: dict[str, np.ndarray] = {}
+
         def evaluate_now() -> None:
             nonlocal best_value
             metrics, predictions = self.evaluate()
+            last_predictions.update(predictions)
             result.history.append({"step": self.step, **metrics})
             for split, values in metrics.items():
                 writer.scalars(self.step, {f"eval/{split}/{k}": v for k, v in values.items()})
@@ -628,6 +645,9 @@ class Finetuner:
                 )
             return result
         if self.is_main:
+            # For comparisons between runs (finetune.compare): before results.json, which a
+            # finished run writes last.
+            save_predictions(self.run_dir, result.predictions, last_predictions, self.eval_labels())
             summary = {
                 "best_step": result.best_step,
                 "best": result.best,

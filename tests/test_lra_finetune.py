@@ -9,10 +9,12 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from data_prep.listops import write_splits
 from finetune.__main__ import main as finetune_main
+from finetune.compare import load_predictions
 
 TINY = [
     "model.hidden_size=32",
@@ -40,6 +42,13 @@ def test_listops_from_scratch(tmp_path):
         assert 0.0 <= row["test_accuracy"] <= 1.0 and row["best_step"] in (10, 20)
         history = json.loads((Path(row["run_dir"]) / "results.json").read_text())["history"]
         assert [h["step"] for h in history] == [10, 20]
+        # the predictions a comparison needs: the reported (best val) step's and the last's
+        best, labels = load_predictions(row["run_dir"], "test", "best")
+        last, same = load_predictions(row["run_dir"], "test", "last")
+        assert len(labels) == 48 and np.array_equal(labels, same)
+        assert np.mean(best == labels) == pytest.approx(row["test_accuracy"])
+        assert np.mean(last == labels) == pytest.approx(history[-1]["test"]["accuracy"])
+        assert len(load_predictions(row["run_dir"], "val")[0]) == 48
     assert "| listops | scratch | 2 |" in (run_dir / "results.md").read_text()
 
 
@@ -116,6 +125,28 @@ def test_protocol_recipes_and_lra_summary(tmp_path):
     assert "| 59.56 |" in transject  # the paper's 59.6 over its five tasks
     summary = json.loads((root / "results.json").read_text())
     assert len(summary["runs"]) == 2
+    # the intervals: each family's accuracy, and kernel - softmax on the same test examples
+    intervals = {r["family"]: r for r in summary["intervals"]}
+    assert set(intervals) == {"softmax", "kernel"}
+    labels = load_predictions(root / "listops-softmax" / "seed_0", "test")[1]
+    accuracy = {}
+    for family, r in intervals.items():
+        pred = load_predictions(root / f"listops-{family}" / "seed_0", "test")[0]
+        accuracy[family] = np.mean(pred == labels)
+        assert r["accuracy"]["estimate"] == pytest.approx(accuracy[family])
+        assert r["accuracy"]["low"] <= accuracy[family] <= r["accuracy"]["high"]
+    difference = intervals["kernel"]["vs_softmax"]
+    assert difference["estimate"] == pytest.approx(accuracy["kernel"] - accuracy["softmax"])
+    assert "vs_softmax" not in intervals["softmax"]
+    md = (root / "results.md").read_text()
+    assert "| task | model | init | seeds | test accuracy | − softmax |" in md
+    assert "| listops | kernel | scratch | 1 |" in md
+    # a run from before predictions were saved is named and left out, not an error
+    (root / "listops-kernel" / "seed_0" / "predictions.npz").unlink()
+    assert finetune_main(["lra-summary", str(root)]) == 0
+    md = (root / "results.md").read_text()
+    assert "left out: kernel (scratch) on listops" in md
+    assert "| listops | softmax | scratch | 1 |" in md
 
 
 def test_protocol_errors(tmp_path, capsys):

@@ -145,6 +145,18 @@ def test_tables():
         in lines
     )
     assert "| kernel | scratch | 30.0 ± 1.0 | -5.6 |  | – | – | – | – |" in lines
+    iv = {"accuracy": {"estimate": 0.456, "low": 0.41, "high": 0.50, "level": 0.95},
+          "vs_shortcut": {"estimate": 0.10, "low": 0.05, "high": 0.15, "level": 0.95}}  # fmt: skip
+    rows[0]["intervals"] = iv
+    rows[4]["intervals"] = {"vs_softmax": {"estimate": -0.156, "low": -0.2, "high": 0.01,
+                                           "level": 0.95}}  # fmt: skip
+    lines = mini.interval_table(rows).splitlines()
+    assert lines[0] == ("| task | model | init | test accuracy (mean) | − shortcut | − softmax "
+                        "| self-pretraining gain |")  # fmt: skip
+    assert (
+        "| listops | softmax | scratch | 45.6 [41.0, 50.0] | +10.0 [+5.0, +15.0] * |  |  |" in lines
+    )
+    assert "| listops | kernel | scratch |  |  | -15.6 [-20.0, +1.0] |  |" in lines
     curves = mini.curve_table(rows)
     assert "| listops: step | 1 | 2 |" in curves and "| softmax, scratch | 22.8 | 45.6 |" in curves
     assert "| text: step | 1 | 2 |" in curves
@@ -177,6 +189,18 @@ def test_mini_lra_tiny_listops(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "| first-operator rule | baseline |" in md and "| softmax | self-pretrained |" in md
     assert "| listops: step | 4 | 8 |" in md
+    # the intervals: paired with the shortcut baseline's predictions, the gain with scratch's
+    assert "| task | model | init | test accuracy (mean) |" in md
+    by = {r["init"]: r for r in results["rows"]}
+    for r in by.values():
+        mean = sum(r["test_accuracy"]) / len(r["test_accuracy"])
+        assert r["intervals"]["accuracy"]["estimate"] == pytest.approx(mean)
+        shortcut = results["shortcut"]["listops"]["accuracy"]
+        assert r["intervals"]["vs_shortcut"]["estimate"] == pytest.approx(mean - shortcut)
+    gain = by["self-pretrained"]["intervals"]["gain"]["estimate"]
+    means = {k: sum(r["test_accuracy"]) / 2 for k, r in by.items()}
+    assert gain == pytest.approx(means["self-pretrained"] - means["scratch"])
+    assert "gain" not in by["scratch"]["intervals"]
     # the data: depth <= 3 (at most 2 nested operators), 10 < length < 40
     for src, _ in listops.read_tsv(tmp_path / "data" / "listops" / "basic_train.tsv"):
         assert 10 < listops.source_length(src) < 40

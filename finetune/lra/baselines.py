@@ -92,6 +92,14 @@ def fit_first_token_rule(
     return {t: majority_label(ls) for t, ls in by_token.items()}, majority_label(labels)
 
 
+def first_token_predictions(
+    train_first: Sequence[int], train_labels: np.ndarray, test_first: Sequence[int]
+) -> np.ndarray:
+    """The most frequent training label of each test example's first token."""
+    rule, fallback = fit_first_token_rule(train_first, train_labels)
+    return np.array([rule.get(int(t), fallback) for t in test_first], dtype=np.int64)
+
+
 def first_token_rule(
     train_first: Sequence[int],
     train_labels: np.ndarray,
@@ -99,9 +107,7 @@ def first_token_rule(
     test_labels: np.ndarray,
 ) -> float:
     """Test accuracy of the most frequent training label per first token."""
-    rule, fallback = fit_first_token_rule(train_first, train_labels)
-    predictions = np.array([rule.get(int(t), fallback) for t in test_first])
-    return accuracy(predictions, test_labels)
+    return accuracy(first_token_predictions(train_first, train_labels, test_first), test_labels)
 
 
 def logistic_regression(
@@ -138,18 +144,6 @@ def logistic_regression(
     opt.step(closure)
     with torch.no_grad():
         return (xt @ w + b).argmax(-1).numpy()
-
-
-def bag_of_tokens(
-    train_x: np.ndarray,
-    train_y: np.ndarray,
-    test_x: np.ndarray,
-    test_y: np.ndarray,
-    num_classes: int,
-    l2: float = L2,
-) -> float:
-    """Test accuracy of the logistic regression on count features."""
-    return accuracy(logistic_regression(train_x, train_y, test_x, num_classes, l2), test_y)
 
 
 # ----------------------------------------------------------------------------- features
@@ -191,34 +185,43 @@ def word_counts(train: list[list[bytes]], test: list[list[bytes]]) -> tuple[np.n
 # ----------------------------------------------------------------------------- per task
 
 
-def task_baselines(
+def task_baseline_predictions(
     task: str, data_dir: str | Path, max_length: int | None = None, l2: float = L2
-) -> dict[str, float]:
-    """{baseline: test accuracy} of a task's files (see the module docstring for which)."""
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(test labels, {baseline: its test predictions}) of a task's files (see the module
+    docstring for which baselines): what pairs a baseline with a model in
+    ``finetune.compare``."""
     lra_task = get_task(task)
     if lra_task.name not in TASKS:
         raise ValueError(f"baselines exist for {list(TASKS)}, not {task!r}")
     train, _ = load_split(lra_task, data_dir, "train", max_length, cls=False)
     test, _ = load_split(lra_task, data_dir, "test", max_length, cls=False)
-    out = {"majority": majority(train.labels, test.labels)}
+    out = {"majority": np.full(len(test.labels), majority_label(train.labels), dtype=np.int64)}
     if lra_task.name == "listops":
         first_train, first_test = (
             [int(d[0]) if len(d) else -1 for d in documents(s)] for s in (train, test)
         )
-        out["first_token"] = first_token_rule(first_train, train.labels, first_test, test.labels)
+        out["first_token"] = first_token_predictions(first_train, train.labels, first_test)
     n = lra_task.num_values
-    out["bag_of_tokens"] = bag_of_tokens(
-        token_counts(train, n), train.labels, token_counts(test, n), test.labels,
-        lra_task.num_labels, l2,
-    )  # fmt: skip
+    out["bag_of_tokens"] = logistic_regression(
+        token_counts(train, n), train.labels, token_counts(test, n), lra_task.num_labels, l2
+    )
     if lra_task.name == "text":
         train_w, test_w = word_counts(
             [words(d) for d in documents(train)], [words(d) for d in documents(test)]
         )
-        out["bag_of_words"] = bag_of_tokens(
-            train_w, train.labels, test_w, test.labels, lra_task.num_labels, l2
+        out["bag_of_words"] = logistic_regression(
+            train_w, train.labels, test_w, lra_task.num_labels, l2
         )
-    return out
+    return np.asarray(test.labels), out
+
+
+def task_baselines(
+    task: str, data_dir: str | Path, max_length: int | None = None, l2: float = L2
+) -> dict[str, float]:
+    """{baseline: test accuracy} of a task's files (see the module docstring for which)."""
+    labels, predictions = task_baseline_predictions(task, data_dir, max_length, l2)
+    return {name: accuracy(pred, labels) for name, pred in predictions.items()}
 
 
 SHORTCUTS = ("majority", "first_token", "bag_of_tokens")

@@ -56,6 +56,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from engine.recipe import recipe_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -247,16 +249,25 @@ def max_length(task: str, scale: Scale) -> int:
 
 
 def baselines(out: Path, task: str, data: Path, scale: Scale) -> dict[str, float]:
-    """The task's trivial baselines (`finetune.lra.baselines`), cached in <out>/baselines/."""
-    from finetune.lra.baselines import task_baselines
+    """The task's trivial baselines (`finetune.lra.baselines`): test accuracies, cached in
+    <out>/baselines/<task>.json beside their test predictions (<task>.npz, for the intervals)."""
+    from finetune.lra.baselines import accuracy, task_baseline_predictions
 
     path = out / "baselines" / f"{task}.json"
-    if path.is_file():
+    if path.is_file() and path.with_suffix(".npz").is_file():
         return json.loads(path.read_text())
-    got = task_baselines(task, data, max_length(task, scale))
+    labels, predictions = task_baseline_predictions(task, data, max_length(task, scale))
+    got = {name: accuracy(pred, labels) for name, pred in predictions.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path.with_suffix(".npz"), labels=labels, **predictions)
     path.write_text(json.dumps(got, indent=2) + "\n")
     return got
+
+
+def baseline_predictions(out: Path, task: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(test labels, {baseline: test predictions}) cached by `baselines`."""
+    with np.load(out / "baselines" / f"{task}.npz", allow_pickle=False) as data:
+        return data["labels"], {k: data[k] for k in data.files if k != "labels"}
 
 
 def eval_steps(task: str, scale: Scale) -> list[int]:
@@ -403,9 +414,72 @@ def run(
             for t, f in pairs
         ]
         rows = [x.result() for x in scratch] + [x.result() for x in pretrained]
+    add_intervals(out, rows, found)
     minutes = (time.perf_counter() - start) / 60
     write_results(out, rows, found, scale, seeds, minutes)
     return rows
+
+
+# ----------------------------------------------------------------------------- intervals
+
+REFERENCE = "softmax"
+"""The family every other is compared with in the intervals."""
+
+
+def seed_predictions(run_dir: Path, seeds: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(S, n) test predictions after the last step (what the table reports) of every seed,
+    and the test labels."""
+    from finetune.compare import load_predictions, stack_seeds
+
+    runs = [load_predictions(run_dir / f"seed_{s}", "test", "last") for s in seeds]
+    return stack_seeds(runs, str(run_dir))
+
+
+def add_intervals(out: Path, rows: list[dict[str, Any]], found: dict[str, Any]) -> None:
+    """Adds ``row["intervals"]`` to every row: 95 % bootstrap intervals (`finetune.compare`:
+    paired over the test examples, resampling seeds) of its test accuracy, of its difference
+    from the task's best shortcut baseline, from the same init of `REFERENCE`, and, for a
+    self-pretrained row, from the same family's scratch row (the gain)."""
+    from finetune.compare import bootstrap_difference
+    from finetune.lra.baselines import shortcut
+
+    preds = {(r["task"], r["family"], r["init"]): seed_predictions(Path(r["run_dir"]), r["seeds"])
+             for r in rows}  # fmt: skip
+    for r in rows:
+        task, family, init = r["task"], r["family"], r["init"]
+        mine, labels = preds[(task, family, init)]
+        others = {"accuracy": None}
+        if task in found:
+            base_labels, base = baseline_predictions(out, task)
+            if not np.array_equal(base_labels, labels):
+                raise ValueError(f"{task}: the baselines were scored on another test set")
+            others["vs_shortcut"] = base[shortcut(found[task])[0]]
+        if family != REFERENCE and (task, REFERENCE, init) in preds:
+            others[f"vs_{REFERENCE}"] = preds[(task, REFERENCE, init)][0]
+        if init == "self-pretrained" and (task, family, "scratch") in preds:
+            others["gain"] = preds[(task, family, "scratch")][0]
+        r["intervals"] = {
+            name: bootstrap_difference(labels, mine, other).to_dict()
+            for name, other in others.items()
+        }
+
+
+def interval_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: each row's test accuracy and differences with their 95 % intervals."""
+    from finetune.compare import Interval, format_interval
+
+    columns = [("accuracy", "test accuracy (mean)"), ("vs_shortcut", "− shortcut"),
+               (f"vs_{REFERENCE}", f"− {REFERENCE}"), ("gain", "self-pretraining gain")]  # fmt: skip
+    lines = ["| task | model | init | " + " | ".join(title for _, title in columns) + " |"]
+    lines.append("|---" * (3 + len(columns)) + "|")
+    for r in rows:
+        cells = []
+        for key, _ in columns:
+            found = r.get("intervals", {}).get(key)
+            iv = None if found is None else Interval(**found)
+            cells.append("" if iv is None else format_interval(iv, signed=key != "accuracy"))
+        lines.append(f"| {r['task']} | {r['family']} | {r['init']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------- tables
@@ -507,7 +581,12 @@ def write_results(
         "\nLearning curves: test accuracy (%, median over seeds) after each number of "
         "fine-tuning steps.\n\n" + curve_table(rows)
     )
-    (out / "results.md").write_text(table(rows, found) + note + curves)
+    intervals = (
+        "\nWhat the table can tell apart: the mean over seeds with a 95 % bootstrap interval "
+        "(over the test examples, paired between the two sides, and over each side's seeds; "
+        "`finetune.compare`), in points; `*`: the interval excludes 0.\n\n" + interval_table(rows)
+    )
+    (out / "results.md").write_text(table(rows, found) + note + intervals + curves)
     shortcuts = {t: dict(zip(("name", "accuracy"), shortcut(b))) for t, b in found.items()}
     (out / "results.json").write_text(
         json.dumps(

@@ -287,6 +287,8 @@ def summarise_dir(root: Path) -> str:
             print(f"{path}: no 'summary' (unfinished, or not written by python -m finetune lra)")
             continue
         init = "scratch" if row["init"] is None else "pretrained"
+        # where the run is now (the row's run_dir is where it ran: a moved tree still works)
+        row = {**row, "run_dir": str(path.parent)}
         groups.setdefault((row["family"], init, row["task"]), []).append(row)
     ours: dict[str, dict[str, float]] = {}
     for (family, init, task), runs in sorted(groups.items()):
@@ -312,14 +314,81 @@ def summarise_dir(root: Path) -> str:
         "\nTest accuracy (%), median over seeds, at each run's best val step. Avg (5): the five "
         "tasks without Path-X; Avg (6): all six with a missing Path-X counted as 50 (FAIL).\n"
     )
-    (root / "results.md").write_text(table + note)
+    intervals, interval_md = summary_intervals(groups)
+    (root / "results.md").write_text(table + note + interval_md)
     (root / "results.json").write_text(
         json.dumps(
-            {"ours": ours, "published": PUBLISHED, "runs": [str(p) for p in found]}, indent=2
+            {"ours": ours, "published": PUBLISHED, "intervals": intervals,
+             "runs": [str(p) for p in found]},
+            indent=2,
         )
         + "\n"
-    )
+    )  # fmt: skip
     return table
+
+
+REFERENCE_FAMILY = "softmax"
+"""lra-summary compares every family with this one (the same task and init)."""
+
+
+def summary_intervals(
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]],
+) -> tuple[list[dict[str, Any]], str]:
+    """95 % bootstrap intervals (``finetune.compare``) of each (family, init, task)'s mean test
+    accuracy at the best val step and of its difference from `REFERENCE_FAMILY`'s (same task
+    and init; paired over the test examples, resampling each side's seeds): a list for
+    results.json and a Markdown section. Groups whose runs saved no predictions are named in
+    the section and left out."""
+    from finetune.compare import (
+        bootstrap_difference,
+        format_interval,
+        load_predictions,
+        stack_seeds,
+    )
+
+    preds, missing = {}, []
+
+    def order(key: tuple[str, str, str]) -> tuple:
+        family, init, task = key
+        rank = TASK_ORDER.index(task) if task in TASK_ORDER else len(TASK_ORDER)
+        return rank, task, init, family != REFERENCE_FAMILY, family
+
+    for key in sorted(groups, key=order):
+        runs = groups[key]
+        try:
+            got = [load_predictions(r["run_dir"], "test", "best") for r in runs]
+            preds[key] = stack_seeds(got, f"{key[0]} ({key[1]}) on {key[2]}")
+        except (FileNotFoundError, KeyError):
+            missing.append(f"{key[0]} ({key[1]}) on {key[2]}")
+    out, lines = [], []
+    for (family, init, task), (mine, labels) in preds.items():
+        row: dict[str, Any] = {"family": family, "init": init, "task": task, "seeds": len(mine)}
+        row["accuracy"] = bootstrap_difference(labels, mine).to_dict()
+        ref = preds.get((REFERENCE_FAMILY, init, task))
+        cell = ""
+        if family != REFERENCE_FAMILY and ref is not None:
+            if not np.array_equal(ref[1], labels):
+                raise ValueError(f"{task}: {family} and {REFERENCE_FAMILY} saw other test sets")
+            difference = bootstrap_difference(labels, mine, ref[0])
+            row[f"vs_{REFERENCE_FAMILY}"] = difference.to_dict()
+            cell = format_interval(difference)
+        out.append(row)
+        accuracy = format_interval(bootstrap_difference(labels, mine), signed=False)
+        lines.append(f"| {task} | {family} | {init} | {len(mine)} | {accuracy} | {cell} |")
+    if not lines and not missing:
+        return out, ""
+    md = (
+        f"\nWhat these runs can tell apart: mean test accuracy over seeds (%) and its "
+        f"difference from {REFERENCE_FAMILY} with 95 % bootstrap intervals (over the test "
+        "examples, paired between the two, and over each side's seeds); `*`: the interval "
+        "excludes 0.\n\n"
+        f"| task | model | init | seeds | test accuracy | − {REFERENCE_FAMILY} |\n"
+        "|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n"
+    )
+    if missing:
+        md += "\nNo predictions saved (runs from an older version), left out: "
+        md += ", ".join(missing) + ".\n"
+    return out, md
 
 
 def main(args, overrides: list[str]) -> int:

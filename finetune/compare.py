@@ -1,0 +1,221 @@
+"""Can a benchmark tell two models apart? Confidence intervals for the difference of their
+scores, over the two sources of chance in a fine-tuning table: which test examples the set
+happens to hold, and which seeds the runs happened to use.
+
+A model here is one configuration (family, init) fine-tuned with several seeds, each seed's
+predictions on the same test set; a trivial baseline is a model with one "seed". For two
+models A and B scored by a metric (accuracy unless given), the estimate is
+
+    mean over A's seeds of metric(A_s)  -  mean over B's seeds of metric(B_s)
+
+and its interval comes from a two-level (hierarchical) bootstrap: each of ``resamples`` rounds
+draws n test examples with replacement, the **same** examples for A and B (the comparison is
+paired: both models answered the same questions, so the examples both get right or both get
+wrong cancel), and, independently for A and for B, as many seeds as each has, with replacement;
+the round's difference is the estimate's formula on those. The interval is the percentile
+interval of the rounds (95 % by default). Two models are *told apart* when it excludes 0.
+
+With one seed per model this is the paired bootstrap over test examples (tests compare it with
+``scipy.stats.bootstrap(..., paired=True)``); with several, seed-to-seed variation widens the
+interval as it should. Three seeds are few for the seed level: its resampling can only
+reflect the spread those seeds happened to show (a reason to read an interval as approximate,
+and to add seeds where two models sit near the edge).
+
+A run of the fine-tuning loop writes its predictions for this (``finetune.trainer``:
+``run_dir/predictions.npz``, read by :func:`load_predictions`): for every evaluation set the
+predictions at the best evaluation (``best``, the step the run reports) and at the last one
+(``last``), and the labels where the set has them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.checkpoint import write_atomically
+
+PREDICTIONS_FILE = "predictions.npz"
+"""A fine-tuning run's predictions (see the module docstring), in run_dir."""
+WHICH = ("best", "last")
+DEFAULT_RESAMPLES = 2000
+DEFAULT_LEVEL = 0.95
+
+Metric = Callable[[np.ndarray, np.ndarray], float]
+"""metric(predictions, labels) -> score, higher is better (None where accuracy is meant)."""
+
+
+# ----------------------------------------------------------------------------- the file
+
+
+def save_predictions(
+    run_dir: str | os.PathLike[str],
+    best: Mapping[str, np.ndarray],
+    last: Mapping[str, np.ndarray],
+    labels: Mapping[str, np.ndarray],
+) -> Path:
+    """Writes ``run_dir/predictions.npz`` atomically: ``best/<set>``, ``last/<set>`` and
+    ``labels/<set>`` arrays (plain numbers; read back without pickle)."""
+    arrays = {f"{kind}/{name}": np.asarray(v) for kind, m in (("best", best), ("last", last),
+              ("labels", labels)) for name, v in m.items()}  # fmt: skip
+    for key, value in arrays.items():
+        if value.dtype == object:
+            raise ValueError(f"predictions {key}: not an array of numbers")
+    path = Path(run_dir) / PREDICTIONS_FILE
+    write_atomically(path, lambda f: np.savez(f, **arrays))
+    return path
+
+
+def load_predictions(
+    run_dir: str | os.PathLike[str], split: str, which: str = "best"
+) -> tuple[np.ndarray, np.ndarray]:
+    """(predictions, labels) of one evaluation set of a finished run; ``which``: ``best`` (the
+    reported evaluation) or ``last``. A clear error names what is missing."""
+    if which not in WHICH:
+        raise ValueError(f"which={which!r} is invalid; valid: {list(WHICH)}")
+    path = Path(run_dir) / PREDICTIONS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: no predictions (a run that has not finished, or one made before runs "
+            "saved their predictions: run it again in a new directory)"
+        )
+    with np.load(path, allow_pickle=False) as data:
+        keys = set(data.files)
+        if f"{which}/{split}" not in keys or f"labels/{split}" not in keys:
+            have = sorted({k.split("/", 1)[1] for k in keys if k.startswith("labels/")})
+            raise KeyError(f"{path}: no labelled predictions of {split!r}; labelled sets: {have}")
+        return data[f"{which}/{split}"], data[f"labels/{split}"]
+
+
+def stack_seeds(
+    runs: Sequence[tuple[np.ndarray, np.ndarray]], what: str = "runs"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Several seeds' (predictions, labels) of one model as ((S, n) predictions, (n,) labels);
+    refuses seeds scored on different test sets."""
+    if not runs:
+        raise ValueError(f"{what}: no runs")
+    labels = np.asarray(runs[0][1])
+    for i, (pred, lab) in enumerate(runs):
+        if np.shape(pred) != labels.shape or not np.array_equal(np.asarray(lab), labels):
+            raise ValueError(f"{what}: run {i} was scored on another test set than run 0")
+    return np.stack([np.asarray(p) for p, _ in runs]), labels
+
+
+# ----------------------------------------------------------------------------- the bootstrap
+
+
+@dataclass(frozen=True)
+class Interval:
+    """An estimate and its bootstrap interval (same units as the metric)."""
+
+    estimate: float
+    low: float
+    high: float
+    level: float
+
+    @property
+    def excludes_zero(self) -> bool:
+        return self.low > 0 or self.high < 0
+
+    @property
+    def half_width(self) -> float:
+        return (self.high - self.low) / 2
+
+    def to_dict(self) -> dict[str, float]:
+        return {"estimate": self.estimate, "low": self.low, "high": self.high,
+                "level": self.level}  # fmt: skip
+
+
+def _check(predictions: np.ndarray, labels: np.ndarray, what: str) -> np.ndarray:
+    predictions = np.asarray(predictions)
+    if predictions.ndim == 1:
+        predictions = predictions[None]
+    if predictions.ndim != 2 or predictions.shape[1] != len(labels) or not len(labels):
+        raise ValueError(
+            f"{what}: predictions of shape {predictions.shape} for {len(labels)} labels; "
+            "expected (seeds, examples) or (examples,), the same test set for every model"
+        )
+    return predictions
+
+
+def _round_scores(
+    predictions_SN: np.ndarray,
+    labels_N: np.ndarray,
+    metric: Metric | None,
+    examples_RN: np.ndarray,
+) -> np.ndarray:
+    """(R, S) metric of every seed on every round's resampled examples."""
+    if metric is None:  # accuracy: the mean of the drawn examples' hits
+        hits_SN = predictions_SN == labels_N
+        return hits_SN[:, examples_RN].mean(axis=-1).T
+    return np.array([[metric(p[ix], labels_N[ix]) for p in predictions_SN] for ix in examples_RN])
+
+
+def _score(predictions_SN: np.ndarray, labels_N: np.ndarray, metric: Metric | None) -> float:
+    if metric is None:
+        return float(np.mean(predictions_SN == labels_N))
+    return float(np.mean([metric(p, labels_N) for p in predictions_SN]))
+
+
+def bootstrap_difference(
+    labels: np.ndarray,
+    a: np.ndarray,
+    b: np.ndarray | None = None,
+    metric: Metric | None = None,
+    resamples: int = DEFAULT_RESAMPLES,
+    level: float = DEFAULT_LEVEL,
+    seed: int = 0,
+) -> Interval:
+    """The score of A minus B's (``b`` None: A's score alone) with its two-level bootstrap
+    interval (see the module docstring). ``a``, ``b``: (seeds, examples) predictions on the
+    test set ``labels`` (a 1-D array is one seed); ``metric`` None: accuracy. Deterministic
+    for a given ``seed``."""
+    labels = np.asarray(labels)
+    if not 0 < level < 1:
+        raise ValueError(f"level={level} is invalid; valid: 0 < level < 1")
+    if resamples < 10:
+        raise ValueError(f"resamples={resamples} is invalid; valid: >= 10")
+    a = _check(a, labels, "A")
+    models = [a] if b is None else [a, _check(b, labels, "B")]
+    rng = np.random.default_rng(seed)
+    n = len(labels)
+    rounds_R = np.zeros(resamples)
+    chunk = max(1, min(resamples, 4_000_000 // n))  # rounds at a time: bounded memory
+    for start in range(0, resamples, chunk):
+        size = min(chunk, resamples - start)
+        examples_RN = rng.integers(0, n, size=(size, n))  # shared: the comparison is paired
+        for sign, model in zip((1.0, -1.0), models):
+            scores_RS = _round_scores(model, labels, metric, examples_RN)
+            seeds_RS = rng.integers(0, len(model), size=(size, len(model)))
+            picked_R = np.take_along_axis(scores_RS, seeds_RS, axis=1).mean(axis=1)
+            rounds_R[start : start + size] += sign * picked_R
+    estimate = sum(sign * _score(m, labels, metric) for sign, m in zip((1.0, -1.0), models))
+    low, high = np.quantile(rounds_R, [(1 - level) / 2, (1 + level) / 2])
+    return Interval(estimate, float(low), float(high), level)
+
+
+def format_interval(interval: Interval, scale: float = 100.0, signed: bool = True) -> str:
+    """``+2.4 [-0.3, +5.1]`` (in points of ``scale``); a trailing ``*`` when the interval
+    excludes 0 (the two are told apart)."""
+    spec = "+.1f" if signed else ".1f"
+    text = (
+        f"{format(scale * interval.estimate, spec)} "
+        f"[{format(scale * interval.low, spec)}, {format(scale * interval.high, spec)}]"
+    )
+    return text + (" *" if signed and interval.excludes_zero else "")
+
+
+__all__ = [
+    "DEFAULT_LEVEL",
+    "DEFAULT_RESAMPLES",
+    "PREDICTIONS_FILE",
+    "Interval",
+    "bootstrap_difference",
+    "format_interval",
+    "load_predictions",
+    "save_predictions",
+    "stack_seeds",
+]

@@ -1,0 +1,135 @@
+"""Confidence intervals for comparisons (finetune/compare.py): the paired bootstrap against
+scipy's, its coverage on simulated test sets, what pairing and seeds do to the interval, and
+the predictions file a fine-tuning run leaves."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from finetune import compare
+
+
+def answers(rng, labels, p_right, num_classes=10):
+    """Predictions right with probability p_right (independently per example), else wrong."""
+    right = rng.random(len(labels)) < p_right
+    return np.where(right, labels, (labels + 1 + rng.integers(0, num_classes - 1, len(labels)))
+                    % num_classes)  # fmt: skip
+
+
+def test_one_seed_each_is_scipys_paired_bootstrap():
+    rng = np.random.default_rng(1)
+    labels = rng.integers(0, 10, 1500)
+    a, b = answers(rng, labels, 0.45), answers(rng, labels, 0.40)
+    ours = compare.bootstrap_difference(labels, a, b, resamples=4000)
+    hits_a, hits_b = (a == labels).astype(float), (b == labels).astype(float)
+    theirs = stats.bootstrap(
+        (hits_a, hits_b), lambda x, y, axis=-1: x.mean(axis) - y.mean(axis), paired=True,
+        method="percentile", n_resamples=4000, random_state=0,
+    ).confidence_interval  # fmt: skip
+    assert ours.estimate == pytest.approx(hits_a.mean() - hits_b.mean(), abs=1e-12)
+    # two Monte Carlo estimates of the same interval: equal to about a tenth of its width
+    width = theirs.high - theirs.low
+    assert abs(ours.low - theirs.low) < 0.1 * width and abs(ours.high - theirs.high) < 0.1 * width
+    # and both close to the normal approximation of a paired difference
+    d = hits_a - hits_b
+    half = 1.96 * d.std(ddof=1) / np.sqrt(len(d))
+    assert ours.half_width == pytest.approx(half, rel=0.1)
+
+
+def test_coverage_on_simulated_test_sets():
+    """Two models of the same true accuracy on 200 fresh test sets: the 95 % interval of their
+    difference holds 0 about 95 % of the time; a true 10-point gap is told apart as often as
+    the normal approximation predicts (its power)."""
+    rng = np.random.default_rng(7)
+    held, apart = 0, 0
+    trials = 200
+    for trial in range(trials):
+        labels = rng.integers(0, 10, 400)
+        a, b = answers(rng, labels, 0.5), answers(rng, labels, 0.5)
+        held += not compare.bootstrap_difference(
+            labels, a, b, resamples=400, seed=trial
+        ).excludes_zero
+        c = answers(rng, labels, 0.6)
+        apart += compare.bootstrap_difference(labels, c, b, resamples=400, seed=trial).excludes_zero
+    assert 0.90 <= held / trials <= 0.99
+    se = np.sqrt((0.5 * 0.5 + 0.6 * 0.4) / 400)  # independent errors: the variances add
+    power = stats.norm.cdf(0.1 / se - 1.96)  # about 0.82
+    assert abs(apart / trials - power) < 0.1
+
+
+def test_pairing_makes_shared_errors_cancel():
+    """B answers like A except on 30 of 2000 examples, where A is right: the paired interval is
+    about the 1.5-point gap, far narrower than each model's own interval."""
+    rng = np.random.default_rng(2)
+    labels = rng.integers(0, 10, 2000)
+    a = answers(rng, labels, 0.6)
+    b = a.copy()
+    changed = np.flatnonzero(a == labels)[:30]
+    b[changed] = (labels[changed] + 1) % 10
+    diff = compare.bootstrap_difference(labels, a, b)
+    alone = compare.bootstrap_difference(labels, a)
+    assert diff.estimate == pytest.approx(30 / 2000)
+    assert diff.excludes_zero and diff.low > 0.008
+    assert diff.half_width < 0.3 * alone.half_width
+
+
+def test_seed_spread_widens_the_interval():
+    """Two models with the same mean accuracy over 3 seeds on the same examples: the one whose
+    seeds disagree (35 / 45 / 55 %) gets a wider interval than the steady one (45 % each)."""
+    rng = np.random.default_rng(3)
+    labels = rng.integers(0, 10, 2000)
+    steady = np.stack([answers(rng, labels, 0.45) for _ in range(3)])
+    erratic = np.stack([answers(rng, labels, p) for p in (0.35, 0.45, 0.55)])
+    a = compare.bootstrap_difference(labels, steady)
+    b = compare.bootstrap_difference(labels, erratic)
+    assert a.estimate == pytest.approx(b.estimate, abs=0.02)
+    assert b.half_width > 2 * a.half_width
+
+
+def test_any_metric_and_the_accuracy_fast_path_agree():
+    rng = np.random.default_rng(4)
+    labels = rng.integers(0, 3, 300)
+    a = np.stack([answers(rng, labels, p, 3) for p in (0.5, 0.6)])
+    b = answers(rng, labels, 0.5, 3)
+    fast = compare.bootstrap_difference(labels, a, b, resamples=200, seed=5)
+    slow = compare.bootstrap_difference(
+        labels, a, b, metric=lambda p, y: float(np.mean(p == y)), resamples=200, seed=5
+    )
+    assert fast.to_dict() == pytest.approx(slow.to_dict(), abs=1e-12)
+
+
+def test_bad_input_is_named():
+    labels = np.array([0, 1, 1])
+    with pytest.raises(ValueError, match="the same test set"):
+        compare.bootstrap_difference(labels, np.array([0, 1]))
+    with pytest.raises(ValueError, match="level"):
+        compare.bootstrap_difference(labels, labels, level=95)
+    with pytest.raises(ValueError, match="another test set"):
+        compare.stack_seeds([(labels, labels), (labels, np.array([1, 1, 1]))])
+
+
+def test_predictions_file_round_trip(tmp_path):
+    best = {"dev": np.array([1, 0, 2]), "test": np.array([3, 3])}
+    last = {"dev": np.array([1, 1, 2]), "test": np.array([0, 3])}
+    path = compare.save_predictions(tmp_path, best, last, {"dev": np.array([1, 0, 0])})
+    assert path == tmp_path / compare.PREDICTIONS_FILE
+    assert not list(tmp_path.glob("*.tmp"))  # written through a temporary, then renamed
+    pred, labels = compare.load_predictions(tmp_path, "dev")
+    assert pred.tolist() == [1, 0, 2] and labels.tolist() == [1, 0, 0]
+    assert compare.load_predictions(tmp_path, "dev", "last")[0].tolist() == [1, 1, 2]
+    with pytest.raises(KeyError, match=r"labelled sets: \['dev'\]"):
+        compare.load_predictions(tmp_path, "test")  # no labels: nothing to score
+    with pytest.raises(FileNotFoundError, match="no predictions"):
+        compare.load_predictions(tmp_path / "elsewhere", "dev")
+    with pytest.raises(ValueError, match="which="):
+        compare.load_predictions(tmp_path, "dev", "first")
+
+
+def test_format_interval():
+    iv = compare.Interval(0.024, -0.003, 0.051, 0.95)
+    assert compare.format_interval(iv) == "+2.4 [-0.3, +5.1]"
+    apart = compare.Interval(0.024, 0.003, 0.051, 0.95)
+    assert compare.format_interval(apart) == "+2.4 [+0.3, +5.1] *"
+    assert compare.format_interval(apart, signed=False) == "2.4 [0.3, 5.1]"
