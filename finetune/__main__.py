@@ -1,6 +1,7 @@
 """``python -m finetune glue ...`` (GLUE), ``glue-summary``, ``lra ...`` (Long Range Arena),
 ``lra-summary`` (every LRA run below a directory, beside the published numbers),
-``lra-shards ...`` (an LRA task's inputs as pretraining shards, for self-pretraining).
+``lra-shards ...`` (an LRA task's inputs as pretraining shards, for self-pretraining),
+``compare`` (can the runs of two or more models be told apart: bootstrap intervals).
 
 Exit codes: 0 done, 2 bad arguments, config or data (nothing was trained), 75 stopped by a
 signal (SIGTERM, SIGUSR1, SIGUSR2) or ``train.time_budget_minutes`` with a checkpoint saved: run
@@ -121,6 +122,20 @@ def build_parser() -> argparse.ArgumentParser:
     shards.add_argument("--splits", nargs="+", default=["train"], help="splits whose inputs to use")
     shards.add_argument("--difficulty", help="Pathfinder / Path-X: easy|intermediate|hard")
     shards.add_argument("--split-seed", type=int, default=0, help="Pathfinder split seed")
+    comp = _documented(
+        sub, "compare", "finetune.compare", "scores of models and their differences, with intervals"
+    )
+    comp.add_argument(
+        "models", nargs="+", help="one directory per model (its runs: every predictions.npz "
+        "below it, one per seed); the first is the reference"
+    )  # fmt: skip
+    comp.add_argument("--split", required=True, help="a labelled evaluation set, e.g. dev, test")
+    comp.add_argument("--metric", default="accuracy", help="accuracy|mcc|f1|pearson|spearman")
+    comp.add_argument("--at", default="best", choices=("best", "last"), help="which evaluation")
+    comp.add_argument("--resamples", type=int, default=2000, help="bootstrap rounds")
+    comp.add_argument("--level", type=float, default=0.95, help="the intervals' level")
+    comp.add_argument("--out", help="also write the rows as JSON here")
+    comp.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     return parser
 
 
@@ -140,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
 
             print(lra_run.summarise_dir(Path(args.run_dir)))
             return 0
+        if args.suite == "compare":
+            from finetune import compare
+
+            return compare.main(args)
         if args.suite == "lra-shards":
             from finetune.lra import shards as lra_shards
 

@@ -21,6 +21,12 @@ interval as it should. Three seeds are few for the seed level: its resampling ca
 reflect the spread those seeds happened to show (a reason to read an interval as approximate,
 and to add seeds where two models sit near the edge).
 
+From the command line, on any fine-tuning runs (GLUE or LRA; each directory is one model, every
+``predictions.npz`` below it one of its seeds; the first is the reference):
+
+    python -m finetune compare runs/glue-softmax/rte/lr_3e-05 runs/glue-tisa/rte/lr_3e-05 \\
+        --split dev [--metric accuracy|mcc|f1|pearson|spearman] [--at best|last] [--out x.json]
+
 A run of the fine-tuning loop writes its predictions for this (``finetune.trainer``:
 ``run_dir/predictions.npz``, read by :func:`load_predictions`): for every evaluation set the
 predictions at the best evaluation (``best``, the step the run reports) and at the last one
@@ -86,7 +92,7 @@ def load_predictions(
         keys = set(data.files)
         if f"{which}/{split}" not in keys or f"labels/{split}" not in keys:
             have = sorted({k.split("/", 1)[1] for k in keys if k.startswith("labels/")})
-            raise KeyError(f"{path}: no labelled predictions of {split!r}; labelled sets: {have}")
+            raise ValueError(f"{path}: no labelled predictions of {split!r}; labelled sets: {have}")
         return data[f"{which}/{split}"], data[f"labels/{split}"]
 
 
@@ -208,12 +214,99 @@ def format_interval(interval: Interval, scale: float = 100.0, signed: bool = Tru
     return text + (" *" if signed and interval.excludes_zero else "")
 
 
+# ----------------------------------------------------------------------------- the command
+
+
+def metric_named(name: str) -> Metric | None:
+    """None (the fast accuracy) for ``accuracy``, else GLUE's metric of that name."""
+    from finetune.glue.metrics import METRICS
+
+    if name == "accuracy":
+        return None
+    if name not in METRICS:
+        raise ValueError(f"--metric {name!r} is invalid; valid: {sorted(METRICS)}")
+    return METRICS[name]
+
+
+def model_runs(directory: str | os.PathLike[str]) -> list[Path]:
+    """The runs (directories holding ``predictions.npz``) at or below ``directory``."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: no such directory")
+    runs = sorted(p.parent for p in root.glob(f"**/{PREDICTIONS_FILE}"))
+    if not runs:
+        raise FileNotFoundError(
+            f"{root}: no {PREDICTIONS_FILE} at or below it (no finished fine-tuning run, or runs "
+            "made before runs saved their predictions)"
+        )
+    return runs
+
+
+def compare_dirs(
+    directories: Sequence[str | os.PathLike[str]],
+    split: str,
+    metric: str = "accuracy",
+    which: str = "best",
+    resamples: int = DEFAULT_RESAMPLES,
+    level: float = DEFAULT_LEVEL,
+) -> tuple[list[dict], str]:
+    """Every model's score and every model's difference from the first one, with intervals:
+    rows for JSON and a Markdown table. Refuses models scored on different examples."""
+    if len(directories) < 1:
+        raise ValueError("name at least one directory")
+    fn = metric_named(metric)
+    models = []
+    for directory in directories:
+        runs = model_runs(directory)
+        models.append((str(directory), len(runs), *stack_seeds(
+            [load_predictions(r, split, which) for r in runs], str(directory))))  # fmt: skip
+    _, _, reference, labels = models[0]
+    rows, lines = [], []
+    for name, seeds, predictions, these in models:
+        if not np.array_equal(these, labels):
+            raise ValueError(f"{name} was scored on other {split} examples than {models[0][0]}")
+        own = bootstrap_difference(labels, predictions, None, fn, resamples, level)
+        row = {"model": name, "seeds": seeds, metric: own.to_dict()}
+        cell = ""
+        if name != models[0][0]:
+            difference = bootstrap_difference(labels, predictions, reference, fn, resamples, level)
+            row["difference"] = difference.to_dict()
+            cell = format_interval(difference)
+        rows.append(row)
+        lines.append(f"| {name} | {seeds} | {format_interval(own, signed=False)} | {cell} |")
+    md = (
+        f"{split} {metric} at the {which} evaluation (x 100), mean over seeds, and the difference "
+        f"from {models[0][0]}, with {100 * level:g} % bootstrap intervals (over the examples, "
+        "paired, and over each side's seeds); `*`: the interval excludes 0.\n\n"
+        f"| model | seeds | {metric} | difference |\n|---|---|---|---|\n" + "\n".join(lines) + "\n"
+    )
+    return rows, md
+
+
+def main(args) -> int:
+    """``python -m finetune compare`` (arguments: see ``finetune.__main__``)."""
+    import json
+
+    rows, md = compare_dirs(
+        args.models, args.split, args.metric, args.at, args.resamples, args.level
+    )
+    print(md)
+    if args.out:
+        out = Path(args.out)
+        if out.exists() and not args.overwrite:
+            raise ValueError(f"{out} exists; pass --overwrite to replace it")
+        out.write_text(json.dumps({"split": args.split, "metric": args.metric, "at": args.at,
+                                   "models": rows}, indent=2) + "\n")  # fmt: skip
+    return 0
+
+
 __all__ = [
     "DEFAULT_LEVEL",
     "DEFAULT_RESAMPLES",
     "PREDICTIONS_FILE",
     "Interval",
     "bootstrap_difference",
+    "compare_dirs",
     "format_interval",
     "load_predictions",
     "save_predictions",

@@ -119,7 +119,7 @@ def test_predictions_file_round_trip(tmp_path):
     pred, labels = compare.load_predictions(tmp_path, "dev")
     assert pred.tolist() == [1, 0, 2] and labels.tolist() == [1, 0, 0]
     assert compare.load_predictions(tmp_path, "dev", "last")[0].tolist() == [1, 1, 2]
-    with pytest.raises(KeyError, match=r"labelled sets: \['dev'\]"):
+    with pytest.raises(ValueError, match=r"labelled sets: \['dev'\]"):
         compare.load_predictions(tmp_path, "test")  # no labels: nothing to score
     with pytest.raises(FileNotFoundError, match="no predictions"):
         compare.load_predictions(tmp_path / "elsewhere", "dev")
@@ -133,3 +133,27 @@ def test_format_interval():
     apart = compare.Interval(0.024, 0.003, 0.051, 0.95)
     assert compare.format_interval(apart) == "+2.4 [+0.3, +5.1] *"
     assert compare.format_interval(apart, signed=False) == "2.4 [0.3, 5.1]"
+
+
+def test_compare_dirs_names_models_that_do_not_match(tmp_path):
+    dev = np.array([0, 1, 1, 0])
+    for model, seeds in (("a", 2), ("b", 1)):
+        for seed in range(seeds):
+            run = tmp_path / model / f"seed_{seed}"
+            run.mkdir(parents=True)
+            compare.save_predictions(run, {"dev": dev}, {"dev": dev}, {"dev": dev})
+    rows, md = compare.compare_dirs([tmp_path / "a", tmp_path / "b"], "dev", resamples=50)
+    assert [r["seeds"] for r in rows] == [2, 1] and rows[1]["difference"]["estimate"] == 0
+    assert f"| {tmp_path / 'b'} | 1 | 100.0 [100.0, 100.0] | +0.0 [+0.0, +0.0] |" in md
+    other = tmp_path / "c" / "seed_0"
+    other.mkdir(parents=True)
+    compare.save_predictions(other, {"dev": dev}, {"dev": dev}, {"dev": 1 - dev})
+    with pytest.raises(ValueError, match="other dev examples"):
+        compare.compare_dirs([tmp_path / "a", tmp_path / "c"], "dev", resamples=50)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no predictions\.npz at or below it"):
+        compare.model_runs(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        compare.model_runs(tmp_path / "missing")
+    with pytest.raises(ValueError, match="--metric 'auc'"):
+        compare.compare_dirs([tmp_path / "a"], "dev", metric="auc")

@@ -133,6 +133,19 @@ def test_finetune_glue_beats_chance_and_writes_outputs(tmp_path, release):
     assert server[0] == "index\tprediction" and len(server) == 17
     assert {line.split("\t")[1] for line in server[1:]} <= {"0", "1"}
     assert [int(line.split("\t")[0]) for line in server[1:]] == list(range(16))
+    # the two seeds as two "models": their dev accuracies at the best step and the difference
+    seeds = [row["run_dir"] for row in results["runs"]]
+    out = tmp_path / "compare.json"
+    assert finetune_main(["compare", *seeds, "--split", "dev", "--out", str(out)]) == 0
+    models = json.loads(out.read_text())["models"]
+    for model, row in zip(models, results["runs"]):
+        assert model["accuracy"]["estimate"] == pytest.approx(row["dev"]["dev"]["accuracy"])
+    difference = (
+        results["runs"][1]["dev"]["dev"]["accuracy"] - results["runs"][0]["dev"]["dev"]["accuracy"]
+    )
+    assert models[1]["difference"]["estimate"] == pytest.approx(difference)
+    assert finetune_main(["compare", *seeds, "--split", "dev", "--out", str(out)]) == 2  # exists
+    assert finetune_main(["compare", *seeds, "--split", "test"]) == 2  # unlabelled: no scores
 
 
 def test_bad_arguments_exit_2(tmp_path, release, capsys):
@@ -243,6 +256,12 @@ def test_stsb_regression_end_to_end(tmp_path, release):
     lines = (run_dir / "submission" / "STS-B.tsv").read_text().splitlines()
     assert lines[0] == "index\tprediction" and len(lines) == 9
     assert all(0.0 <= float(line.split("\t")[1]) <= 5.0 for line in lines[1:])
+    out = tmp_path / "compare.json"
+    args = ["compare", row["run_dir"], "--split", "dev", "--metric", "pearson", "--out", str(out)]
+    assert finetune_main([*args, "--resamples", "200"]) == 0
+    pearson = json.loads(out.read_text())["models"][0]["pearson"]
+    assert pearson["estimate"] == pytest.approx(row["dev"]["dev"]["pearson"])
+    assert pearson["low"] <= pearson["estimate"] <= pearson["high"]
 
 
 @pytest.mark.slow

@@ -357,9 +357,10 @@ def summary_intervals(
         runs = groups[key]
         try:
             got = [load_predictions(r["run_dir"], "test", "best") for r in runs]
-            preds[key] = stack_seeds(got, f"{key[0]} ({key[1]}) on {key[2]}")
-        except (FileNotFoundError, KeyError):
+        except FileNotFoundError:
             missing.append(f"{key[0]} ({key[1]}) on {key[2]}")
+            continue
+        preds[key] = stack_seeds(got, f"{key[0]} ({key[1]}) on {key[2]}")
     out, lines = [], []
     for (family, init, task), (mine, labels) in preds.items():
         row: dict[str, Any] = {"family": family, "init": init, "task": task, "seeds": len(mine)}
