@@ -131,8 +131,20 @@ def lra_stage(out: Path, scale: str) -> list[str]:
     except (RuntimeError, ValueError) as e:
         print(f"LRA stage failed: {e}", file=sys.stderr)
         return ["lra"]
+    from finetune.compare import Interval, format_interval
+
     for r in rows:
-        print(f"  ListOps test accuracy, {r['init']:<15} {100 * r['median']:5.1f} %")
+        own = Interval(**r["intervals"]["accuracy"])
+        print(
+            f"  ListOps test accuracy, {r['init']:<15} {100 * r['median']:5.1f} % "
+            f"(95% interval {100 * own.low:.1f}-{100 * own.high:.1f})"
+        )
+        if "gain" in r["intervals"]:
+            gain = Interval(**r["intervals"]["gain"])
+            verdict = "told apart" if gain.excludes_zero else "within chance: not told apart"
+            print(
+                f"  self-pretraining gain {format_interval(gain).rstrip(' *')} points ({verdict})"
+            )
     print(
         f"  (chance: the most frequent class, about 17-20 %; {out / 'results.md'}; "
         f"{time.perf_counter() - start:.0f} s)"

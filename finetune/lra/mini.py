@@ -24,7 +24,11 @@ Every stage is the project's real command line, run as a subprocess:
        are evaluated at `Scale.curve_points` evenly spaced steps, the last one the last step:
        the table reports the test accuracy **after the last step** (no selection on val or
        test; the fine-tuning command's own summary picks the best val step, which this
-       driver ignores), and the learning curves the median test accuracy at every point.
+       driver ignores), and the learning curves the median test accuracy at every point;
+    6. intervals (`finetune.compare`, from the runs' saved predictions and the baselines'):
+       every row's mean test accuracy and its differences from the task's best shortcut, from
+       softmax and (self-pretrained rows) from the scratch run, with 95 % bootstrap intervals
+       over the test examples (paired) and the seeds: what the table can tell apart.
 
 ListOps at the table scale is shallow on purpose (trees of depth <= 3, operators of 2-5
 arguments, 10 < length < 40, 3000 fine-tuning steps): on the LRA generator's own shape (depth
