@@ -242,6 +242,33 @@ def model_runs(directory: str | os.PathLike[str]) -> list[Path]:
     return runs
 
 
+def _flat(value: object, prefix: str = "") -> dict[str, object]:
+    if not isinstance(value, dict):
+        return {prefix: value}
+    out: dict[str, object] = {}
+    for key, item in value.items():
+        out.update(_flat(item, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def check_one_model(runs: Sequence[Path], directory: str | os.PathLike[str]) -> None:
+    """Refuses runs that differ in more than their seed (a GLUE task directory holding several
+    learning rates, two families under one root): their identities (``run.json``, where
+    present) may differ only in keys named ``seed``/``seeds``."""
+    import json
+
+    identities = [_flat(json.loads((r / "run.json").read_text()))
+                  for r in runs if (r / "run.json").is_file()]  # fmt: skip
+    keys = sorted({k for i in identities for k in i})
+    differ = [k for k in keys if k.rsplit(".", 1)[-1] not in ("seed", "seeds")
+              and len({json.dumps(i.get(k), sort_keys=True) for i in identities}) > 1]  # fmt: skip
+    if differ:
+        raise ValueError(
+            f"{directory}: its runs differ in more than the seed ({', '.join(differ[:6])}); "
+            "name one directory per model (e.g. one learning rate's, lr_<lr>/)"
+        )
+
+
 def compare_dirs(
     directories: Sequence[str | os.PathLike[str]],
     split: str,
@@ -258,6 +285,7 @@ def compare_dirs(
     models = []
     for directory in directories:
         runs = model_runs(directory)
+        check_one_model(runs, directory)
         models.append((str(directory), len(runs), *stack_seeds(
             [load_predictions(r, split, which) for r in runs], str(directory))))  # fmt: skip
     _, _, reference, labels = models[0]

@@ -157,3 +157,21 @@ def test_compare_dirs_names_models_that_do_not_match(tmp_path):
         compare.model_runs(tmp_path / "missing")
     with pytest.raises(ValueError, match="--metric 'auc'"):
         compare.compare_dirs([tmp_path / "a"], "dev", metric="auc")
+
+
+def test_a_model_is_one_configuration_over_seeds(tmp_path):
+    """Runs below a directory that differ in more than their seed (two learning rates) are not
+    taken as one model's seeds."""
+    import json
+
+    dev = np.array([0, 1, 1, 0])
+    for lr, seed in (("1e-3", 0), ("1e-3", 1), ("3e-3", 0)):
+        run = tmp_path / "rte" / f"lr_{lr}" / f"seed_{seed}"
+        run.mkdir(parents=True)
+        identity = {"task": "rte", "lr": float(lr), "seed": seed, "train": {"seed": seed}}
+        (run / "run.json").write_text(json.dumps(identity))
+        compare.save_predictions(run, {"dev": dev}, {"dev": dev}, {"dev": dev})
+    rows, _ = compare.compare_dirs([tmp_path / "rte" / "lr_1e-3"], "dev", resamples=20)
+    assert rows[0]["seeds"] == 2  # the seeds of one lr: fine
+    with pytest.raises(ValueError, match=r"differ in more than the seed \(lr\)"):
+        compare.compare_dirs([tmp_path / "rte"], "dev", resamples=20)
