@@ -25,13 +25,12 @@ import torch
 from torch import nn
 
 import engine.engine as engine_module
+import engine.extensions as extensions
 from engine.checkpoint import CheckpointError
 from engine.distributed import DistEnv
-from engine.engine import (
-    Engine,
-    EngineConfig,
+from engine.engine import Engine, EngineConfig, check_compatible
+from engine.extensions import (
     StaleExtensionLockError,
-    check_compatible,
     check_extension_locks,
     torch_extensions_root,
     use_environment_extensions_dir,
@@ -652,11 +651,11 @@ def test_old_lock_held_open_by_a_live_process_is_not_stale(tmp_path):
         lock.unlink()
         os.close(fd)
 
-    assert engine_module._lock_holders(lock) == [os.getpid()]
+    assert extensions._lock_holders(lock) == [os.getpid()]
     threading.Timer(0.5, release).start()
     check_extension_locks(tmp_path, max_age_s=60, poll_s=0.05)  # waits, does not raise
     assert not lock.exists()
-    assert engine_module._lock_holders(tmp_path / "nothing") == []
+    assert extensions._lock_holders(tmp_path / "nothing") == []
 
 
 def test_deepspeed_engine_start_up_fails_fast_on_a_stale_lock(tmp_path):
