@@ -20,7 +20,10 @@ dual encoder on the two documents. Every seed's run is evaluated on the val spli
 ``lra-summary ROOT`` gathers every ``seed_*/results.json`` below ROOT (array jobs write them
 with ``--no-summary``) into ROOT/results.md and results.json: test accuracy per task and
 family (median over seeds), the averages over the 5 tasks without Path-X and over all 6 (a
-missing Path-X counted as 50, the LRA paper's FAIL), beside the published numbers.
+missing Path-X counted as 50, the LRA paper's FAIL), beside the published numbers, and what
+the runs can tell apart: each family's mean test accuracy and its difference from softmax (same
+task and init) with 95 % bootstrap intervals (``finetune.compare``, from each run's
+predictions.npz).
 """
 
 from __future__ import annotations
