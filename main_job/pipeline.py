@@ -134,11 +134,11 @@ def lra_stage(out: Path, scale: str) -> list[str]:
     from finetune.compare import Interval, format_interval
 
     for r in rows:
-        own = Interval(**r["intervals"]["accuracy"])
-        print(
-            f"  ListOps test accuracy, {r['init']:<15} {100 * r['median']:5.1f} % "
-            f"(95% interval {100 * own.low:.1f}-{100 * own.high:.1f})"
-        )
+        line = f"  ListOps test accuracy, {r['init']:<15} {100 * r['median']:5.1f} %"
+        if "accuracy" in r["intervals"]:  # not for runs reused from before predictions were saved
+            own = Interval(**r["intervals"]["accuracy"])
+            line += f" (95% interval {100 * own.low:.1f}-{100 * own.high:.1f})"
+        print(line)
         if "gain" in r["intervals"]:
             gain = Interval(**r["intervals"]["gain"])
             verdict = "told apart" if gain.excludes_zero else "within chance: not told apart"

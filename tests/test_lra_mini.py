@@ -210,6 +210,10 @@ def test_mini_lra_tiny_listops(tmp_path):
             depth -= tok == "]"
             most = max(most, depth)
         assert most <= 2
-    # a second call reuses every run
+    # a second call reuses every run, also one from before runs saved their predictions
+    (Path(by["scratch"]["run_dir"]) / "seed_1" / "predictions.npz").unlink()
     again = mini.run(tmp_path, ["listops"], ["softmax"], [0, 1], mini.SCALES["tiny"], jobs=2)
     assert [r["test_accuracy"] for r in again] == [r["test_accuracy"] for r in rows]
+    md = (tmp_path / "results.md").read_text()
+    assert "No predictions saved (runs from an older version): listops softmax scratch." in md
+    assert "gain" not in {r["init"]: r for r in again}["self-pretrained"]["intervals"]

@@ -447,10 +447,18 @@ def add_intervals(out: Path, rows: list[dict[str, Any]], found: dict[str, Any]) 
     from finetune.compare import bootstrap_difference
     from finetune.lra.baselines import shortcut
 
-    preds = {(r["task"], r["family"], r["init"]): seed_predictions(Path(r["run_dir"]), r["seeds"])
-             for r in rows}  # fmt: skip
+    preds = {}
+    for r in rows:
+        try:
+            preds[(r["task"], r["family"], r["init"])] = seed_predictions(
+                Path(r["run_dir"]), r["seeds"]
+            )
+        except FileNotFoundError:  # runs reused from an older version: no intervals for them
+            r["intervals"] = {}
     for r in rows:
         task, family, init = r["task"], r["family"], r["init"]
+        if (task, family, init) not in preds:
+            continue
         mine, labels = preds[(task, family, init)]
         others = {"accuracy": None}
         if task in found:
@@ -483,7 +491,11 @@ def interval_table(rows: list[dict[str, Any]]) -> str:
             iv = None if found is None else Interval(**found)
             cells.append("" if iv is None else format_interval(iv, signed=key != "accuracy"))
         lines.append(f"| {r['task']} | {r['family']} | {r['init']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    old = [f"{r['task']} {r['family']} {r['init']}" for r in rows if r.get("intervals") == {}]
+    note = (
+        f"\nNo predictions saved (runs from an older version): {', '.join(old)}.\n" if old else ""
+    )
+    return "\n".join(lines) + "\n" + note
 
 
 # ----------------------------------------------------------------------------- tables
