@@ -175,3 +175,39 @@ def test_a_model_is_one_configuration_over_seeds(tmp_path):
     assert rows[0]["seeds"] == 2  # the seeds of one lr: fine
     with pytest.raises(ValueError, match=r"differ in more than the seed \(lr\)"):
         compare.compare_dirs([tmp_path / "rte"], "dev", resamples=20)
+
+
+@pytest.mark.parametrize("task", ["cola", "mrpc", "mnli", "stsb"])
+def test_glue_score_metric_is_compute_metrics_score(task):
+    """The bootstrap's form of each GLUE task's score (confusion counts for classification)
+    equals the summary's `compute_metrics` on the same predictions."""
+    from finetune.glue.metrics import compute_metrics, score_metric
+    from finetune.glue.tasks import get_task
+
+    rng = np.random.default_rng(0)
+    classes = len(get_task(task).labels)
+    if task == "stsb":
+        labels = rng.uniform(0, 5, 300)
+        pred = labels + rng.normal(0, 1, 300)
+    else:
+        labels = rng.integers(0, classes, 300)
+        pred = answers(rng, labels, 0.7, classes)
+    assert score_metric(task)(pred, labels) == pytest.approx(
+        compute_metrics(task, pred, labels)["score"], abs=1e-12
+    )
+
+
+def test_confusion_fast_path_equals_the_plain_metric():
+    from sklearn.metrics import matthews_corrcoef
+
+    rng = np.random.default_rng(8)
+    labels = rng.integers(0, 3, 400)
+    a = np.stack([answers(rng, labels, p, 3) for p in (0.6, 0.7)])
+    b = answers(rng, labels, 0.6, 3)
+    fast = compare.bootstrap_difference(
+        labels, a, b, compare.ConfusionMetric(3, compare.confusion_mcc), resamples=200, seed=1
+    )
+    slow = compare.bootstrap_difference(
+        labels, a, b, lambda p, y: matthews_corrcoef(y, p), resamples=200, seed=1
+    )
+    assert fast.to_dict() == pytest.approx(slow.to_dict(), abs=1e-12)

@@ -133,6 +133,12 @@ def test_finetune_glue_beats_chance_and_writes_outputs(tmp_path, release):
     assert server[0] == "index\tprediction" and len(server) == 17
     assert {line.split("\t")[1] for line in server[1:]} <= {"0", "1"}
     assert [int(line.split("\t")[0]) for line in server[1:]] == list(range(16))
+    # the summary's dev score over the seeds, with its interval
+    (interval,) = results["intervals"]
+    mean = sum(r["dev"]["dev"]["score"] for r in results["runs"]) / 2
+    assert interval["score"]["estimate"] == pytest.approx(mean)
+    assert interval["score"]["low"] <= mean <= interval["score"]["high"]
+    assert "| sst2 | 0.002 | dev | 2 |" in table
     # the two seeds as two "models": their dev accuracies at the best step and the difference
     seeds = [row["run_dir"] for row in results["runs"]]
     out = tmp_path / "compare.json"

@@ -85,6 +85,25 @@ METRICS: dict[str, Callable[[np.ndarray, np.ndarray], float]] = {
 }
 
 
+def score_metric(task: str | GlueTask) -> Callable[[np.ndarray, np.ndarray], float]:
+    """The task's "score" (the mean of its metrics) as a ``finetune.compare`` metric: computed
+    from the confusion matrix for the classification tasks (fast in the bootstrap), from
+    Pearson and Spearman for STS-B. Equal to ``compute_metrics(task, ...)["score"]``."""
+    from finetune import compare
+
+    task = get_task(task)
+    if not task.metrics:
+        raise ValueError(f"{task.name} has no public labels: only the GLUE server scores it")
+    if task.is_regression:
+        return lambda pred, gold: float(np.mean([METRICS[m](pred, gold) for m in task.metrics]))
+    forms = {MCC: compare.confusion_mcc, ACCURACY: compare.confusion_accuracy,
+             F1: compare.confusion_f1}  # fmt: skip
+    chosen = [forms[m] for m in task.metrics]
+    return compare.ConfusionMetric(
+        len(task.labels), lambda counts: sum(f(counts) for f in chosen) / len(chosen)
+    )
+
+
 def _class_ids(task: GlueTask, values: Any, what: str) -> np.ndarray:
     array = np.asarray(values)
     if array.ndim != 1:

@@ -366,7 +366,9 @@ def summarise(
     }
     if set(best_per_task) >= set(SCORED_TASKS):
         table += f"\nGLUE average (dev, best lr per task, median over seeds): {100 * glue_average(scored):.2f}\n"
-    results: dict[str, Any] = {"runs": rows, "best": best_per_task}
+    intervals, interval_md = score_intervals(groups)
+    table += interval_md
+    results: dict[str, Any] = {"runs": rows, "best": best_per_task, "intervals": intervals}
     if submission is not None:
         table += f"\n{submission.summary()}\n"
         results["submission"] = submission.to_dict()
@@ -374,6 +376,49 @@ def summarise(
     (out / "results.md").write_text(table)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     return table
+
+
+def score_intervals(
+    groups: dict[tuple[str, float], list[dict[str, Any]]],
+) -> tuple[list[dict[str, Any]], str]:
+    """Each (task, lr, dev split)'s mean dev score over its seeds with a 95 % bootstrap interval
+    (``finetune.compare``: over the dev examples and the seeds; GLUE's dev sets are small): rows
+    for results.json and a Markdown section. Settings whose runs saved no predictions (an
+    older version) are named and left out."""
+    from finetune.compare import (
+        bootstrap_difference,
+        format_interval,
+        load_predictions,
+        stack_seeds,
+    )
+    from finetune.glue.metrics import score_metric
+
+    out, lines, missing = [], [], []
+    for (name, lr), group in sorted(groups.items()):
+        task = TASKS[name]
+        for split in task.dev_splits:
+            try:
+                runs = [load_predictions(r["run_dir"], split) for r in group]
+            except FileNotFoundError:
+                missing.append(f"{name} lr {lr:g}")
+                break
+            predictions, labels = stack_seeds(runs, f"{name} lr {lr:g}")
+            interval = bootstrap_difference(labels, predictions, None, score_metric(task))
+            out.append({"task": name, "lr": lr, "split": split, "seeds": len(group),
+                        "score": interval.to_dict()})  # fmt: skip
+            shown = format_interval(interval, signed=False)
+            lines.append(f"| {name} | {lr:g} | {split} | {len(group)} | {shown} |")
+    md = ""
+    if lines:
+        md = (
+            "\nDev score (x 100): the mean over seeds with a 95 % bootstrap interval (over the dev "
+            "examples and the seeds; `python -m finetune compare` for differences):\n\n"
+            "| task | lr | split | seeds | score |\n|---|---|---|---|---|\n"
+            + "\n".join(lines) + "\n"
+        )  # fmt: skip
+    if missing:
+        md += f"\nNo predictions saved (runs from an older version): {', '.join(missing)}.\n"
+    return out, md
 
 
 def collect_submission(rows: list[dict[str, Any]], submission: Path) -> SubmissionReport:
@@ -402,6 +447,7 @@ def collect_rows(root: Path) -> list[dict[str, Any]]:
         if row.get("finished") is False or "task" not in row:
             continue  # interrupted between its last evaluation and its predictions
         row.pop("history", None)
+        row["run_dir"] = str(path.parent)  # where it is now (a moved tree still summarises)
         rows.append(row)
     return rows
 
