@@ -27,6 +27,8 @@ def test_scales():
     table = mini.SCALES["table"]
     assert table == mini.Scale()
     assert (table.listops_max_depth, table.listops_max_args) == (3, 5)
+    assert table.listops[2] == 2000 and table.text[1] == 2000  # test sets that resolve ±2 points
+    assert mini.SCALES["lra-shape"].text == (2000, 500)  # the previous table, as it was
     assert table.steps("listops") == 3000 and table.steps("text") == 400
     assert table.steps("listops", "pretrain") == 500 and table.steps("text", "pretrain") == 300
     assert mini.eval_steps("listops", table) == list(range(375, 3001, 375))
