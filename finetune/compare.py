@@ -241,7 +241,7 @@ def bootstrap_difference(
     rng = np.random.default_rng(seed)
     n = len(labels)
     rounds_R = np.zeros(resamples)
-    chunk = max(1, min(resamples, 4_000_000 // n))  # rounds at a time: bounded memory
+    chunk = max(1, min(resamples, 2_000_000 // n))  # rounds at a time: bounded memory
     for start in range(0, resamples, chunk):
         size = min(chunk, resamples - start)
         examples_RN = rng.integers(0, n, size=(size, n))  # shared: the comparison is paired
