@@ -125,7 +125,7 @@ LRA_LISTOPS = dict(listops_max_depth=10, listops_max_args=10)
 """The LRA generator's tree shape."""
 
 SCALES = {
-    # The table (BENCHMARKS.md): 22 min on 2 CPU cores with --jobs 2 (measured).
+    # The table (BENCHMARKS.md): 18 min on 2 CPU cores with --jobs 2 (measured).
     "table": Scale(),
     # The same tasks with more of everything, for one GPU (--jobs 1; not run yet): 10x the
     # data, 10x the steps, a 4-layer d=128 encoder, Text reviews of 60-120 words, and ListOps
