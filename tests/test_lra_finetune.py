@@ -49,7 +49,10 @@ def test_listops_from_scratch(tmp_path):
         assert np.mean(best == labels) == pytest.approx(row["test_accuracy"])
         assert np.mean(last == labels) == pytest.approx(history[-1]["test"]["accuracy"])
         assert len(load_predictions(row["run_dir"], "val")[0]) == 48
-    assert "| listops | scratch | 2 |" in (run_dir / "results.md").read_text()
+    md = (run_dir / "results.md").read_text()
+    assert "| listops | scratch | 2 |" in md and "| test acc (mean, 95% interval) |" in md
+    mean = sum(r["test_accuracy"] for r in runs) / 2
+    assert f"| {100 * mean:.1f} [" in md
 
 
 def write_aan(root: Path, n: dict[str, int]) -> Path:
