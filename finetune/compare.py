@@ -49,6 +49,8 @@ PREDICTIONS_FILE = "predictions.npz"
 WHICH = ("best", "last")
 DEFAULT_RESAMPLES = 2000
 DEFAULT_LEVEL = 0.95
+METRIC_NAMES = ("accuracy", "mcc", "f1", "pearson", "spearman")
+"""The metrics of ``python -m finetune compare --metric``."""
 
 Metric = Callable[[np.ndarray, np.ndarray], float]
 """metric(predictions, labels) -> score, higher is better (None where accuracy is meant)."""
@@ -154,6 +156,16 @@ def stack_seeds(
         if np.shape(pred) != labels.shape or not np.array_equal(np.asarray(lab), labels):
             raise ValueError(f"{what}: run {i} was scored on another test set than run 0")
     return np.stack([np.asarray(p) for p, _ in runs]), labels
+
+
+def load_seeds(
+    run_dirs: Sequence[str | os.PathLike[str]], split: str, which: str = "best", what: str = ""
+) -> tuple[np.ndarray, np.ndarray]:
+    """One model's seeds (one run directory each) on an evaluation set: ((S, n) predictions,
+    (n,) labels), by `load_predictions` and `stack_seeds` (FileNotFoundError for a run without
+    predictions)."""
+    runs = [load_predictions(r, split, which) for r in run_dirs]
+    return stack_seeds(runs, what or str(run_dirs[0]))
 
 
 # ----------------------------------------------------------------------------- the bootstrap
@@ -282,9 +294,7 @@ def metric_named(name: str, num_classes: int) -> Metric | None:
         if num_classes > 2:
             raise ValueError(f"--metric f1 is binary (class 1), but {num_classes} classes occur")
         return ConfusionMetric(2, confusion_f1)
-    if name not in METRICS:
-        raise ValueError(f"--metric {name!r} is invalid; valid: {sorted(METRICS)}")
-    return METRICS[name]
+    return METRICS[name]  # pearson, spearman
 
 
 def model_runs(directory: str | os.PathLike[str]) -> list[Path]:
@@ -301,26 +311,18 @@ def model_runs(directory: str | os.PathLike[str]) -> list[Path]:
     return runs
 
 
-def _flat(value: object, prefix: str = "") -> dict[str, object]:
-    if not isinstance(value, dict):
-        return {prefix: value}
-    out: dict[str, object] = {}
-    for key, item in value.items():
-        out.update(_flat(item, f"{prefix}.{key}" if prefix else str(key)))
-    return out
-
-
 def check_one_model(runs: Sequence[Path], directory: str | os.PathLike[str]) -> None:
     """Refuses runs that differ in more than their seed (a GLUE task directory holding several
     learning rates, two families under one root): their identities (``run.json``, where
     present) may differ only in keys named ``seed``/``seeds``."""
     import json
 
-    identities = [_flat(json.loads((r / "run.json").read_text()))
+    from engine.recipe import diff_keys
+
+    identities = [json.loads((r / "run.json").read_text())
                   for r in runs if (r / "run.json").is_file()]  # fmt: skip
-    keys = sorted({k for i in identities for k in i})
-    differ = [k for k in keys if k.rsplit(".", 1)[-1] not in ("seed", "seeds")
-              and len({json.dumps(i.get(k), sort_keys=True) for i in identities}) > 1]  # fmt: skip
+    keys = {k for i in identities[1:] for k in diff_keys(identities[0], i)}
+    differ = sorted(k for k in keys if k.rsplit(".", 1)[-1] not in ("seed", "seeds"))
     if differ:
         raise ValueError(
             f"{directory}: its runs differ in more than the seed ({', '.join(differ[:6])}); "
@@ -340,16 +342,13 @@ def compare_dirs(
     rows for JSON and a Markdown table. Refuses models scored on different examples."""
     if len(directories) < 1:
         raise ValueError("name at least one directory")
-    if metric not in ("accuracy", "mcc", "f1", "pearson", "spearman"):
-        raise ValueError(
-            f"--metric {metric!r} is invalid; valid: accuracy, mcc, f1, pearson, spearman"
-        )
+    if metric not in METRIC_NAMES:
+        raise ValueError(f"--metric {metric!r} is invalid; valid: {', '.join(METRIC_NAMES)}")
     models = []
     for directory in directories:
         runs = model_runs(directory)
         check_one_model(runs, directory)
-        models.append((str(directory), len(runs), *stack_seeds(
-            [load_predictions(r, split, which) for r in runs], str(directory))))  # fmt: skip
+        models.append((str(directory), len(runs), *load_seeds(runs, split, which, str(directory))))
     _, _, reference, labels = models[0]
     regression = metric in ("pearson", "spearman")
     classes = 0 if regression else int(max(labels.max(), *(m[2].max() for m in models))) + 1
@@ -396,6 +395,7 @@ def main(args) -> int:
 __all__ = [
     "DEFAULT_LEVEL",
     "DEFAULT_RESAMPLES",
+    "METRIC_NAMES",
     "PREDICTIONS_FILE",
     "ConfusionMetric",
     "Interval",
@@ -403,6 +403,7 @@ __all__ = [
     "compare_dirs",
     "format_interval",
     "load_predictions",
+    "load_seeds",
     "save_predictions",
     "stack_seeds",
 ]

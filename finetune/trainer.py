@@ -410,8 +410,10 @@ class Finetuner:
         self.engine.train(True)
         return np.concatenate(out) if out else np.zeros((0,))
 
+    @functools.cached_property
     def eval_labels(self) -> dict[str, np.ndarray]:
-        """The labels of every evaluation set that has them (all its examples labelled)."""
+        """The labels of every evaluation set that has them (all its examples labelled); read
+        once, not at every evaluation."""
         out = {}
         for name, examples in self.eval_sets.items():
             labels = [e.get("label") for e in examples]
@@ -421,7 +423,7 @@ class Finetuner:
 
     def evaluate(self) -> tuple[dict[str, dict[str, float]], dict[str, np.ndarray]]:
         metrics, predictions = {}, {}
-        labelled = self.eval_labels()
+        labelled = self.eval_labels
         for name, examples in self.eval_sets.items():
             preds = self.predict(examples)
             if name in labelled:
@@ -647,7 +649,7 @@ class Finetuner:
         if self.is_main:
             # For comparisons between runs (finetune.compare): before results.json, which a
             # finished run writes last.
-            save_predictions(self.run_dir, result.predictions, last_predictions, self.eval_labels())
+            save_predictions(self.run_dir, result.predictions, last_predictions, self.eval_labels)
             summary = {
                 "best_step": result.best_step,
                 "best": result.best,

@@ -385,12 +385,7 @@ def score_intervals(
     (``finetune.compare``: over the dev examples and the seeds; GLUE's dev sets are small): rows
     for results.json and a Markdown section. Settings whose runs saved no predictions (an
     older version) are named and left out."""
-    from finetune.compare import (
-        bootstrap_difference,
-        format_interval,
-        load_predictions,
-        stack_seeds,
-    )
+    from finetune.compare import bootstrap_difference, format_interval, load_seeds
     from finetune.glue.metrics import score_metric
 
     out, lines, missing = [], [], []
@@ -398,11 +393,11 @@ def score_intervals(
         task = TASKS[name]
         for split in task.dev_splits:
             try:
-                runs = [load_predictions(r["run_dir"], split) for r in group]
+                runs = [r["run_dir"] for r in group]
+                predictions, labels = load_seeds(runs, split, "best", f"{name} lr {lr:g}")
             except FileNotFoundError:
                 missing.append(f"{name} lr {lr:g}")
                 break
-            predictions, labels = stack_seeds(runs, f"{name} lr {lr:g}")
             interval = bootstrap_difference(labels, predictions, None, score_metric(task))
             out.append({"task": name, "lr": lr, "split": split, "seeds": len(group),
                         "score": interval.to_dict()})  # fmt: skip

@@ -432,29 +432,19 @@ REFERENCE = "softmax"
 """The family every other is compared with in the intervals."""
 
 
-def seed_predictions(run_dir: Path, seeds: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """(S, n) test predictions after the last step (what the table reports) of every seed,
-    and the test labels."""
-    from finetune.compare import load_predictions, stack_seeds
-
-    runs = [load_predictions(run_dir / f"seed_{s}", "test", "last") for s in seeds]
-    return stack_seeds(runs, str(run_dir))
-
-
 def add_intervals(out: Path, rows: list[dict[str, Any]], found: dict[str, Any]) -> None:
     """Adds ``row["intervals"]`` to every row: 95 % bootstrap intervals (`finetune.compare`:
     paired over the test examples, resampling seeds) of its test accuracy, of its difference
     from the task's best shortcut baseline, from the same init of `REFERENCE`, and, for a
     self-pretrained row, from the same family's scratch row (the gain)."""
-    from finetune.compare import bootstrap_difference
+    from finetune.compare import bootstrap_difference, load_seeds
     from finetune.lra.baselines import shortcut
 
     preds = {}
     for r in rows:
-        try:
-            preds[(r["task"], r["family"], r["init"])] = seed_predictions(
-                Path(r["run_dir"]), r["seeds"]
-            )
+        seeds = [Path(r["run_dir"]) / f"seed_{s}" for s in r["seeds"]]
+        try:  # the test predictions after the last step: what the table reports
+            preds[(r["task"], r["family"], r["init"])] = load_seeds(seeds, "test", "last")
         except FileNotFoundError:  # runs reused from an older version: no intervals for them
             r["intervals"] = {}
     for r in rows:

@@ -256,12 +256,7 @@ def _family(model: torch.nn.Module) -> str:
 def summarise(rows: list[dict[str, Any]], root: Path) -> str:
     """The run dir's results.md: val and test accuracy over the seeds (median, spread) and the
     test accuracy's mean with a 95 % bootstrap interval (``finetune.compare``)."""
-    from finetune.compare import (
-        bootstrap_difference,
-        format_interval,
-        load_predictions,
-        stack_seeds,
-    )
+    from finetune.compare import bootstrap_difference, format_interval, load_seeds
 
     lines = ["| task | init | seeds | val acc (median) | test acc (median) | test spread "
              "| test acc (mean, 95% interval) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -269,8 +264,8 @@ def summarise(rows: list[dict[str, Any]], root: Path) -> str:
     vals = [r["val_accuracy"] for r in rows]
     init = rows[0]["init"] or "scratch"
     try:
-        runs = [load_predictions(r["run_dir"], "test") for r in rows]
-        mean = format_interval(bootstrap_difference(*reversed(stack_seeds(runs))), signed=False)
+        predictions, labels = load_seeds([r["run_dir"] for r in rows], "test")
+        mean = format_interval(bootstrap_difference(labels, predictions), signed=False)
     except FileNotFoundError:  # a seed finished before runs saved their predictions
         mean = "–"
     lines.append(
@@ -356,12 +351,7 @@ def summary_intervals(
     and init; paired over the test examples, resampling each side's seeds): a list for
     results.json and a Markdown section. Groups whose runs saved no predictions are named in
     the section and left out."""
-    from finetune.compare import (
-        bootstrap_difference,
-        format_interval,
-        load_predictions,
-        stack_seeds,
-    )
+    from finetune.compare import bootstrap_difference, format_interval, load_seeds
 
     preds, missing = {}, []
 
@@ -371,17 +361,16 @@ def summary_intervals(
         return rank, task, init, family != REFERENCE_FAMILY, family
 
     for key in sorted(groups, key=order):
-        runs = groups[key]
+        name = f"{key[0]} ({key[1]}) on {key[2]}"
         try:
-            got = [load_predictions(r["run_dir"], "test", "best") for r in runs]
+            preds[key] = load_seeds([r["run_dir"] for r in groups[key]], "test", "best", name)
         except FileNotFoundError:
-            missing.append(f"{key[0]} ({key[1]}) on {key[2]}")
-            continue
-        preds[key] = stack_seeds(got, f"{key[0]} ({key[1]}) on {key[2]}")
+            missing.append(name)
     out, lines = [], []
     for (family, init, task), (mine, labels) in preds.items():
         row: dict[str, Any] = {"family": family, "init": init, "task": task, "seeds": len(mine)}
-        row["accuracy"] = bootstrap_difference(labels, mine).to_dict()
+        accuracy = bootstrap_difference(labels, mine)
+        row["accuracy"] = accuracy.to_dict()
         ref = preds.get((REFERENCE_FAMILY, init, task))
         cell = ""
         if family != REFERENCE_FAMILY and ref is not None:
@@ -391,8 +380,8 @@ def summary_intervals(
             row[f"vs_{REFERENCE_FAMILY}"] = difference.to_dict()
             cell = format_interval(difference)
         out.append(row)
-        accuracy = format_interval(bootstrap_difference(labels, mine), signed=False)
-        lines.append(f"| {task} | {family} | {init} | {len(mine)} | {accuracy} | {cell} |")
+        shown = format_interval(accuracy, signed=False)
+        lines.append(f"| {task} | {family} | {init} | {len(mine)} | {shown} | {cell} |")
     if not lines and not missing:
         return out, ""
     md = (
