@@ -10,6 +10,7 @@
 #   EXTRA="engine.compile=true" bash bench/gpu_suite.sh   # extra recipe overrides (engine parts)
 #   PRETRAIN="--accumulation 8 --padding none" bash bench/gpu_suite.sh  # pretrain part's options
 #   SCALING="--no-mask" bash bench/gpu_suite.sh   # scaling part without a mask (unpadded path)
+#   PRETRAIN_LIMIT=180 bash bench/gpu_suite.sh  # the pretrain part's time limit (default 210 s)
 #
 # On the device machine (see BENCHMARKS.md): run(command="bash bench/gpu_suite.sh",
 # carry=[".whl"], timeout_s=600). .whl/ holds the wheels the image lacks (DeepSpeed built here
@@ -157,7 +158,7 @@ else
   part scaling 80 python3 bench/bench_attention_scaling.py --device cuda --dtype bf16 \
     --width 768 --heads 12 --batch 8 --lengths 256 512 1024 2048 4096 8192 16384 \
     --repeats 10 --warmup 3 "${SCALING_ARGS[@]}" --out "$OUT/scaling_gpu.json"
-  part pretrain 210 python3 bench/bench_pretrain_throughput.py --device cuda --preset albert \
+  part pretrain "${PRETRAIN_LIMIT:-210}" python3 bench/bench_pretrain_throughput.py --device cuda --preset albert \
     --steps 8 --warmup 3 --timeout 75 "${PRETRAIN_ARGS[@]}" "${OPT[@]}" --out "$OUT/pretrain_gpu.json"
   # The other shipped engine setting: ZeRO-2 (flat partitions; the LAMB per tensor on them).
   part pretrain2 60 python3 bench/bench_pretrain_throughput.py --device cuda --zero-stage 2 \
