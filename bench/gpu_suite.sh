@@ -11,6 +11,7 @@
 #   PRETRAIN="--accumulation 8 --padding none" bash bench/gpu_suite.sh  # pretrain part's options
 #   SCALING="--no-mask" bash bench/gpu_suite.sh   # scaling part without a mask (unpadded path)
 #   PRETRAIN_LIMIT=180 bash bench/gpu_suite.sh  # the pretrain part's time limit (default 210 s)
+#   ENV_PART= PARTS=pretrain bash bench/gpu_suite.sh  # without the env part (a second pass)
 #
 # On the device machine (see BENCHMARKS.md): run(command="bash bench/gpu_suite.sh",
 # carry=[".whl"], timeout_s=600). .whl/ holds the wheels the image lacks (DeepSpeed built here
@@ -45,7 +46,9 @@ OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT"
 LOG=$OUT/suite.log
 : >"$LOG"
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -d /tmp/site/deepspeed ]; then # installed by an earlier pass of this call
+  export PYTHONPATH=/tmp/site:$PWD
+elif ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
@@ -77,7 +80,7 @@ START=$(date +%s)
 part() { # part NAME LIMIT_S COMMAND...
   local name=$1 limit=$2
   shift 2
-  case " env $PARTS " in *" $name "*) ;; *) return 0 ;; esac
+  case " ${ENV_PART-env} $PARTS " in *" $name "*) ;; *) return 0 ;; esac
   local t0
   t0=$(date +%s)
   echo "=== $name (limit ${limit} s): $*" | tee -a "$LOG"
