@@ -8,6 +8,7 @@
 #                                       # or deepspeed (FusedLamb, JIT-built first; ZeRO-0 parts
 #                                       # only); default: the recipes' own (auto = foreach)
 #   EXTRA="engine.compile=true" bash bench/gpu_suite.sh   # extra recipe overrides (engine parts)
+#   COMPILE=recipe bash bench/gpu_suite.sh   # engine.compile as the recipes set it (default: off)
 #   PRETRAIN="--accumulation 8 --padding none" bash bench/gpu_suite.sh  # pretrain part's options
 #   SCALING="--no-mask" bash bench/gpu_suite.sh   # scaling part without a mask (unpadded path)
 #   PRETRAIN_LIMIT=180 bash bench/gpu_suite.sh  # the pretrain part's time limit (default 210 s)
@@ -66,6 +67,11 @@ LAMB=${LAMB:-auto}
 # EXTRA: more recipe overrides for the engine parts (pretrain, depth, loader), e.g.
 # EXTRA="engine.compile=true" (then budget the compile time: warm-up steps absorb it).
 read -ra EXTRA_OVERRIDES <<<"${EXTRA:-}"
+# COMPILE: engine.compile for the engine parts. false (the default): eager for every family, so
+# the parts fit their limits (a compile costs 30-85 s per family and process); true; or recipe:
+# each recipe's own (on for softmax, TISA and kernel, off for TransJect). EXTRA overrides it.
+COMPILE=${COMPILE:-false}
+if [ "$COMPILE" != recipe ]; then EXTRA_OVERRIDES=("engine.compile=$COMPILE" "${EXTRA_OVERRIDES[@]}"); fi
 read -ra PRETRAIN_ARGS <<<"${PRETRAIN:-}"  # e.g. PRETRAIN="--accumulation 8 --padding none"
 read -ra SCALING_ARGS <<<"${SCALING:-}"  # e.g. SCALING="--no-mask" (the unpadded path)
 OVERRIDES=("${EXTRA_OVERRIDES[@]}")
@@ -96,7 +102,7 @@ part() { # part NAME LIMIT_S COMMAND...
 echo "TORCH_CUDA_ARCH_LIST was '${TORCH_CUDA_ARCH_LIST-unset}'" | tee -a "$LOG"
 TORCH_CUDA_ARCH_LIST=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1)
 export TORCH_CUDA_ARCH_LIST
-echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST; LAMB=$LAMB; EXTRA=${EXTRA:-}; SMOKE=$SMOKE; PARTS=$PARTS" |
+echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST; LAMB=$LAMB; COMPILE=$COMPILE; EXTRA=${EXTRA:-}; SMOKE=$SMOKE; PARTS=$PARTS" |
   tee -a "$LOG"
 
 part env 40 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv;

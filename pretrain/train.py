@@ -76,6 +76,21 @@ class NonFiniteLossError(RuntimeError):
     """Too many steps in a row had a non-finite loss; the run saved a checkpoint and stopped."""
 
 
+def nonfinite_message(run: int, step: int, skipped: int, path, compiled: bool) -> str:
+    """The error that stops a run after `run` non-finite steps in a row."""
+    message = (
+        f"the loss was not finite in {run} steps in a row (up to step {step}; {skipped} "
+        f"skipped in all). The weights are those of the last good step, saved in {path}. "
+        "Lower optimizer.lr, check the data, or raise train.max_nonfinite_in_a_row."
+    )
+    if compiled and skipped >= step:  # not one good step: suspect the compiler first
+        message += (
+            " No step of this run was finite and engine.compile is on: try "
+            "engine.compile=false (a compiled TransJect recipe did this on a GPU)."
+        )
+    return message
+
+
 @dataclass
 class RunResult:
     state: str
@@ -685,11 +700,9 @@ class Trainer:
                 if self._worst_run >= cfg.train.max_nonfinite_in_a_row:
                     path = self.save_checkpoint("non-finite loss")
                     raise NonFiniteLossError(
-                        f"the loss was not finite in {self._worst_run} steps in a row "
-                        f"(up to step {self.step}; {self.skipped} skipped in all). The weights "
-                        f"are those of the last good step, saved in {path}. Lower "
-                        "optimizer.lr, check the data, or raise "
-                        "train.max_nonfinite_in_a_row."
+                        nonfinite_message(
+                            self._worst_run, self.step, self.skipped, path, cfg.engine.compile
+                        )
                     )
                 if cfg.train.fail_at_step is not None and self.step == cfg.train.fail_at_step:
                     raise RuntimeError(f"train.fail_at_step={self.step}: failing on purpose")

@@ -160,6 +160,16 @@ def test_every_family_has_every_size(recipes):
             assert (size, family) in have, f"no {size} recipe with {family} attention"
 
 
+def test_compile_is_on_where_it_was_measured_to_win(recipes):
+    """engine.compile: on in the ALBERT recipes whose compiled step was measured faster on a GPU
+    (softmax, TISA, kernel at seq 512); off for TransJect (non-finite steps when compiled on
+    the GPU), for the deep recipe (not measured) and for the CPU (debug) recipes."""
+    for stem, (cfg, enc) in recipes.items():
+        measured = stem.startswith("albert-") and enc.num_layer_applications < 48
+        want = measured and enc.attention in ("softmax", "tisa", "kernel")
+        assert cfg.engine.compile is want, stem
+
+
 def test_deep_recipe_checkpoints_activations(recipes):
     deep = {s: c for s, (c, e) in recipes.items() if e.num_layer_applications >= 48}
     assert "albert-base-96" in deep, sorted(deep)
