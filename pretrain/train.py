@@ -610,6 +610,12 @@ class Trainer:
                 progress.write(f"pretrain: {self.init_report.summary()}")
             if self.engine.orthogonal_summary is not None:
                 progress.write(f"pretrain: {self.engine.orthogonal_summary}")
+            if cfg.engine.compile:
+                progress.write(
+                    f"pretrain: engine.compile on ({cfg.engine.compile_backend}): the first "
+                    "steps pay the compilation (30-85 s per family on an H200); "
+                    "engine.compile=false turns it off"
+                )
             if not self.resuming:
                 writer.text("config", "```\n" + to_yaml(self.resolved) + "\n```", self.step)
         stopwatch = StopWatch(
