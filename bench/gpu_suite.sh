@@ -39,6 +39,9 @@
 #             checkpointing, seq 512, batch 32, softmax               -> depth_gpu.json
 #   loader    bench_loader.py: loader alone vs the real trainer (python -m pretrain), albert-base
 #             seq 128 (num_workers 0 and 4) and 512 (4): data-wait share -> loader_gpu.json
+#   compilecheck  check_compiled_steps.py: TransJect's albert-base recipe, seq 512, batch 64,
+#             eager / aot_eager / inductor, 3 steps each, every loss part, output and gradient
+#             checked for non-finite values (not in the default PARTS) -> compile_check_gpu.json
 #   tisabackends  bench_fast_paths.py tisa-backends: TISA flex vs SDPA bias per length, the
 #             length from which flex wins (tisa.flex_min_length)  -> tisa_backends_gpu.json
 set -uo pipefail
@@ -195,6 +198,9 @@ else
   part orthocache 40 python3 bench/bench_fast_paths.py orthogonal-cache --device cuda --dtype bf16 \
     --hidden 768 --heads 12 --layers 1 --batch 8 --seq 256 4096 16384 --warmup 2 --repeats 10 \
     --out "$OUT/orthogonal_cache_gpu.json"
+  # Where compiled TransJect steps stop being finite (an H200 skipped every one with inductor).
+  part compilecheck 240 python3 bench/check_compiled_steps.py --device cuda --family transject \
+    --steps 3 --out "$OUT/compile_check_gpu.json"
   # Last: the fast paths' CUDA checks (TISA flex == SDPA bias incl. gradients, no recompiles,
   # inductor-compiled encoder == eager per family, apex LayerNorm if present) and timings; its
   # asserts print as they pass, so a cut-off still leaves the checks done in suite.log.

@@ -1,0 +1,157 @@
+"""Where a compiled training step stops being finite: the same recipe and batches, eager and
+under each ``torch.compile`` backend, step by step, with every loss part, the model's outputs
+and the gradient of every parameter checked for non-finite values.
+
+A diagnostic for the GPU suite (part ``compilecheck``), not a benchmark: it synchronises after
+every step. It was written because the TransJect recipes compiled with inductor skipped every
+step as non-finite on an H200 while eager skipped none (BENCHMARKS.md) and the CPU did not
+reproduce it. Each mode builds the engine afresh from the recipe (the same seed, so the same
+initial weights) through ``bench_pretrain_throughput.Measurement`` (DeepSpeed, ZeRO-0,
+``bf16-mixed`` on CUDA, the recipe's LAMB), runs ``--steps`` steps on the same synthetic
+batches, and reports per step:
+
+* ``loss``: each part (``mlm``, ``sop``, ``aux/...``) and whether it is finite;
+* ``outputs``: the largest |value| of the MLM logits, the SOP logits and the final hidden
+  state, and whether each is finite (a non-finite forward shows up here; a finite forward with
+  non-finite gradients points at the backward);
+* ``nonfinite_grads``: how many parameters have a non-finite gradient, and the first names in
+  the model's order (which layer, which projection);
+* ``grad_norm``, ``skipped``: what the engine decided.
+
+Then the first step's loss parts of each compiled mode against eager (relative difference).
+
+    python bench/check_compiled_steps.py --device cuda --family transject --out compile_check.json
+    python bench/check_compiled_steps.py --device cpu --base debug --seq 64 --batch 4  # setup check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+MODES = ("eager", "aot_eager", "inductor")
+
+
+def _summary(t) -> dict:
+    """Largest |value| of a tensor and whether every value is finite (synchronises)."""
+    t = t.detach().float()
+    return {"max_abs": float(t.abs().max()), "finite": bool(t.isfinite().all())}
+
+
+def run_mode(mode: str, args) -> dict:
+    """``--steps`` checked steps of one engine: eager, or compiled with backend ``mode``."""
+    import torch
+    import torch._dynamo
+
+    from bench_pretrain_throughput import Measurement
+    from pretrain.objective import model_inputs, pretraining_loss
+
+    torch._dynamo.reset()
+    extra = {"engine.compile": mode != "eager"}
+    if mode != "eager":
+        extra["engine.compile_backend"] = mode
+    m = Measurement(mode, args.base, args.family, args.seq, args.batch, args.vocab, args, extra)
+    engine = m.engine
+    names = [n for n, _ in engine.module.named_parameters()]
+    steps = []
+    for i in range(args.steps):
+        batch = engine.to_device(m.batches[i % len(m.batches)])
+        out = engine.forward(**model_inputs(batch, m.max_masked))
+        loss = pretraining_loss(out, batch)
+        engine.backward(loss.total, defer=True)
+        bad = [
+            n
+            for n, p in zip(names, engine.module.parameters())
+            if p.grad is not None and not bool(p.grad.isfinite().all())
+        ]
+        result = engine.step(defer=True).resolve()
+        parts = {k: float(v) for k, v in loss.parts.items()}
+        outputs = {"logits": _summary(out.logits), "sop_logits": _summary(out.sop_logits)}
+        if out.encoder is not None:
+            outputs["last_hidden_state"] = _summary(out.encoder.last_hidden_state)
+        steps.append(
+            {
+                "step": i + 1,
+                "loss": parts,
+                "loss_finite": all(math.isfinite(v) for v in parts.values()),
+                "outputs": outputs,
+                "nonfinite_grads": len(bad),
+                "first_nonfinite_grads": bad[:12],
+                "grad_norm": result.grad_norm,
+                "skipped": result.skipped,
+            }
+        )
+        s = steps[-1]
+        print(
+            f"{mode} step {s['step']}: loss "
+            + ", ".join(f"{k}={v:.4g}" for k, v in parts.items())
+            + f"; outputs finite {all(o['finite'] for o in outputs.values())}; "
+            f"{len(bad)} non-finite grads{(' ' + str(bad[:3])) if bad else ''}; "
+            f"grad norm {result.grad_norm}; skipped {result.skipped}",
+            flush=True,
+        )
+    del m, engine
+    return {"mode": mode, "steps": steps}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    p.add_argument("--family", default="transject")
+    p.add_argument(
+        "--base", default="albert-base", help="recipe: configs/pretrain/<base>[-<family>]"
+    )
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=30000)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--precision", default=None, help="default: bf16-mixed (CUDA), fp32 (CPU)")
+    p.add_argument("--zero-stage", type=int, default=0)
+    p.add_argument("--accumulation", type=int, default=1)
+    p.add_argument("--padding", default="one-short-row", choices=["one-short-row", "none"])
+    p.add_argument("--override", nargs="*", default=[], help="recipe overrides key=value")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    if args.precision is None:
+        args.precision = "bf16-mixed" if args.device == "cuda" else "fp32"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    from bench_pretrain_throughput import free_port
+
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    report = {"args": {k: str(v) for k, v in vars(args).items()}, "modes": []}
+    for mode in args.modes:
+        try:
+            report["modes"].append(run_mode(mode, args))
+        except Exception as e:  # a mode that fails to build or compile: say so, go on
+            report["modes"].append({"mode": mode, "error": f"{type(e).__name__}: {e}"[:1000]})
+            print(f"{mode}: {type(e).__name__}: {e}"[:1000], flush=True)
+        if args.out:  # what is done survives a kill
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=2))
+    first = {r["mode"]: r["steps"][0]["loss"] for r in report["modes"] if r.get("steps")}
+    if "eager" in first:
+        report["first_step_vs_eager"] = {
+            mode: {
+                k: abs(v - first["eager"][k]) / max(abs(first["eager"][k]), 1e-12)
+                for k, v in parts.items()
+                if k in first["eager"]
+            }
+            for mode, parts in first.items()
+            if mode != "eager"
+        }
+        for mode, diff in report["first_step_vs_eager"].items():
+            print(f"{mode} vs eager, step 1, relative: {diff}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
