@@ -49,8 +49,8 @@ def run_mode(mode: str, args) -> dict:
     """``--steps`` checked steps of one engine: eager, or compiled with backend ``mode``."""
     import torch
     import torch._dynamo
-
     from bench_pretrain_throughput import Measurement
+
     from pretrain.objective import model_inputs, pretraining_loss
 
     torch._dynamo.reset()
