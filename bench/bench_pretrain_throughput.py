@@ -52,6 +52,7 @@ Extra recipe overrides go after ``--override`` (e.g. ``optimizer.implementation=
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -88,6 +89,13 @@ PRESETS: dict[str, list[tuple[str, str, int, int, int, dict]]] = {
     "small": [("small-128", "debug", 128, 16, 5460, SMALL_MODEL)],
 }
 PRESETS["cpu"] = PRESETS["debug"] + PRESETS["small"]
+# --sdpa-priority names -> torch.nn.attention.SDPBackend members
+SDPA_BACKENDS = {
+    "cudnn": "CUDNN_ATTENTION",
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "math": "MATH",
+}
 
 
 def recipe_path(base: str, family: str) -> Path:
@@ -283,6 +291,7 @@ class Measurement:
             "model_tflops_per_s": self.flops_per_step / step_s / 1e12,
             "mfu": mfu(self.flops_per_step / step_s, self.peak),
             "skipped_steps": self.skipped,
+            "sdpa_priority": getattr(self.args, "sdpa_priority", None),
         }
         if self.cuda:
             row["leftover_gb"] = self.base_gb
@@ -332,8 +341,22 @@ def run_interleaved(points: list[dict], args) -> None:
         print("ROW " + json.dumps({**m.row(), "oom_batches": [], "interleaved": True}), flush=True)
 
 
+def sdpa_priority(names: list[str] | None):
+    """A context in which SDPA prefers these backends in this order (``None``: torch's own)."""
+    if not names:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[n]) for n in names], set_priority=True)
+
+
 def run_group(points: list[dict], args) -> None:
     """Runs the points of one family in this process; prints one ``ROW {json}`` line each."""
+    with sdpa_priority(args.sdpa_priority):
+        _run_group(points, args)
+
+
+def _run_group(points: list[dict], args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
@@ -435,6 +458,11 @@ def main() -> None:
         "shared machine)",
     )  # fmt: skip
     parser.add_argument("--override", nargs="*", default=[], help="recipe overrides key=value")
+    parser.add_argument(
+        "--sdpa-priority", nargs="+", default=None, choices=sorted(SDPA_BACKENDS),
+        help="SDPA backends in this order of preference for every step (torch.nn.attention."
+        "sdpa_kernel with set_priority), e.g. cudnn flash efficient math; default: torch's",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--group", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -515,7 +543,9 @@ def meta_info(args) -> dict:
 
 def print_table(rows: list[dict], meta: dict) -> None:
     where = meta.get("device_name") or f"CPU, {meta['threads']} threads"
-    print(f"\n{where}, torch {meta['torch']}, DeepSpeed {meta['deepspeed']}\n")
+    sdpa = next((r["sdpa_priority"] for r in rows if r.get("sdpa_priority")), None)
+    sdpa = f", SDPA priority {' > '.join(sdpa)}" if sdpa else ""
+    print(f"\n{where}, torch {meta['torch']}, DeepSpeed {meta['deepspeed']}{sdpa}\n")
     print(
         "| config | family | ZeRO | seq | batch | ckpt | step (s) median (min) | tokens/s | "
         "samples/s | MFU | data / fwd / bwd / opt (ms) | opt share | peak mem (GB) |\n"
