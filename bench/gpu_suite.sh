@@ -71,7 +71,7 @@ LAMB=${LAMB:-auto}
 # EXTRA="engine.compile=true" (then budget the compile time: warm-up steps absorb it).
 read -ra EXTRA_OVERRIDES <<<"${EXTRA:-}"
 # COMPILE: engine.compile for the engine parts. false (the default): eager for every family, so
-# the parts fit their limits (a compile costs 30-85 s per family and process); true; or recipe:
+# the parts fit their limits (a compile costs up to about 85 s per family and process); true; or recipe:
 # each recipe's own (on for softmax, TISA and kernel, off for TransJect). EXTRA overrides it.
 COMPILE=${COMPILE:-false}
 if [ "$COMPILE" != recipe ]; then EXTRA_OVERRIDES=("engine.compile=$COMPILE" "${EXTRA_OVERRIDES[@]}"); fi

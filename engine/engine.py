@@ -168,7 +168,7 @@ class EngineConfig:
     ``orthogonal_step_cache`` and ``orthogonal_shard_maps``, and enter its graph as inputs.
     Not with ZeRO-3. Off by default; the shipped ALBERT-base and -large recipes turn it on for
     softmax, TISA and kernel, whose compiled step was 1.20-1.73x faster on an H200 (bf16, seq
-    512, batch 64; the first step pays 30-85 s of compilation), and keep it off for TransJect:
+    512, batch 64; the first step pays up to about 85 s of compilation), and keep it off for TransJect:
     compiled on that GPU, every step of its recipe was non-finite (not reproduced on CPU)."""
     orthogonal_step_cache: bool = True
     """With gradient accumulation, evaluate each orthogonal map (TransJect,

@@ -613,7 +613,7 @@ class Trainer:
             if cfg.engine.compile:
                 progress.write(
                     f"pretrain: engine.compile on ({cfg.engine.compile_backend}): the first "
-                    "steps pay the compilation (30-85 s per family on an H200); "
+                    "steps pay the compilation (up to about 85 s per family on an H200); "
                     "engine.compile=false turns it off"
                 )
             if not self.resuming:
