@@ -98,7 +98,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as torch_dist
@@ -154,7 +154,7 @@ class EngineConfig:
     """Recompute each layer application in backward (torch non-reentrant checkpoint); memory
     then grows with depth by one hidden state per layer application instead of all
     activations. Works with shared layers and ZeRO-3."""
-    compile: bool = False
+    compile: bool | Literal["auto"] = False
     """``torch.compile`` the model's encoder (``model.encoder``; the model itself when it has
     none) in place, before training: the heads stay eager (the sparse MLM head's number of
     masked positions changes every batch) and state-dict keys do not change. Every attention
@@ -166,10 +166,12 @@ class EngineConfig:
     the pooler under mean pooling) get zero gradients instead of None. Orthogonal maps
     (TransJect) in training are evaluated eagerly before the compiled encoder, through
     ``orthogonal_step_cache`` and ``orthogonal_shard_maps``, and enter its graph as inputs.
-    Not with ZeRO-3. Off by default; the shipped ALBERT-base and -large recipes turn it on for
-    softmax, TISA and kernel, whose compiled step was 1.20-1.73x faster on an H200 (bf16, seq
-    512, batch 64; the first step pays up to about 85 s of compilation), and keep it off for TransJect:
-    compiled on that GPU, every step of its recipe was non-finite (not reproduced on CPU)."""
+    Not with ZeRO-3. ``auto``: compile where it was measured to pay, i.e. on a GPU, for an
+    attention family whose ``AttentionFamily.compile_auto`` is true (softmax, TISA and kernel:
+    their compiled training step was 1.20-1.73x faster on an H200, bf16, seq 512, batch 64, the
+    first step paying up to about 85 s of compilation; not TransJect, whose compiled steps were
+    all non-finite there), never on CPU (1.00-1.07x, not worth the compile) nor under ZeRO-3;
+    what the ALBERT recipes set. A run prints what it resolved to."""
     orthogonal_step_cache: bool = True
     """With gradient accumulation, evaluate each orthogonal map (TransJect,
     ``orthogonal: true``) once per optimizer step, forward and backward, instead of once per
@@ -249,8 +251,10 @@ class EngineConfig:
             )
         if self.dist_timeout_minutes <= 0:
             raise ValueError("engine.dist_timeout_minutes must be > 0")
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"engine.compile={self.compile!r} is invalid; valid: true, false")
+        if not isinstance(self.compile, bool) and self.compile != "auto":
+            raise ValueError(
+                f"engine.compile={self.compile!r} is invalid; valid: true, false, auto"
+            )
         size = self.orthogonal_shard_min_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(
@@ -266,7 +270,7 @@ class EngineConfig:
                 f"engine.compile_backend={self.compile_backend!r} is invalid; valid: a "
                 "torch.compile backend name such as 'inductor' or 'aot_eager'"
             )
-        if self.compile and self.backend == "deepspeed" and self.zero_stage == 3:
+        if self.compile is True and self.backend == "deepspeed" and self.zero_stage == 3:
             raise ValueError(
                 "engine.compile=true with engine.zero_stage=3 is not supported: ZeRO-3 "
                 "gathers parameters in hooks on every submodule, where the compiled encoder "
@@ -492,6 +496,18 @@ def batch_to_device(batch: dict[str, Any], device: torch.device | str) -> dict[s
     }
 
 
+def compile_wanted(cfg: EngineConfig, model: nn.Module, device_type: str) -> bool:
+    """Whether the engine compiles ``model``: ``engine.compile`` itself when true or false;
+    for ``auto``, on CUDA only, not under ZeRO-3, and only when the model says its attention
+    family compiles well there (``model.compile_auto``, from ``AttentionFamily.compile_auto``;
+    a model without it is not compiled)."""
+    if cfg.compile != "auto":
+        return bool(cfg.compile)
+    if device_type != "cuda" or (cfg.backend == "deepspeed" and cfg.zero_stage == 3):
+        return False
+    return bool(getattr(model, "compile_auto", False))
+
+
 def compile_encoder(model: nn.Module, backend: str = "inductor") -> nn.Module:
     """Compiles ``model.encoder`` (or ``model`` when it has no encoder) in place with
     ``nn.Module.compile``: parameters and state-dict keys stay as they are (no ``_orig_mod.``
@@ -572,7 +588,9 @@ class Engine:
                     "with enable_activation_checkpointing()"
                 )
             encoder.enable_activation_checkpointing()
-        if cfg.compile:
+        self.compiled = compile_wanted(cfg, model, self.device.type)
+        """Whether the encoder is compiled (``engine.compile``, ``auto`` resolved)."""
+        if self.compiled:
             compile_encoder(model, cfg.compile_backend)
         model.to(self.device)
         self.optimizer = build_optimizer(model, optimizer, device_type=self.device.type)
@@ -687,7 +705,7 @@ class Engine:
         return (
             "orthogonal maps "
             + ", ".join(how)
-            + (", before the compiled encoder" if self.cfg.compile else "")
+            + (", before the compiled encoder" if self.compiled else "")
         )
 
     # -- configuration -------------------------------------------------------------------------
@@ -860,7 +878,7 @@ class Engine:
             index, last = 0, True
         else:
             index, last = self._accumulated, self._next_is_boundary()
-        if self.cfg.compile:
+        if self.compiled:
             return self._step_maps_up_front(steps, index, last)
         return steps.micro_batch(index, last)
 

@@ -114,6 +114,12 @@ class EncoderOutput:
 class Encoder(nn.Module):
     """input ids (B, N) + attention mask (B, N) -> EncoderOutput."""
 
+    @property
+    def compile_auto(self) -> bool:
+        """Whether ``engine.compile: auto`` compiles this encoder on a GPU (its attention
+        family's ``compile_auto``)."""
+        return ATTENTION_REGISTRY.get(self.config.attention).compile_auto
+
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
         self.config = cfg

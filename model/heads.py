@@ -84,6 +84,11 @@ class _EncoderModel(nn.Module):
     def head_config(self) -> dict[str, Any]:
         return {"type": self.head_type}
 
+    @property
+    def compile_auto(self) -> bool:
+        """Whether ``engine.compile: auto`` compiles this model's encoder on a GPU."""
+        return self.encoder.compile_auto
+
     def _init_heads(self) -> None:
         for name, child in self.named_children():
             if name != "encoder":

@@ -610,11 +610,17 @@ class Trainer:
                 progress.write(f"pretrain: {self.init_report.summary()}")
             if self.engine.orthogonal_summary is not None:
                 progress.write(f"pretrain: {self.engine.orthogonal_summary}")
-            if cfg.engine.compile:
+            if self.engine.compiled:
                 progress.write(
-                    f"pretrain: engine.compile on ({cfg.engine.compile_backend}): the first "
-                    "steps pay the compilation (up to about 85 s per family on an H200); "
-                    "engine.compile=false turns it off"
+                    "pretrain: encoder compiled "
+                    f"(engine.compile={str(cfg.engine.compile).lower()}, "
+                    f"{cfg.engine.compile_backend}): the first steps pay the compilation (up to "
+                    "about 85 s per family on an H200); engine.compile=false turns it off"
+                )
+            elif cfg.engine.compile == "auto":
+                progress.write(
+                    "pretrain: encoder not compiled (engine.compile=auto compiles only on a "
+                    "GPU, for attention families measured to gain there)"
                 )
             if not self.resuming:
                 writer.text("config", "```\n" + to_yaml(self.resolved) + "\n```", self.step)
@@ -707,7 +713,7 @@ class Trainer:
                     path = self.save_checkpoint("non-finite loss")
                     raise NonFiniteLossError(
                         nonfinite_message(
-                            self._worst_run, self.step, self.skipped, path, cfg.engine.compile
+                            self._worst_run, self.step, self.skipped, path, self.engine.compiled
                         )
                     )
                 if cfg.train.fail_at_step is not None and self.step == cfg.train.fail_at_step:

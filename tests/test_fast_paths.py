@@ -27,7 +27,7 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model.norm as norm_module
-from engine.engine import Engine, EngineConfig, compile_encoder
+from engine.engine import Engine, EngineConfig, compile_encoder, compile_wanted
 from engine.optim import OptimizerConfig, ScheduleConfig
 from finetune.batching import LengthGroupedBatchSampler, collate, example_lengths
 from finetune.trainer import FinetuneConfig, Finetuner
@@ -166,6 +166,33 @@ def test_compile_config_errors():
         compile_encoder(nn.Linear(2, 2), "no_such_backend")
     with pytest.raises(ValueError, match=r"engine\.compile="):
         EngineConfig(compile="yes")  # type: ignore[arg-type]
+    EngineConfig(backend="deepspeed", zero_stage=3, compile="auto")  # auto: just not compiled
+
+
+@pytest.mark.parametrize("family", ["softmax", "tisa", "kernel", "transject"])
+def test_compile_auto_compiles_on_a_gpu_where_the_family_gains(family):
+    """engine.compile=auto: on CUDA for the families measured faster there compiled (softmax,
+    TISA, kernel), not TransJect (non-finite compiled steps on a GPU), never on CPU nor under
+    ZeRO-3; true and false are taken as they are; a model that does not say is not compiled."""
+    model = EncoderForPretraining(tiny(family))
+    gains = family != "transject"
+    assert model.compile_auto is gains and model.encoder.compile_auto is gains
+    auto = EngineConfig(compile="auto")
+    assert compile_wanted(auto, model, "cuda") is gains
+    assert compile_wanted(auto, model, "cpu") is False
+    assert compile_wanted(EngineConfig(backend="deepspeed", zero_stage=3, compile="auto"),
+                          model, "cuda") is False  # fmt: skip
+    for explicit in (True, False):
+        assert compile_wanted(EngineConfig(compile=explicit), model, "cpu") is explicit
+    assert compile_wanted(auto, nn.Linear(2, 2), "cuda") is False
+
+
+def test_compile_auto_leaves_a_cpu_engine_eager():
+    model = EncoderForPretraining(tiny("softmax"))
+    engine = Engine(model, EngineConfig(backend="torch", device="cpu", compile="auto"),
+                    OptimizerConfig(name="adamw"), ScheduleConfig(warmup_steps=0, total_steps=2), ONE)  # fmt: skip
+    assert engine.compiled is False
+    assert model.encoder._compiled_call_impl is None
 
 
 # ------------------------------------------------------------------------- TISA flex

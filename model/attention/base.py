@@ -245,6 +245,10 @@ class AttentionFamily:
     """How the family exports to Hugging Face `transformers` (`model.attention.hf_export`):
     its HF-side modeling file and, optionally, a native `transformers` model. None: the family
     cannot be exported to `transformers` (the export says so)."""
+    compile_auto: bool = False
+    """Whether ``engine.compile: auto`` compiles this family's encoder on a GPU: true where its
+    compiled training step was measured faster there and correct (BENCHMARKS.md). False until
+    measured: a new family runs eager under ``auto``."""
 
 
 class AttentionRegistry:

@@ -342,6 +342,8 @@ FAMILY = AttentionFamily(
     mixing_flops=softmax_mixing_flops,
     figures=tisa_figures,
     hf_export=HFExport(code=family_code(__file__, "tisa_hf.py")),
+    # Compiled: 1.28x (ALBERT-base) and 1.20x (ALBERT-large) faster on an H200 at seq 512.
+    compile_auto=True,
 )
 
 __all__ = [
