@@ -114,12 +114,6 @@ class EncoderOutput:
 class Encoder(nn.Module):
     """input ids (B, N) + attention mask (B, N) -> EncoderOutput."""
 
-    @property
-    def compile_auto(self) -> bool:
-        """Whether ``engine.compile: auto`` compiles this encoder on a GPU (its attention
-        family's ``compile_auto``)."""
-        return ATTENTION_REGISTRY.get(self.config.attention).compile_auto
-
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
         self.config = cfg
@@ -150,6 +144,12 @@ class Encoder(nn.Module):
         self.pooler = make_linear(cfg, cfg.hidden_size, cfg.hidden_size)
         self.checkpoint_fn: Callable | None = None
         self.apply(functools.partial(init_weights, std=cfg.initializer_range))
+
+    @property
+    def compile_auto(self) -> bool:
+        """Whether ``engine.compile: auto`` compiles this encoder on a GPU (its attention
+        family's ``compile_auto``)."""
+        return ATTENTION_REGISTRY.get(self.config.attention).compile_auto
 
     def enable_activation_checkpointing(self, checkpoint_fn: Callable | None = None) -> None:
         """Recompute each layer application in backward. Default: torch's non-reentrant checkpoint."""

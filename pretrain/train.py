@@ -76,7 +76,7 @@ class NonFiniteLossError(RuntimeError):
     """Too many steps in a row had a non-finite loss; the run saved a checkpoint and stopped."""
 
 
-def nonfinite_message(run: int, step: int, skipped: int, path, compiled: bool) -> str:
+def nonfinite_message(run: int, step: int, skipped: int, path: object, compiled: bool) -> str:
     """The error that stops a run after `run` non-finite steps in a row."""
     message = (
         f"the loss was not finite in {run} steps in a row (up to step {step}; {skipped} "
