@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The pending GPU figures of BENCHMARKS.md ("Pending GPU figures") in ONE call of about 9 minutes,
+# as passes of bench/gpu_suite.sh, most important first, each skipped when too little of the
+# time budget is left; everything ends up in one archive so that it comes back in one file:
+#
+#   bash bench/gpu_pending.sh          # -> $OUT/pending.tgz (one folder per pass) + $OUT/pending.log
+#   BUDGET=300 bash bench/gpu_pending.sh   # seconds for all the passes (default 540)
+#
+# On the device machine: run(command="bash bench/gpu_pending.sh", carry=[".whl"], timeout_s=600).
+# Passes: 1 compile_check (where compiled TransJect goes non-finite), 2-5 sdpa_<order>_<padding>
+# (cuDNN attention first against torch's own order, padded and unpadded, softmax and TISA at
+# albert-base/-large seq 512), 6 scaling_nomask (the scaling part, softmax on flash/cuDNN),
+# 7 accum8 (softmax and TransJect at accumulation 8: the orthogonal maps once per 8 micro-batches).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/gpu_pending}
+BUDGET=${BUDGET:-540}
+SUITE=${SUITE:-bench/gpu_suite.sh}
+mkdir -p "$OUT/passes"
+LOG=$OUT/pending.log
+: >"$LOG"
+START=$(date +%s)
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+
+pass() { # pass NAME MIN_S VAR=VALUE...: one run of the suite into $OUT/passes/NAME
+  local name=$1 need=$2
+  shift 2
+  if [ "$(left)" -lt "$need" ]; then
+    echo "=== pass $name: skipped, $(left) s left of $BUDGET (needs $need)" | tee -a "$LOG"
+    return 0
+  fi
+  echo "=== pass $name ($(left) s left): $*" | tee -a "$LOG"
+  env OUT="$OUT/passes/$name" PRETRAIN_LIMIT="$(($(left) < 150 ? $(left) : 150))" "$@" \
+    bash "$SUITE" 2>&1 | tee -a "$LOG"
+  echo "=== pass $name: done at $(($(date +%s) - START)) s" | tee -a "$LOG"
+}
+
+pass compile_check 150 PARTS=compilecheck
+# Only the first pass prints the environment (nvidia-smi, versions): ENV_PART= in the others.
+for PAD in one-short-row none; do
+  for ORDER in default cudnn; do
+    SDPA=""
+    if [ "$ORDER" = cudnn ]; then SDPA="--sdpa-priority cudnn flash efficient math"; fi
+    pass "sdpa_${ORDER}_$PAD" 60 ENV_PART= PARTS=pretrain \
+      "PRETRAIN=--configs albert-base-512 albert-large-512 --families softmax tisa --padding $PAD --steps 6 $SDPA"
+  done
+done
+pass scaling_nomask 60 ENV_PART= PARTS=scaling SCALING=--no-mask
+pass accum8 60 ENV_PART= PARTS=pretrain \
+  "PRETRAIN=--configs albert-base-512 --families softmax transject --accumulation 8 --steps 4 --warmup 2"
+echo "=== all passes done in $(($(date +%s) - START)) s" | tee -a "$LOG"
+tar -czf "$OUT/pending.tgz" -C "$OUT" passes && rm -rf "$OUT/passes"
+ls -la "$OUT" | tee -a "$LOG"
