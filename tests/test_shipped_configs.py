@@ -139,6 +139,9 @@ def test_every_albert_recipe_keeps_lamb_exact(recipes):
     for stem, (cfg, enc) in recipes.items():
         if not stem.startswith("albert-"):
             continue
+        # ALBERT's global batch, 4096 sequences, on the 64 processes the recipes assume.
+        per_process = cfg.engine.micro_batch_size * cfg.engine.gradient_accumulation_steps
+        assert per_process * 64 == 4096, stem
         assert cfg.optimizer.name == "lamb", stem
         assert cfg.optimizer.lr == pytest.approx(0.00176), stem
         assert cfg.schedule.total_steps == 125_000, stem
