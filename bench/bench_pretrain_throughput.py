@@ -291,7 +291,7 @@ class Measurement:
             "model_tflops_per_s": self.flops_per_step / step_s / 1e12,
             "mfu": mfu(self.flops_per_step / step_s, self.peak),
             "skipped_steps": self.skipped,
-            "sdpa_priority": getattr(self.args, "sdpa_priority", None),
+            "sdpa_priority": self.args.sdpa_priority,
         }
         if self.cuda:
             row["leftover_gb"] = self.base_gb

@@ -59,7 +59,6 @@ def run_mode(mode: str, args) -> dict:
         extra["engine.compile_backend"] = mode
     m = Measurement(mode, args.base, args.family, args.seq, args.batch, args.vocab, args, extra)
     engine = m.engine
-    names = [n for n, _ in engine.module.named_parameters()]
     steps = []
     for i in range(args.steps):
         batch = engine.to_device(m.batches[i % len(m.batches)])
@@ -68,7 +67,7 @@ def run_mode(mode: str, args) -> dict:
         engine.backward(loss.total, defer=True)
         bad = [
             n
-            for n, p in zip(names, engine.module.parameters())
+            for n, p in engine.module.named_parameters()
             if p.grad is not None and not bool(p.grad.isfinite().all())
         ]
         result = engine.step(defer=True).resolve()

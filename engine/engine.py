@@ -270,7 +270,7 @@ class EngineConfig:
                 f"engine.compile_backend={self.compile_backend!r} is invalid; valid: a "
                 "torch.compile backend name such as 'inductor' or 'aot_eager'"
             )
-        if self.compile is True and self.backend == "deepspeed" and self.zero_stage == 3:
+        if self.compile is True and self.zero3:
             raise ValueError(
                 "engine.compile=true with engine.zero_stage=3 is not supported: ZeRO-3 "
                 "gathers parameters in hooks on every submodule, where the compiled encoder "
@@ -323,6 +323,11 @@ class EngineConfig:
         return dataclasses.replace(
             self, deepspeed_config=None, deepspeed=self.deepspeed_overrides()
         )
+
+    @property
+    def zero3(self) -> bool:
+        """DeepSpeed ZeRO-3: parameters partitioned over the ranks (gathered in hooks)."""
+        return self.backend == "deepspeed" and self.zero_stage == 3
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -503,7 +508,7 @@ def compile_wanted(cfg: EngineConfig, model: nn.Module, device_type: str) -> boo
     a model without it is not compiled)."""
     if cfg.compile != "auto":
         return bool(cfg.compile)
-    if device_type != "cuda" or (cfg.backend == "deepspeed" and cfg.zero_stage == 3):
+    if device_type != "cuda" or cfg.zero3:
         return False
     return bool(getattr(model, "compile_auto", False))
 
@@ -657,8 +662,7 @@ class Engine:
         self._orthogonal_across_micro_batches = (
             cfg.orthogonal_step_cache and cfg.gradient_accumulation_steps > 1
         )
-        zero3 = cfg.backend == "deepspeed" and cfg.zero_stage == 3  # partitioned parameters
-        maps = [] if zero3 else orthogonal_modules(model)
+        maps = [] if cfg.zero3 else orthogonal_modules(model)
         shard = (
             cfg.orthogonal_shard_maps
             and self.dist.world_size > 1

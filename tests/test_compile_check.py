@@ -16,17 +16,22 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_compile_check_reports_each_mode_step_by_step(tmp_path):
+def run_check(tmp_path, family: str, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """The diagnostic on the debug recipe of `family` (seq 32, batch 4): (process, report)."""
     out = tmp_path / "check.json"
     cmd = [
         sys.executable, str(REPO / "bench/check_compiled_steps.py"), "--device", "cpu",
-        "--base", "debug", "--family", "transject", "--seq", "32", "--batch", "4",
-        "--vocab", "2000", "--steps", "2", "--modes", "eager", "aot_eager", "--out", str(out),
+        "--base", "debug", "--family", family, "--seq", "32", "--batch", "4",
+        "--vocab", "2000", "--out", str(out), *args,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    return proc, json.loads(out.read_text())
+
+
+def test_compile_check_reports_each_mode_step_by_step(tmp_path):
+    proc, report = run_check(tmp_path, "transject", "--steps", "2", "--modes", "eager", "aot_eager")
     assert [m["mode"] for m in report["modes"]] == ["eager", "aot_eager"]
     for mode in report["modes"]:
         assert "error" not in mode, mode
@@ -44,18 +49,11 @@ def test_compile_check_reports_each_mode_step_by_step(tmp_path):
 def test_compile_check_names_the_nonfinite_gradients(tmp_path):
     """A learning rate of 1e30 blows the weights up after the first update: the report must say
     which step went non-finite, that the engine skipped it, and name parameters."""
-    out = tmp_path / "check.json"
-    cmd = [
-        sys.executable, str(REPO / "bench/check_compiled_steps.py"), "--device", "cpu",
-        "--base", "debug", "--family", "softmax", "--seq", "32", "--batch", "4",
-        "--vocab", "2000", "--steps", "3", "--modes", "eager", "--out", str(out),
-        "--override", "optimizer.lr=1e30", "schedule.warmup_steps=0",
-        "engine.gradient_clipping=0",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = json.loads(out.read_text())["modes"][0]["steps"]
+    _, report = run_check(
+        tmp_path, "softmax", "--steps", "3", "--modes", "eager",
+        "--override", "optimizer.lr=1e30", "schedule.warmup_steps=0", "engine.gradient_clipping=0",
+    )  # fmt: skip
+    steps = report["modes"][0]["steps"]
     assert steps[0]["loss_finite"] and not steps[0]["skipped"]
     bad = [s for s in steps if not s["loss_finite"] or s["nonfinite_grads"]]
     assert bad, steps
