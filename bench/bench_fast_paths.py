@@ -12,6 +12,7 @@ untimed ones (CUDA: synchronised). Ratios compare two paths in the same process.
     python bench/bench_fast_paths.py orthogonal-cache --seq 256 1024 4096 --batch 1
     python bench/bench_fast_paths.py orthogonal-step --seq 128 --batch 4 --accumulation 4
     python bench/bench_fast_paths.py orthogonal-shard --ranks 2 --seq 128 --batch 4 --accumulation 1
+    python bench/bench_fast_paths.py cayley --hidden 768 --maps 121 --layers 2 --seq 128 --batch 4
     python bench/bench_fast_paths.py gpu-verify            # CUDA: flex, compile, apex; asserts
     python bench/bench_fast_paths.py tisa-backends --device cuda --dtype bf16 --seq 256 512 1024 2048 4096
     python bench/bench_fast_paths.py attention-checks      # CUDA: masks, bf16 kernel, maps; asserts
@@ -436,6 +437,97 @@ def gpu_verify(args) -> dict:
     args.families = list(FAMILY_OVERRIDES)
     report["compile"] = bench_compile(args)["rows"]
     return report
+
+
+# ----------------------------------------------------------------------------- Cayley map
+
+
+def bench_cayley(args) -> dict:
+    """The Cayley map by block inverse (the default) against the LU solve it replaced and
+    against torch's own parametrization (its checked `linalg.solve`), in one process:
+
+    1. `--maps` matrices of `--hidden` x `--hidden` free parameters, forward + backward, with
+       each method's largest error against the fp64 map and from orthogonality;
+    2. a TransJect pretraining step (`--layers`, `--hidden`, `--seq`, `--batch`, `--dtype`)
+       with its maps by block inverse vs by LU, same model, interleaved.
+    """
+    from torch.nn.utils.parametrizations import _OrthMaps, _Orthogonal
+
+    import model.orthogonal as orthogonal_module
+
+    dev, d = args.device, args.hidden
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(args.maps, d, d, generator=g).to(dev).requires_grad_()
+    G = torch.randn(args.maps, d, d, generator=g).to(dev)
+    reference = _Orthogonal(X, _OrthMaps.cayley, use_trivialization=False)
+    methods = {
+        "block": lambda: orthogonal_module.cayley(X),
+        "lu": lambda: orthogonal_module.cayley(X, method="lu"),
+        "torch_parametrization": lambda: reference(X),
+    }
+    exact = orthogonal_module.cayley(X.detach().double(), method="lu")
+    eye = torch.eye(d, device=dev)
+    errors = {}
+    for name, fn in methods.items():
+        with torch.no_grad():
+            Q = fn()
+        errors[name] = {
+            "max_error_vs_fp64": (Q.double() - exact).abs().max().item(),
+            "orthogonality_error": (Q.mT @ Q - eye).abs().max().item(),
+        }
+
+    def fwd_bwd(fn):
+        def run():
+            X.grad = None
+            (fn() * G).sum().backward()
+
+        return run
+
+    t = time_steps({k: fwd_bwd(f) for k, f in methods.items()}, args.warmup, args.repeats, dev)
+    maps = {
+        "matrices": args.maps,
+        "width": d,
+        **{f"{k}_ms": 1000 * v for k, v in t.items()},
+        "lu_over_block": t["lu"] / t["block"],
+        "torch_over_block": t["torch_parametrization"] / t["block"],
+        "errors": errors,
+    }
+    print("Cayley maps fwd+bwd:", json.dumps(maps), flush=True)
+
+    N = args.seq[0]
+    ids, mask = make_batch(args, N, dev, padded=False)
+    torch.manual_seed(1)
+    tj = EncoderForPretraining(model_config("transject", args)).to(dev)
+    step = pretraining_step(tj, ids, mask, autocast_for(args))
+    block_map = orthogonal_module.cayley
+
+    def with_method(method):
+        def run():
+            orthogonal_module.cayley = lambda X: block_map(X, method=method)
+            try:
+                step()
+            finally:
+                orthogonal_module.cayley = block_map
+
+        return run
+
+    t = time_steps(
+        {"block": with_method("block"), "lu": with_method("lu")}, args.warmup, args.repeats, dev
+    )
+    matrices = sum(
+        m.parametrizations[n].original.shape[:-2].numel()
+        for _, m, n in orthogonal_module.orthogonal_modules(tj)
+    )
+    steps = {
+        "layers": args.layers,
+        "matrices": matrices,
+        "seq": N,
+        "batch": args.batch,
+        **{f"{k}_ms": 1000 * v for k, v in t.items()},
+        "lu_over_block": t["lu"] / t["block"],
+    }
+    print("TransJect training step:", json.dumps(steps), flush=True)
+    return {"maps": maps, "transject_step": steps}
 
 
 # ----------------------------------------------------------------------------- orthogonal cache
@@ -1003,7 +1095,7 @@ def main() -> None:
         "what",
         choices=[
             "tisa", "compile", "grouping", "pretrain-padding", "orthogonal-cache", "gpu-verify",
-            "tisa-backends", "attention-checks", "orthogonal-step", "orthogonal-shard",
+            "tisa-backends", "attention-checks", "orthogonal-step", "orthogonal-shard", "cayley",
         ],
     )  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -1029,6 +1121,12 @@ def main() -> None:
     )
     p.add_argument("--ranks", type=int, default=2, help="orthogonal-shard: data-parallel ranks")
     p.add_argument(
+        "--maps",
+        type=int,
+        default=121,
+        help="cayley: matrices in the batch (TransJect albert-base: 121)",
+    )
+    p.add_argument(
         "--shard-min-size", type=int, default=256, help="engine.orthogonal_shard_min_size"
     )
     p.add_argument("--warmup", type=int, default=2)
@@ -1051,6 +1149,7 @@ def main() -> None:
         "attention-checks": attention_checks,
         "orthogonal-step": bench_orthogonal_step,
         "orthogonal-shard": bench_orthogonal_shard,
+        "cayley": bench_cayley,
     }[args.what]
     result = {"what": args.what, "args": {k: str(v) for k, v in vars(args).items()}}
     result.update(run(args))

@@ -7,7 +7,9 @@
 #   BUDGET=300 bash bench/gpu_pending.sh   # seconds for all the passes (default 540)
 #
 # On the device machine: run(command="bash bench/gpu_pending.sh", carry=[".whl"], timeout_s=600).
-# Passes: 1 compile_check (where compiled TransJect goes non-finite), 2-5 sdpa_<order>_<padding>
+# Passes: 0 cayley (the orthogonal maps by block inverse vs LU, then TransJect and softmax in the
+# trainer with the block inverse), 1 compile_check (where compiled TransJect goes non-finite),
+# 2-5 sdpa_<order>_<padding>
 # (cuDNN attention first against torch's own order, padded and unpadded, softmax and TISA at
 # albert-base/-large seq 512), 6 scaling_nomask (the scaling part, softmax on flash/cuDNN),
 # 7 accum8 (softmax and TransJect at accumulation 8: the orthogonal maps once per 8 micro-batches).
@@ -35,8 +37,10 @@ pass() { # pass NAME MIN_S VAR=VALUE...: one run of the suite into $OUT/passes/N
   echo "=== pass $name: done at $(($(date +%s) - START)) s" | tee -a "$LOG"
 }
 
-pass compile_check 150 PARTS=compilecheck
+pass cayley 150 PARTS="cayley pretrain" \
+  "PRETRAIN=--configs albert-base-512 --families softmax transject --steps 6"
 # Only the first pass prints the environment (nvidia-smi, versions): ENV_PART= in the others.
+pass compile_check 150 ENV_PART= PARTS=compilecheck
 for PAD in one-short-row none; do
   for ORDER in default cudnn; do
     SDPA=""

@@ -42,6 +42,10 @@
 #   compilecheck  check_compiled_steps.py: TransJect's albert-base recipe, seq 512, batch 64,
 #             eager / aot_eager / inductor, 3 steps each, every loss part, output and gradient
 #             checked for non-finite values (not in the default PARTS) -> compile_check_gpu.json
+#   cayley    bench_fast_paths.py cayley: TransJect's 121 orthogonal maps at d = 768 (albert-base),
+#             forward + backward, by block inverse (the default) vs the LU solve vs torch's own
+#             parametrization, with their errors; then a 12-layer TransJect pretraining step,
+#             seq 512, batch 16, bf16, block vs LU                       -> cayley_gpu.json
 #   tisabackends  bench_fast_paths.py tisa-backends: TISA flex vs SDPA bias per length, the
 #             length from which flex wins (tisa.flex_min_length)  -> tisa_backends_gpu.json
 set -uo pipefail
@@ -61,7 +65,7 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 SMOKE=${SMOKE:-0}
-PARTS=${PARTS:-jit model qkv scaling pretrain pretrain2 syncs depth loader tisa tisabackends orthocache fastpaths}
+PARTS=${PARTS:-jit cayley model qkv scaling pretrain pretrain2 syncs depth loader tisa tisabackends orthocache fastpaths}
 # LAMB=auto: what a recipe picks by itself, the foreach LAMB (engine/lamb.py: per tensor on every
 # ZeRO stage 0-2, no host synchronisation, nothing to build). LAMB=torch: pytorch_optimizer.Lamb.
 # LAMB=deepspeed: DeepSpeed's FusedLamb, JIT-built by the `jit` part first (ZeRO-0 only: the
@@ -139,6 +143,9 @@ elif [ "$SMOKE" = 1 ]; then # only a check: in the background, beside the other 
 fi
 
 if [ "$SMOKE" = 1 ]; then
+  part cayley 40 python3 bench/bench_fast_paths.py cayley --device cuda --dtype bf16 --hidden 256 \
+    --heads 4 --maps 11 --layers 2 --seq 128 --batch 4 --warmup 1 --repeats 3 \
+    --out "$OUT/cayley_gpu.json"
   part pretrain 150 python3 bench/bench_pretrain_throughput.py --device cuda \
     --configs albert-base-128 --steps 3 --warmup 2 --timeout 75 "${OPT[@]}" \
     --out "$OUT/pretrain_gpu.json"
@@ -162,6 +169,10 @@ if [ "$SMOKE" = 1 ]; then
     tee -a "$LOG" <"$OUT/jit.log"
   fi
 else
+  # The orthogonal maps by block inverse vs LU: most of a TransJect step on one GPU before.
+  part cayley 60 python3 bench/bench_fast_paths.py cayley --device cuda --dtype bf16 --hidden 768 \
+    --heads 12 --maps 121 --layers 12 --seq 512 --batch 16 --warmup 2 --repeats 10 \
+    --out "$OUT/cayley_gpu.json"
   part model 60 python3 bench/bench_model.py --device cuda --dtype bf16 --layers 12 --batch 32 \
     --seq 128 512 --repeats 20 --warmup 3 --out "$OUT/model_gpu.json"
   # The fused Q/K/V weight once per forward vs at every application of the shared layer.

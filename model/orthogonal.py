@@ -297,9 +297,10 @@ class FP32Orthogonal(_Orthogonal):
     def evaluate(self, X: torch.Tensor) -> torch.Tensor:
         """The map itself: free parameters -> orthogonal matrix (or a batch), returned in fp32.
 
-        cayley is `cayley` below (torch's map, solved without a host sync). matrix_exp runs in fp64: its scaling-and-squaring in fp32 drifts to max|W^T W - I| of
-        2.6e-5 at d=768 (1.2e-8 in fp64). cayley and householder are accurate in fp32
-        (3.5e-7 at d=768) and 4x cheaper, hence cayley is the default map.
+        cayley is `cayley` below (torch's map, by a block inverse: matrix products, no host
+        sync). matrix_exp runs in fp64: its scaling-and-squaring in fp32 drifts to
+        max|W^T W - I| of 2.6e-5 at d=768 (1.2e-8 in fp64). cayley and householder are
+        accurate in fp32 (about 1e-6 at d=768) and cheaper, hence cayley is the default map.
         """
         dtype = torch.float64 if self.orthogonal_map == _OrthMaps.matrix_exp else torch.float32
         with torch.autocast(device_type=X.device.type, enabled=False):
@@ -314,10 +315,10 @@ class FP32Orthogonal(_Orthogonal):
 
 
 def _solve(B: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
-    """B^-1 C without a host sync: `solve_ex(check_errors=False)` (torch's `linalg.solve`
-    checks the factorisation's status, which makes the host wait for the device). The Cayley
-    map never needs that check: I - A/2 with A skew-symmetric has eigenvalues 1 - i theta / 2,
-    never 0.
+    """B^-1 C through an LU factorisation without a host sync: `solve_ex(check_errors=False)`
+    (torch's `linalg.solve` checks the factorisation's status, which makes the host wait for
+    the device). The Cayley map inside a graph torch.compile traces (`cayley`), and the
+    reference its block inverse is measured against.
 
     A batch is one call (one batched factorisation) except on the CPU, where it is one solve per
     matrix: with torch 2.13's CPU build (oneMKL), a batched solve of (4, 256, 256) fails
@@ -331,13 +332,113 @@ def _solve(B: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_ex(B, C, check_errors=False)[0]
 
 
-def cayley(X: torch.Tensor) -> torch.Tensor:
+BLOCK_INVERSE_BASE = 128
+"""Blocks up to this size are inverted by a factorisation (`torch.linalg.inv_ex`); larger ones
+are split in two (`block_inverse`). 128 was the fastest of 32 / 64 / 128 on the CPU at
+d = 768 (the blocks are then 96 x 96)."""
+
+
+def _base_inverse(M: torch.Tensor) -> torch.Tensor:
+    """M^-1 of small blocks by LU (`inv_ex`: no status check, no host sync); one call per
+    matrix on the CPU, where oneMKL's batched factorisation fails (see `_solve`)."""
+    if M.ndim > 2 and M.device.type == "cpu":
+        flat = M.reshape(-1, *M.shape[-2:])
+        return torch.stack([torch.linalg.inv_ex(m)[0] for m in flat]).reshape(M.shape)
+    return torch.linalg.inv_ex(M)[0]
+
+
+def block_inverse(M: torch.Tensor, base: int | None = None) -> torch.Tensor:
+    """M^-1 (any batch) for a matrix whose symmetric part is positive definite, such as
+    I - A/2 with A skew-symmetric (the Cayley map's), by recursive 2 x 2 blocks:
+
+        M = [[P, Q], [R, S]],  T = S - R P^-1 Q (the Schur complement),
+        M^-1 = [[P^-1 + P^-1 Q T^-1 R P^-1, -P^-1 Q T^-1], [-T^-1 R P^-1, T^-1]].
+
+    All the work above the `base` size is batched matrix products (2 n^3 flops in all, like
+    an LU inverse), which a GPU runs at its GEMM rate, where a batched LU of n = 768 is a loop
+    of latency-bound factorisations. No pivoting is needed: x^T M x = |x|^2 when M = I + skew,
+    and for any x, with y = -P^-1 Q x, x^T T x = [y; x]^T M [y; x] >= |x|^2, so every P and T
+    on the way down again has a symmetric part >= I, singular values >= 1 and a condition
+    number no worse than M's (the same argument as for LU without pivoting on such matrices).
+    `base`: None is `BLOCK_INVERSE_BASE`.
+    """
+    base = BLOCK_INVERSE_BASE if base is None else base
+    n = M.size(-1)
+    if n <= base:
+        return _base_inverse(M)
+    h = n // 2
+    P, Q = M[..., :h, :h], M[..., :h, h:]
+    R, S = M[..., h:, :h], M[..., h:, h:]
+    P_inv = block_inverse(P, base)
+    P_inv_Q = P_inv @ Q
+    T_inv = block_inverse(S - R @ P_inv_Q, base)
+    lower = -(T_inv @ (R @ P_inv))  # -T^-1 R P^-1
+    upper = P_inv - P_inv_Q @ lower
+    right = -(P_inv_Q @ T_inv)
+    return torch.cat([torch.cat([upper, right], -1), torch.cat([lower, T_inv], -1)], -2)
+
+
+@contextlib.contextmanager
+def ieee_fp32_matmuls() -> Iterator[None]:
+    """fp32 matrix products in full fp32 inside the block: a user's
+    `torch.set_float32_matmul_precision("high")` (TF32 on CUDA) or `"medium"` (bf16 on the
+    CPU) would otherwise leave the Cayley map orthogonal only to about 1e-3."""
+    previous = torch.get_float32_matmul_precision()
+    if previous == "highest":
+        yield
+        return
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+class _CayleyOfSkew(torch.autograd.Function):
+    """Q = (I - A/2)^-1 (I + A/2) = 2 (I - A/2)^-1 - I for A skew-symmetric (any batch).
+
+    Forward: one `block_inverse`. Backward, from dQ = M^-1 dA M^-1 (M = I - A/2, and
+    M^-1 = (Q + I) / 2): dL/dA = M^-T G M^-T = (Q + I)^T G (Q + I)^T / 4, two products; only Q
+    is kept for it. (I + A/2 = 2I - M gives the first identity.)
+    """
+
+    @staticmethod
+    def forward(A: torch.Tensor) -> torch.Tensor:
+        Id = torch.eye(A.size(-1), dtype=A.dtype, device=A.device)
+        with ieee_fp32_matmuls():
+            return 2 * block_inverse(torch.add(Id, A, alpha=-0.5)) - Id
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (Q,) = ctx.saved_tensors
+        W = Q.mT + torch.eye(Q.size(-1), dtype=Q.dtype, device=Q.device)  # 2 M^-T
+        with ieee_fp32_matmuls():
+            return (W @ grad @ W) * 0.25
+
+
+def cayley(X: torch.Tensor, method: str | None = None) -> torch.Tensor:
     """torch's Cayley map (`torch.nn.utils.parametrizations.orthogonal`, use_trivialization=False)
-    of free parameters X (..., n, k), any batch: the same computation, with `_solve`.
+    of free parameters X (..., n, k), any batch: the same map, computed by products of matrices.
 
     A = tril(X) - tril(X)^T (X embedded in a square matrix when n != k; the wide case is
-    transposed), Q = (I - A/2)^-1 (I + A/2), the first k columns.
+    transposed), Q = (I - A/2)^-1 (I + A/2), the first k columns. Torch solves the system by LU;
+    here Q = 2 (I - A/2)^-1 - I with the inverse by `block_inverse` and a two-product backward
+    (`_CayleyOfSkew`): the same matrix to about 1e-6 in fp32, closer to the fp64 map than the LU
+    solve, and matrix products rather than factorisations on a GPU (docs/methods.md, "Fast
+    paths"). Inside a graph torch.compile traces, the LU solve: a graph cannot read or switch
+    the fp32 matmul precision that the block inverse needs in full (`ieee_fp32_matmuls`); the
+    training engine evaluates the maps eagerly before a compiled encoder runs, so this applies
+    only where a compiled graph maps them itself (`engine.orthogonal_step_cache=false`, or an
+    inference forward). `method`: "block" or "lu" to choose (benchmarks, tests); None: as above.
     """
+    if method is None:
+        method = "lu" if torch.compiler.is_compiling() else "block"
+    if method not in ("block", "lu"):
+        raise ValueError(f"unknown Cayley method {method!r}; choose block or lu")
     n, k = X.size(-2), X.size(-1)
     transposed = n < k
     if transposed:
@@ -347,8 +448,11 @@ def cayley(X: torch.Tensor) -> torch.Tensor:
     if n != k:
         X = torch.cat([X, X.new_zeros(n, n - k).expand(*X.shape[:-2], -1, -1)], dim=-1)
     A = X - X.mH
-    Id = torch.eye(n, dtype=A.dtype, device=A.device)
-    Q = _solve(torch.add(Id, A, alpha=-0.5), torch.add(Id, A, alpha=0.5))
+    if method == "lu":
+        Id = torch.eye(n, dtype=A.dtype, device=A.device)
+        Q = _solve(torch.add(Id, A, alpha=-0.5), torch.add(Id, A, alpha=0.5))
+    else:
+        Q = _CayleyOfSkew.apply(A)
     if n != k:
         Q = Q[..., :k]
     return Q.mT if transposed else Q

@@ -1,0 +1,139 @@
+"""The Cayley map by block inverse (`model.orthogonal.cayley`): the same matrices and gradients
+as torch's own orthogonal parametrization, closer to fp64 than the LU solve, full fp32 whatever
+the matmul precision a user set, and no factorisation of a full-size matrix."""
+
+import pytest
+import torch
+from torch.nn.utils.parametrizations import _OrthMaps, _Orthogonal
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import model.orthogonal as orthogonal_module
+from model.orthogonal import block_inverse, cayley
+
+pytestmark = pytest.mark.unit
+
+
+def skew(b: int, n: int, dtype=torch.float64, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(b, n, n, generator=g, dtype=dtype).tril()
+    return X - X.mT
+
+
+def torch_cayley(X: torch.Tensor) -> torch.Tensor:
+    """torch's parametrization (cayley, no trivialisation; its LU solve) of free parameters X."""
+    return _Orthogonal(X, _OrthMaps.cayley, use_trivialization=False)(X)
+
+
+@pytest.mark.parametrize("n", [1, 5, 17, 64, 100])
+def test_block_inverse_is_the_inverse(n):
+    """Recursion down to 1 x 1 blocks (base 1), odd splits included, in fp64."""
+    M = torch.eye(n, dtype=torch.float64) - skew(3, n) / 2
+    for base in (1, 3, 16):
+        inv = block_inverse(M, base=base)
+        torch.testing.assert_close(inv, torch.linalg.inv(M), rtol=1e-10, atol=1e-12)
+
+
+def test_block_inverse_with_a_positive_definite_symmetric_part():
+    """Any M with M + M^T positive definite (not only I + skew): the Schur complements stay
+    invertible without pivoting."""
+    g = torch.Generator().manual_seed(1)
+    B = torch.randn(2, 40, 40, generator=g, dtype=torch.float64)
+    M = B @ B.mT + 0.1 * torch.eye(40, dtype=torch.float64) + skew(2, 40, seed=2)
+    torch.testing.assert_close(block_inverse(M, base=4), torch.linalg.inv(M), rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("shape", [(3, 24, 24), (2, 30, 12), (2, 12, 30)])
+def test_equals_torch_map_values_and_gradients(shape):
+    """Square, tall (embedded in a square) and wide (transposed) free parameters, fp64."""
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+    G = torch.randn(*shape, generator=g, dtype=torch.float64)
+    ours, ref = cayley(X), torch_cayley(X)
+    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12)
+    (grad_ours,) = torch.autograd.grad((ours * G).sum(), X)
+    (grad_ref,) = torch.autograd.grad((ref * G).sum(), X)
+    torch.testing.assert_close(grad_ours, grad_ref, rtol=1e-9, atol=1e-11)
+
+
+def test_gradcheck_through_the_recursion(monkeypatch):
+    monkeypatch.setattr(orthogonal_module, "BLOCK_INVERSE_BASE", 2)
+    X = torch.randn(2, 7, 7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(cayley, (X,))
+
+
+def test_closer_to_fp64_than_the_lu_solve_at_width_256():
+    X = torch.randn(4, 256, 256, generator=torch.Generator().manual_seed(4))
+    exact = cayley(X.double())
+    lu, block = cayley(X, method="lu"), cayley(X)
+    Id = torch.eye(256)
+    err_block = (block.double() - exact).abs().max().item()
+    err_lu = (lu.double() - exact).abs().max().item()
+    assert err_block < 2e-6 and err_block < err_lu, (err_block, err_lu)
+    assert (block.mT @ block - Id).abs().max().item() < 2e-6
+
+
+class MatmulPrecisions(TorchDispatchMode):
+    """Records the fp32 matmul precision in force at every matrix product (forward and
+    backward: the autograd engine runs CPU backward functions on this thread, under the mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.matmul):
+            self.seen.append(torch.get_float32_matmul_precision())
+        return func(*args, **(kwargs or {}))
+
+
+def test_full_fp32_whatever_the_matmul_precision():
+    """After `torch.set_float32_matmul_precision("high")` (TF32 on CUDA) or `"medium"` (bf16 on
+    a CPU that has it) every product of the map, forward and backward, runs at "highest", and
+    the user's setting is back afterwards. (This CPU computes "medium" products nearly in full
+    precision, so the guard is checked by what is in force, not by the error it prevents.)"""
+    X = torch.randn(2, 256, 256, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    previous = torch.get_float32_matmul_precision()
+    for setting in ("high", "medium"):
+        torch.set_float32_matmul_precision(setting)
+        try:
+            with MatmulPrecisions() as recorder:
+                cayley(X).sum().backward()
+            with MatmulPrecisions() as unguarded:
+                block_inverse(torch.eye(256) - X.detach())
+            assert torch.get_float32_matmul_precision() == setting
+        finally:
+            torch.set_float32_matmul_precision(previous)
+        # 256 = 128 + 128: one split, six products; the backward's two
+        assert recorder.seen == ["highest"] * 8, recorder.seen
+        assert set(unguarded.seen) == {setting}  # what the guard is there for
+
+
+def test_no_factorisation_of_a_full_size_matrix(monkeypatch):
+    """Only blocks up to the base size are factorised; no LU solve is called."""
+    sizes = []
+    inv_ex = torch.linalg.inv_ex
+    monkeypatch.setattr(torch.linalg, "inv_ex", lambda m: sizes.append(m.size(-1)) or inv_ex(m))
+
+    def no_solve(*args, **kwargs):
+        raise AssertionError("the Cayley map solved a full-size system")
+
+    monkeypatch.setattr(torch.linalg, "solve_ex", no_solve)
+    monkeypatch.setattr(torch.linalg, "solve", no_solve)
+    X = torch.randn(3, 300, 300, requires_grad=True)
+    cayley(X).sum().backward()
+    assert sizes and max(sizes) <= orthogonal_module.BLOCK_INVERSE_BASE, sizes
+    assert X.grad is not None and torch.isfinite(X.grad).all()
+
+
+def test_compiled_graph_maps_by_lu_with_the_same_result():
+    """Inside a graph torch.compile traces (which cannot read the matmul precision) the map is
+    the LU solve; its values and gradients equal the eager block inverse."""
+    X = torch.randn(3, 48, 48, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    eager = cayley(X)
+    (grad_eager,) = torch.autograd.grad(eager.sum(), X)
+    compiled = torch.compile(cayley, backend="aot_eager", fullgraph=True)(X)
+    (grad_compiled,) = torch.autograd.grad(compiled.sum(), X)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=2e-6)
+    torch.testing.assert_close(grad_compiled, grad_eager, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown Cayley method 'qr'"):
+        cayley(X, method="qr")
