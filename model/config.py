@@ -253,7 +253,7 @@ class EncoderConfig:
 
     orthogonal_map: OrthogonalMap = "cayley"
     """The map from free parameters to orthogonal matrices (torch's orthogonal parametrization):
-    `cayley` (default: accurate in fp32, 3.5e-7 at d=768, and the cheapest), `matrix_exp` (run in
+    `cayley` (default: accurate in fp32, about 1e-6 at d=768, and the cheapest), `matrix_exp` (run in
     fp64, 2.5x slower on CPU), `householder`."""
 
     tisa: TISAConfig = field(default_factory=TISAConfig)
