@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pretrain_support import base_overrides, make_shards, one_process_rendezvous
+from pretrain_support import FAMILY, base_overrides, make_shards, one_process_rendezvous
 from torch.overrides import TorchFunctionMode
 
 import pretrain.train as train_module
@@ -153,8 +153,22 @@ def run_recorded(shards: Path, run_dir: Path, extra: list[str]) -> SyncRecorder:
         ["engine.backend=deepspeed", "engine.zero_stage=0", "engine.precision=bf16-mixed"],
         ["engine.backend=deepspeed", "engine.zero_stage=2", "engine.precision=bf16-mixed"],
         ["engine.backend=torch", "engine.precision=fp32", "engine.gradient_accumulation_steps=2"],
+        # TransJect: its orthogonal maps (block inverse, small-block `inv_ex`), once per step
+        # under accumulation, its eigen-state and gate
+        [
+            *FAMILY["transject"],
+            "engine.backend=deepspeed",
+            "engine.zero_stage=0",
+            "engine.precision=bf16-mixed",
+            "engine.gradient_accumulation_steps=2",
+        ],
     ],
-    ids=["deepspeed-zero0-bf16mixed", "deepspeed-zero2-bf16mixed", "torch-accumulation2"],
+    ids=[
+        "deepspeed-zero0-bf16mixed",
+        "deepspeed-zero2-bf16mixed",
+        "torch-accumulation2",
+        "transject-zero0-bf16mixed-accumulation2",
+    ],
 )
 def test_no_host_sync_between_logging_steps(shards, tmp_path, extra, monkeypatch):
     # One process, as torchrun would describe it: the process group of an earlier in-process
