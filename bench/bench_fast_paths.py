@@ -13,6 +13,7 @@ untimed ones (CUDA: synchronised). Ratios compare two paths in the same process.
     python bench/bench_fast_paths.py orthogonal-step --seq 128 --batch 4 --accumulation 4
     python bench/bench_fast_paths.py orthogonal-shard --ranks 2 --seq 128 --batch 4 --accumulation 1
     python bench/bench_fast_paths.py cayley --hidden 768 --maps 121 --layers 2 --seq 128 --batch 4
+    python bench/bench_fast_paths.py transject-experts --hidden 768 --heads 12 --layers 2 --seq 128
     python bench/bench_fast_paths.py gpu-verify            # CUDA: flex, compile, apex; asserts
     python bench/bench_fast_paths.py tisa-backends --device cuda --dtype bf16 --seq 256 512 1024 2048 4096
     python bench/bench_fast_paths.py attention-checks      # CUDA: masks, bf16 kernel, maps; asserts
@@ -528,6 +529,78 @@ def bench_cayley(args) -> dict:
     }
     print("TransJect training step:", json.dumps(steps), flush=True)
     return {"maps": maps, "transject_step": steps}
+
+
+def broadcast_experts(self, x_BND, ctx):
+    """TransJect's expert block as it was before (the reference of `transject-experts`): the
+    batch broadcast against the (E, d, d) stacks, x[:, None] @ U, which torch runs by expanding
+    U and V to (B, E, d, d) and reducing their gradients over B. Returns (a_EBND, w_BE) like
+    `TransJectAttention.experts` (authors' V bias not supported here)."""
+    from model.attention.transject import LAMBDA_KEY, _compute_dtype, residual_alpha
+
+    assert self.expert_v_bias is None
+    lam_B11d = _compute_dtype(x_BND, ctx.extras[LAMBDA_KEY])[:, None, None, :]  # fp32 in autocast
+    xu_BEND = x_BND[:, None] @ _compute_dtype(x_BND, self.expert_u)
+    if self.expert_u_bias is not None:
+        xu_BEND = xu_BEND + self.expert_u_bias.bias.to(xu_BEND.dtype)[None, :, None, :]
+    a_BEND = F.elu((xu_BEND * lam_B11d) @ _compute_dtype(x_BND, self.expert_v).mT)
+    alpha = residual_alpha(ctx, self.num_applications).to(a_BEND.dtype)
+    gated_BEND = x_BND[:, None] + alpha * a_BEND if self.gate_input == "sublayer" else a_BEND
+    mask_B1N1 = ctx.mask_BN[:, None, :, None]
+    pooled_BED = gated_BEND.masked_fill(~mask_B1N1, torch.finfo(a_BEND.dtype).min).amax(dim=2)
+    w_BE = self.gate(pooled_BED).squeeze(-1).float().softmax(dim=-1)
+    return a_BEND.transpose(0, 1), w_BE
+
+
+def bench_transject_experts(args) -> dict:
+    """TransJect training steps with the expert block as one product over the whole batch (the
+    default) vs broadcast against the expert stacks (`broadcast_experts`, before), same model,
+    interleaved; loss and every gradient checked equal first."""
+    from model.attention.transject import TransJectAttention
+
+    dev, N = args.device, args.seq[0]
+    ids, mask = make_batch(args, N, dev)
+    torch.manual_seed(1)
+    # residual_init 1: not the identity at init (r_l = 0), so the experts' gradients are not 0
+    transject = {"num_experts": 4, "residual_init": 1.0}
+    tj = EncoderForPretraining(model_config("transject", args, transject=transject)).to(dev)
+    step = pretraining_step(tj, ids, mask, autocast_for(args))
+    batched = TransJectAttention.experts
+
+    def with_experts(fn):
+        def run():
+            TransJectAttention.experts = fn
+            try:
+                step()
+            finally:
+                TransJectAttention.experts = batched
+
+        return run
+
+    grads = []
+    for fn in (batched, broadcast_experts):
+        with_experts(fn)()
+        grads.append({n: p.grad.clone() for n, p in tj.named_parameters() if p.grad is not None})
+    scale = max(g.abs().max().item() for g in grads[0].values())
+    worst = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0]) / scale
+    t = time_steps(
+        {"batched": with_experts(batched), "broadcast_old": with_experts(broadcast_experts)},
+        args.warmup,
+        args.repeats,
+        dev,
+    )
+    row = {
+        "layers": args.layers,
+        "width": args.hidden,
+        "seq": N,
+        "batch": args.batch,
+        "dtype": args.dtype,
+        **{f"{k}_ms": 1000 * v for k, v in t.items()},
+        "old_over_new": t["broadcast_old"] / t["batched"],
+        "largest_gradient_difference_relative": worst,
+    }
+    print("TransJect training step:", json.dumps(row), flush=True)
+    return {"transject_step": row}
 
 
 # ----------------------------------------------------------------------------- orthogonal cache
@@ -1096,6 +1169,7 @@ def main() -> None:
         choices=[
             "tisa", "compile", "grouping", "pretrain-padding", "orthogonal-cache", "gpu-verify",
             "tisa-backends", "attention-checks", "orthogonal-step", "orthogonal-shard", "cayley",
+            "transject-experts",
         ],
     )  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -1150,6 +1224,7 @@ def main() -> None:
         "orthogonal-step": bench_orthogonal_step,
         "orthogonal-shard": bench_orthogonal_shard,
         "cayley": bench_cayley,
+        "transject-experts": bench_transject_experts,
     }[args.what]
     result = {"what": args.what, "args": {k: str(v) for k, v in vars(args).items()}}
     result.update(run(args))

@@ -5,8 +5,8 @@ Authors' code: github.com/victor7246/TransJect (differs from the paper in places
 
 Shape legend (as in `model/attention/base.py`):
     B batch, N tokens, d hidden width, E experts, V vocabulary, P = d/2 (width of each embedding half).
-    `x_BND` is (B, N, d); `mask_BN` is bool (B, N), True at real tokens; `a_BEND` is the expert
-    outputs (B, E, N, d); `w_BE` the per-sample expert weights; `lam_Bd` the eigenvalues (B, d)
+    `x_BND` is (B, N, d); `mask_BN` is bool (B, N), True at real tokens; `a_EBND` is the expert
+    outputs (E, B, N, d); `w_BE` the per-sample expert weights; `lam_Bd` the eigenvalues (B, d)
     (or (1, d), broadcastable).
 
 The family replaces the whole layer, the embeddings, and adds a once-per-forward state:
@@ -316,16 +316,22 @@ class ExpertBias(nn.Module):
     """A per-expert bias (E, d), in a module of its own so that a sharded engine (ZeRO-3), which
     gathers a module's parameters around its forward and backward, sees it used.
 
-    forward(y_BEND) -> y + b_e. With `scale_BEN1`: y + scale * b_e (the authors' V bias).
+    forward(y, scale=None, experts_first=False) -> y + b_e for y with the expert axis second to
+    last, (..., E, d), or first, (E, ..., d), with `experts_first`; with `scale` (broadcastable
+    to y's leading dimensions and a trailing 1): y + scale * b_e (the authors' V bias).
     """
 
     def __init__(self, num_experts: int, width: int):
         super().__init__()
         self.bias = nn.Parameter(torch.zeros(num_experts, width))
 
-    def forward(self, y_BEND: Tensor, scale_BEN1: Tensor | None = None) -> Tensor:
-        b_1E1d = self.bias.to(y_BEND.dtype)[None, :, None, :]
-        return y_BEND + (b_1E1d if scale_BEN1 is None else scale_BEN1 * b_1E1d)
+    def forward(
+        self, y: Tensor, scale: Tensor | None = None, experts_first: bool = False
+    ) -> Tensor:
+        b = self.bias.to(y.dtype)
+        if experts_first:
+            b = b.view(b.size(0), *([1] * (y.dim() - 2)), b.size(1))  # (E, 1, ..., d)
+        return y + (b if scale is None else scale * b)
 
 
 class TransJectAttention(Attention):
@@ -333,7 +339,8 @@ class TransJectAttention(Attention):
 
     Mixing is over features, per token: cost O(N E d^2), linear in N; outputs at real tokens do
     not depend on padding (Lambda and the gate's max-pool exclude it). U, V are stacked as
-    (E, d, d) orthogonal tensors so the experts run as one batched product. Biases per
+    (E, d, d) orthogonal tensors: X U_e of all experts is one product, X U_e Lambda V_e^T one
+    batched product (`experts`). Biases per
     `cfg.transject.bias` (module docstring); the gate pools per `cfg.transject.gate_input`.
     """
 
@@ -365,47 +372,62 @@ class TransJectAttention(Attention):
                     _linear_default_init_(b.bias, d)
 
     def experts(self, x_BND: Tensor, ctx: LayerContext) -> tuple[Tensor, Tensor]:
-        """(a_BEND, w_BE): every expert's output and the per-sample mixture weights."""
+        """(a_EBND, w_BE): every expert's output, experts first, and the per-sample weights.
+
+        The tokens of the whole batch are one matrix, T = B N rows: X U_e for all experts is one
+        product with the concatenated U = [U_1 ... U_E] (d, E d), and (X U_e Lambda) V_e^T one
+        batched product over the E experts. (Broadcasting the batch against the (E, d, d)
+        stacks instead made torch expand U and V to (B, E, d, d) copies and reduce their
+        gradients over B: 1.2-1.3x slower on the expert block, docs/methods.md.)
+        """
+        B, N, d = x_BND.shape
+        E = self.num_experts
         lam_Bd = ctx.extras[LAMBDA_KEY]
         U_Edd = _compute_dtype(x_BND, self.expert_u)
         V_Edd = _compute_dtype(x_BND, self.expert_v)
-        lam_B11d = _compute_dtype(x_BND, lam_Bd)[:, None, None, :]
-        # A_e(X) = ELU( ((X U_e + b_e) * lambda) V_e^T ): row vectors, so "X U" is x @ U. All
-        # experts in one broadcast batched product each (B*E matrices), no loop over experts.
-        # (Written as matmuls, not einsum: AOTAutograd's einsum backward fails on the
-        # non-contiguous gradients the gate makes, "view size is not compatible", under
-        # torch.compile.)
-        xu_BEND = x_BND[:, None] @ U_Edd  # (B, 1, N, d) @ (E, d, d)
+        # A_e(X) = ELU( ((X U_e + b_e) * lambda) V_e^T ), row vectors ("X U" is x @ U).
+        U_dEd = U_Edd.permute(1, 0, 2).reshape(d, E * d)  # [U_1 | ... | U_E]
+        xu_BNEd = (x_BND.reshape(B * N, d) @ U_dEd).view(B, N, E, d)
         if self.expert_u_bias is not None:
-            xu_BEND = self.expert_u_bias(xu_BEND)
-        pre_BEND = (xu_BEND * lam_B11d) @ V_Edd.mT
+            xu_BNEd = self.expert_u_bias(xu_BNEd)
+        # lambda (fp32) in the products' dtype (autocast's bf16): the scaled tensor is the next
+        # product's input, which autocast would round to that dtype anyway.
+        lam_B11d = lam_Bd.to(xu_BNEd.dtype)[:, None, None, :]
+        scaled_ETd = (xu_BNEd * lam_B11d).view(B * N, E, d).transpose(0, 1)
+        pre_ETd = torch.bmm(scaled_ETd, V_Edd.mT)  # (E, T, d): E products of (T, d) x (d, d)
         if self.expert_v_bias is not None:
             # The authors' V(diag(lambda)) = diag(lambda) V^T + 1 b_V^T: every row gets b_V,
             # so the product adds (sum_k xu_k) b_V to each token.
-            pre_BEND = self.expert_v_bias(pre_BEND, xu_BEND.sum(dim=-1, keepdim=True))
-        a_BEND = F.elu(pre_BEND)
+            sum_ET1 = xu_BNEd.sum(dim=-1).view(B * N, E).T[:, :, None]
+            pre_ETd = self.expert_v_bias(pre_ETd, sum_ET1, experts_first=True)
+        a_EBND = F.elu(pre_ETd).view(E, B, N, d)
 
         # Gate: masked max over real tokens -> shared g -> softmax over experts (in fp32). The
         # authors pool each expert's sublayer output X + alpha A_e(X).
+        # Padding is excluded by the lowest value of the dtype: put into X (B, N, d) before the
+        # sum, not into the (E, B, N, d) sum afterwards (one pass over it less, forward and
+        # backward); X + alpha A_e there stays that lowest value (|alpha A_e| is far below its
+        # spacing), so the max over tokens is the same.
+        padding_BN1 = ~ctx.mask_BN[:, :, None]
         if self.gate_input == "sublayer":
-            alpha = residual_alpha(ctx, self.num_applications).to(a_BEND.dtype)
-            gated_BEND = x_BND[:, None] + alpha * a_BEND
+            alpha = residual_alpha(ctx, self.num_applications).to(a_EBND.dtype)
+            x_masked_BND = x_BND.masked_fill(padding_BN1, torch.finfo(x_BND.dtype).min)
+            gated_EBND = x_masked_BND[None] + alpha * a_EBND
         else:
-            gated_BEND = a_BEND
-        mask_B1N1 = ctx.mask_BN[:, None, :, None]
-        pooled_BED = gated_BEND.masked_fill(~mask_B1N1, torch.finfo(a_BEND.dtype).min).amax(dim=2)
-        has_tokens_B11 = ctx.mask_BN.any(dim=1)[:, None, None]
-        pooled_BED = pooled_BED.masked_fill(~has_tokens_B11, 0.0)  # all-padding sample: no -inf
-        w_BE = self.gate(pooled_BED).squeeze(-1).float().softmax(dim=-1)
-        return a_BEND, w_BE
+            gated_EBND = a_EBND.masked_fill(padding_BN1[None], torch.finfo(a_EBND.dtype).min)
+        pooled_EBD = gated_EBND.amax(2)
+        has_tokens_1B1 = ctx.mask_BN.any(dim=1)[None, :, None]
+        pooled_EBD = pooled_EBD.masked_fill(~has_tokens_1B1, 0.0)  # all-padding sample: no -inf
+        w_BE = self.gate(pooled_EBD).squeeze(-1).T.float().softmax(dim=-1)
+        return a_EBND, w_BE
 
     def expert_weights(self, x_BND: Tensor, ctx: LayerContext) -> Tensor:
         """(B, E) per-sample mixture weights (each row sums to 1); for diagnostics."""
         return self.experts(x_BND, ctx)[1]
 
     def forward(self, x_BND: Tensor, ctx: LayerContext) -> AttentionOutput:
-        a_BEND, w_BE = self.experts(x_BND, ctx)
-        out_BND = torch.einsum("be,bend->bnd", w_BE.to(a_BEND.dtype), a_BEND)
+        a_EBND, w_BE = self.experts(x_BND, ctx)
+        out_BND = torch.einsum("be,ebnd->bnd", w_BE.to(a_EBND.dtype), a_EBND)
         return AttentionOutput(out_BND, {})
 
 
