@@ -7,8 +7,8 @@
 #   BUDGET=300 bash bench/gpu_pending.sh   # seconds for all the passes (default 540)
 #
 # On the device machine: run(command="bash bench/gpu_pending.sh", carry=[".whl"], timeout_s=600).
-# Passes: 0 cayley (the orthogonal maps by block inverse vs LU, then TransJect and softmax in the
-# trainer with the block inverse), 1 compile_check (where compiled TransJect goes non-finite),
+# Passes: 0 cayley (the orthogonal maps by block inverse vs LU, TransJect's expert block batched
+# vs broadcast, then TransJect and softmax in the trainer with both), 1 compile_check (where compiled TransJect goes non-finite),
 # 2-5 sdpa_<order>_<padding>
 # (cuDNN attention first against torch's own order, padded and unpadded, softmax and TISA at
 # albert-base/-large seq 512), 6 scaling_nomask (the scaling part, softmax on flash/cuDNN),
@@ -37,7 +37,7 @@ pass() { # pass NAME MIN_S VAR=VALUE...: one run of the suite into $OUT/passes/N
   echo "=== pass $name: done at $(($(date +%s) - START)) s" | tee -a "$LOG"
 }
 
-pass cayley 150 PARTS="cayley pretrain" \
+pass cayley 150 PARTS="cayley tjexperts pretrain" \
   "PRETRAIN=--configs albert-base-512 --families softmax transject --steps 6"
 # Only the first pass prints the environment (nvidia-smi, versions): ENV_PART= in the others.
 pass compile_check 150 ENV_PART= PARTS=compilecheck

@@ -46,6 +46,9 @@
 #             forward + backward, by block inverse (the default) vs the LU solve vs torch's own
 #             parametrization, with their errors; then a 12-layer TransJect pretraining step,
 #             seq 512, batch 16, bf16, block vs LU                       -> cayley_gpu.json
+#   tjexperts bench_fast_paths.py transject-experts: a 12-layer TransJect step (albert-base width,
+#             seq 512, batch 16, bf16) with its expert block as products over the whole batch vs
+#             broadcast against the expert stacks (before)     -> transject_experts_gpu.json
 #   tisabackends  bench_fast_paths.py tisa-backends: TISA flex vs SDPA bias per length, the
 #             length from which flex wins (tisa.flex_min_length)  -> tisa_backends_gpu.json
 set -uo pipefail
@@ -65,7 +68,7 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 SMOKE=${SMOKE:-0}
-PARTS=${PARTS:-jit cayley model qkv scaling pretrain pretrain2 syncs depth loader tisa tisabackends orthocache fastpaths}
+PARTS=${PARTS:-jit cayley tjexperts model qkv scaling pretrain pretrain2 syncs depth loader tisa tisabackends orthocache fastpaths}
 # LAMB=auto: what a recipe picks by itself, the foreach LAMB (engine/lamb.py: per tensor on every
 # ZeRO stage 0-2, no host synchronisation, nothing to build). LAMB=torch: pytorch_optimizer.Lamb.
 # LAMB=deepspeed: DeepSpeed's FusedLamb, JIT-built by the `jit` part first (ZeRO-0 only: the
@@ -173,6 +176,9 @@ else
   part cayley 60 python3 bench/bench_fast_paths.py cayley --device cuda --dtype bf16 --hidden 768 \
     --heads 12 --maps 121 --layers 12 --seq 512 --batch 16 --warmup 2 --repeats 10 \
     --out "$OUT/cayley_gpu.json"
+  part tjexperts 45 python3 bench/bench_fast_paths.py transject-experts --device cuda --dtype bf16 \
+    --hidden 768 --heads 12 --layers 12 --seq 512 --batch 16 --warmup 2 --repeats 10 \
+    --out "$OUT/transject_experts_gpu.json"
   part model 60 python3 bench/bench_model.py --device cuda --dtype bf16 --layers 12 --batch 32 \
     --seq 128 512 --repeats 20 --warmup 3 --out "$OUT/model_gpu.json"
   # The fused Q/K/V weight once per forward vs at every application of the shared layer.
