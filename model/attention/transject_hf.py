@@ -93,9 +93,11 @@ class ExpertBias(nn.Module):
         super().__init__()
         self.bias = nn.Parameter(torch.zeros(num_experts, width))
 
-    def forward(self, y_BEND, scale=None):
-        b = self.bias.to(y_BEND.dtype)[None, :, None, :]
-        return y_BEND + (b if scale is None else scale * b)
+    def forward(self, y, scale=None, experts_first=False):
+        b = self.bias.to(y.dtype)
+        if experts_first:  # y (E, T, d), else (..., E, d)
+            b = b[:, None, :]
+        return y + (b if scale is None else scale * b)
 
 
 class TransJectAttention(nn.Module):
@@ -113,24 +115,30 @@ class TransJectAttention(nn.Module):
         self.gate = nn.Linear(d, 1, bias=False)
 
     def forward(self, x_BND, ctx):
-        lam = ctx.extras["transject_lambda"].to(x_BND.dtype)[:, None, None, :]
-        xu = x_BND[:, None] @ self.expert_u  # (B, E, N, d)
+        # The tokens of the batch as one matrix: X U_e of all experts in one product with
+        # [U_1 ... U_E], (X U_e Lambda) V_e^T in one batched product over the experts.
+        B, N, d = x_BND.shape
+        E = self.expert_u.size(0)
+        U = self.expert_u.permute(1, 0, 2).reshape(d, E * d)
+        xu = (x_BND.reshape(B * N, d) @ U.to(x_BND.dtype)).view(B, N, E, d)
         if self.expert_u_bias is not None:
             xu = self.expert_u_bias(xu)
-        pre = (xu * lam) @ self.expert_v.mT
+        lam = ctx.extras["transject_lambda"].to(xu.dtype)[:, None, None, :]
+        scaled = (xu * lam).view(B * N, E, d).transpose(0, 1)
+        pre = torch.bmm(scaled, self.expert_v.to(xu.dtype).mT)  # (E, B N, d)
         if self.expert_v_bias is not None:
-            pre = self.expert_v_bias(pre, xu.sum(dim=-1, keepdim=True))
-        a = F.elu(pre)
+            pre = self.expert_v_bias(pre, xu.sum(dim=-1).view(B * N, E).T[:, :, None], True)
+        a = F.elu(pre).view(E, B, N, d)
+        padding = ~ctx.mask_BN[:, :, None]
         if self.gate_input == "sublayer":
             alpha = (torch.tanh(ctx.residual_gate) / self.applications).to(a.dtype)
-            gated = x_BND[:, None] + alpha * a
+            gated = x_BND.masked_fill(padding, torch.finfo(x_BND.dtype).min)[None] + alpha * a
         else:
-            gated = a
-        mask = ctx.mask_BN[:, None, :, None]
-        pooled = gated.masked_fill(~mask, torch.finfo(a.dtype).min).amax(dim=2)
-        pooled = pooled.masked_fill(~ctx.mask_BN.any(dim=1)[:, None, None], 0.0)
-        w = self.gate(pooled).squeeze(-1).float().softmax(dim=-1)
-        return torch.einsum("be,bend->bnd", w.to(a.dtype), a)
+            gated = a.masked_fill(padding[None], torch.finfo(a.dtype).min)
+        pooled = gated.amax(dim=2)  # (E, B, d)
+        pooled = pooled.masked_fill(~ctx.mask_BN.any(dim=1)[None, :, None], 0.0)
+        w = self.gate(pooled).squeeze(-1).T.float().softmax(dim=-1)
+        return torch.einsum("be,ebnd->bnd", w.to(a.dtype), a)
 
 
 class TransJectLayer(nn.Module):
