@@ -433,6 +433,56 @@ def test_eigenvalue_paths():
     )
 
 
+def direct_eigen_state(x0, mask, U, reconstruction):
+    """The eigen-state as the formulas read (U^T M U and U diag(lam) U^T formed, d x d per
+    sample), in fp64: the reference of the closed form `approximate_eigenvalues` uses."""
+    x = x0.double() * mask[..., None]
+    M = x.mT @ x
+    U = U.double()
+    lam_raw = torch.diagonal(U.T @ M @ U, dim1=-2, dim2=-1)
+    s = lam_raw.abs().amax(-1, keepdim=True)
+    lam = lam_raw / s
+    target = M if reconstruction == "authors" else M / s[..., None]
+    return lam, ((target - U @ torch.diag_embed(lam) @ U.T) ** 2).mean(dim=(-2, -1))
+
+
+@pytest.mark.parametrize("reconstruction", ["scale_free", "authors"])
+@pytest.mark.parametrize("N", [10, 50])  # fewer tokens than d = 32 (X X^T), more (X^T X)
+def test_closed_form_eigen_state_equals_the_formulas(reconstruction, N):
+    """Values and the gradients of the embeddings and of the eigenbasis' free parameters (its
+    Cayley map), padded rows included: the closed form against the formulas in fp64."""
+    torch.manual_seed(5)
+    cfg = debug_cfg(transject={"reconstruction": reconstruction})
+    state = Encoder(cfg).family_state
+    free = state.parametrizations.eigenbasis.original
+    x0 = torch.randn(3, N, cfg.hidden_size, requires_grad=True)
+    mask = torch.ones(3, N, dtype=torch.bool)
+    mask[1, N // 2 :] = False
+    weights = torch.randn(3, cfg.hidden_size)
+    results = []
+    for fn in (approximate_eigenvalues, direct_eigen_state):
+        lam, recon = fn(x0, mask, state.eigenbasis, reconstruction)
+        total = (weights.to(lam.dtype) * lam).sum() + 100 * recon.sum()
+        results.append((lam.double(), recon.double(), *torch.autograd.grad(total, (x0, free))))
+    (lam, recon, g_x, g_u), (lam_ref, recon_ref, g_x_ref, g_u_ref) = results
+    torch.testing.assert_close(lam, lam_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(recon, recon_ref, rtol=1e-4, atol=1e-9)
+    for got, want in ((g_x, g_x_ref), (g_u, g_u_ref)):
+        scale = want.abs().max()
+        assert scale > 0 and ((got.double() - want).abs().max() / scale).item() < 1e-4
+    # The diagnostic: ||offdiag(U^T M U)||^2 / ||M||^2, formed directly
+    x = x0.detach().double() * mask[..., None]
+    M = x.mT @ x
+    D = state.eigenbasis.detach().double().T @ M @ state.eigenbasis.detach().double()
+    offdiag = (D**2).sum((-2, -1)) - (torch.diagonal(D, dim1=-2, dim2=-1) ** 2).sum(-1)
+    torch.testing.assert_close(
+        eigenbasis_error(x0, mask, state.eigenbasis).double(),
+        offdiag / (M**2).sum((-2, -1)),
+        rtol=1e-4,
+        atol=1e-6,
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # 6. Padding invariance
 # --------------------------------------------------------------------------------------------

@@ -196,10 +196,23 @@ def _normalise(lam_raw_Bd: Tensor) -> tuple[Tensor, Tensor]:
     return lam_raw_Bd / s_B1, s_B1
 
 
-def _gram(x0_BND: Tensor, mask_BN: Tensor) -> Tensor:
-    """M = X0^T X0 (B, d, d) over the real tokens of each sample, fp32."""
-    x_BND = x0_BND.float() * mask_BN.unsqueeze(-1).float()  # padding rows excluded
-    return x_BND.mT @ x_BND
+def _real_tokens(x0_BND: Tensor, mask_BN: Tensor) -> Tensor:
+    """X0 in fp32 with the padding rows zeroed: M = X^T X then sums over the real tokens only."""
+    return x0_BND.float() * mask_BN.unsqueeze(-1).float()
+
+
+def _gram_energy(x_BND: Tensor) -> Tensor:
+    """(B,) ||M||_F^2 for M = X^T X, through whichever Gram matrix is smaller: X^T X (d x d)
+    or X X^T (N x N), whose Frobenius norms are equal."""
+    tokens, width = x_BND.shape[-2:]
+    G = x_BND @ x_BND.mT if tokens < width else x_BND.mT @ x_BND
+    return (G * G).sum(dim=(-2, -1))
+
+
+def _basis_diagonal(x_BND: Tensor, U: Tensor) -> Tensor:
+    """(B, d) diag(U^T M U)_k = u_k^T X^T X u_k = sum_n (x_n . u_k)^2: one product X U, not M."""
+    xu_BND = x_BND @ U
+    return (xu_BND * xu_BND).sum(dim=-2)
 
 
 def approximate_eigenvalues(
@@ -214,16 +227,28 @@ def approximate_eigenvalues(
         recon    = mean_{ij} ( M/s - U diag(lam) U^T )^2_{ij}    reconstruction="scale_free"
                    mean_{ij} ( M - U diag(lam) U^T )^2_{ij}      reconstruction="authors"
     Everything in fp32 with autocast off.
+
+    Computed without forming U^T M U or U diag(lam) U^T (d x d per sample): U is orthogonal, so
+    ||M - U D U^T||_F^2 = ||M||_F^2 - 2 sum_k D_k lam_raw_k + sum_k D_k^2 for a diagonal D, and
+    lam_raw_k = sum_n (x_n . u_k)^2. Hence
+        scale_free: recon = (||M||_F^2 - |lam_raw|^2) / (s^2 d^2)
+        authors:    recon = (||M||_F^2 - 2 lam . lam_raw + |lam|^2) / d^2
+    the same values and (on the orthogonal U the parametrisation keeps) the same gradients to
+    fp32 rounding: one product X U and one Gram matrix instead of three d x d products per
+    sample (docs/methods.md, "Computation"). The difference of the first two terms loses about
+    1e-7 of ||M||_F^2 to rounding, so the loss is floored at 0 where U diagonalises M exactly.
     """
+    d = x0_BND.size(-1)
     with torch.autocast(device_type=x0_BND.device.type, enabled=False):
-        M_Bdd = _gram(x0_BND, mask_BN)
-        U = U_dd.float()
-        # diag(U^T M U)_k = sum_i U_ik (M U)_ik: the diagonal of the product without forming it.
-        lam_raw_Bd = (U * (M_Bdd @ U)).sum(dim=-2)
+        x_BND = _real_tokens(x0_BND, mask_BN)
+        lam_raw_Bd = _basis_diagonal(x_BND, U_dd.float())
         lam_Bd, s_B1 = _normalise(lam_raw_Bd)
-        recon_Bdd = (U * lam_Bd[:, None, :]) @ U.mT  # U diag(lam) U^T
-        target_Bdd = M_Bdd if reconstruction == "authors" else M_Bdd / s_B1[:, :, None]
-        recon_B = ((target_Bdd - recon_Bdd) ** 2).mean(dim=(-2, -1))
+        energy_B = _gram_energy(x_BND)
+        if reconstruction == "authors":
+            squared_B = energy_B - 2 * (lam_Bd * lam_raw_Bd).sum(-1) + (lam_Bd * lam_Bd).sum(-1)
+        else:
+            squared_B = (energy_B - (lam_raw_Bd * lam_raw_Bd).sum(-1)) / s_B1.squeeze(-1) ** 2
+        recon_B = squared_B.clamp_min(0.0) / (d * d)
     return lam_Bd, recon_B
 
 
@@ -233,15 +258,14 @@ def eigenbasis_error(x0_BND: Tensor, mask_BN: Tensor, U_dd: Tensor) -> Tensor:
 
     Equals ||M - U diag(lam_raw) U^T||_F^2 / ||M||_F^2 (U orthogonal): 0 when U diagonalises M,
     about 1 - 1/d for a random U. Scale-free, so it is comparable across runs and lengths; the
-    diagnostic logged to show that the eigenbasis trains.
+    diagnostic logged to show that the eigenbasis trains. Computed as
+    (||M||_F^2 - |diag(U^T M U)|^2) / ||M||_F^2 (`approximate_eigenvalues`).
     """
     with torch.autocast(device_type=x0_BND.device.type, enabled=False):
-        M_Bdd = _gram(x0_BND, mask_BN)
-        U = U_dd.float()
-        D_Bdd = U.mT @ M_Bdd @ U
-        total_B = (M_Bdd**2).sum(dim=(-2, -1)).clamp_min(_EPS)
-        diag_B = (torch.diagonal(D_Bdd, dim1=-2, dim2=-1) ** 2).sum(-1)
-        return ((total_B - diag_B) / total_B).clamp_min(0.0)
+        x_BND = _real_tokens(x0_BND, mask_BN)
+        diag_Bd = _basis_diagonal(x_BND, U_dd.float())
+        total_B = _gram_energy(x_BND).clamp_min(_EPS)
+        return ((total_B - (diag_Bd * diag_Bd).sum(-1)) / total_B).clamp_min(0.0)
 
 
 class EigenState(FamilyState):
@@ -520,11 +544,12 @@ def transject_layer_flops(cfg: EncoderConfig, seq_len: int) -> int:
 
 def transject_embedding_flops(cfg: EncoderConfig, seq_len: int) -> int:
     """The concatenated embedding has no matmul; the eigen-state with ``eigenvalues="approx"``
-    computes M = X^T X, M U and (U diag(lambda)) U^T (see `approximate_eigenvalues`)."""
+    computes X U and the smaller Gram matrix, X X^T or X^T X (see `approximate_eigenvalues`)."""
     if cfg.transject.eigenvalues == "random":
         return 0
-    d = cfg.hidden_size
-    return matmul_flops(d, seq_len, d) + 2 * matmul_flops(d, d, d)
+    d, n = cfg.hidden_size, seq_len
+    gram = matmul_flops(n, d, n) if n < d else matmul_flops(d, n, d)
+    return matmul_flops(n, d, d) + gram
 
 
 @torch.no_grad()
