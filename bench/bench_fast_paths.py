@@ -552,10 +552,28 @@ def broadcast_experts(self, x_BND, ctx):
     return a_BEND.transpose(0, 1), w_BE
 
 
+def formula_eigen_state(x0_BND, mask_BN, U_dd, reconstruction="scale_free"):
+    """TransJect's eigen-state as it was before (the reference of `transject-experts`): M, U^T M U
+    and U diag(lambda) U^T formed, three d x d products per sample."""
+    from model.attention.transject import _normalise
+
+    with torch.autocast(device_type=x0_BND.device.type, enabled=False):
+        x = x0_BND.float() * mask_BN.unsqueeze(-1).float()
+        M = x.mT @ x
+        U = U_dd.float()
+        lam_raw = (U * (M @ U)).sum(dim=-2)
+        lam, s = _normalise(lam_raw)
+        recon = (U * lam[:, None, :]) @ U.mT
+        target = M if reconstruction == "authors" else M / s[:, :, None]
+        return lam, ((target - recon) ** 2).mean(dim=(-2, -1))
+
+
 def bench_transject_experts(args) -> dict:
-    """TransJect training steps with the expert block as one product over the whole batch (the
-    default) vs broadcast against the expert stacks (`broadcast_experts`, before), same model,
-    interleaved; loss and every gradient checked equal first."""
+    """TransJect training steps as they are against as they were, same model, interleaved, after
+    checking every gradient equal: the expert block as products over the whole batch (now) vs
+    broadcast against the expert stacks (`broadcast_experts`), and the eigen-state in closed
+    form (now) vs its formulas (`formula_eigen_state`); each change alone and both."""
+    import model.attention.transject as transject_module
     from model.attention.transject import TransJectAttention
 
     dev, N = args.device, args.seq[0]
@@ -565,30 +583,39 @@ def bench_transject_experts(args) -> dict:
     transject = {"num_experts": 4, "residual_init": 1.0}
     tj = EncoderForPretraining(model_config("transject", args, transject=transject)).to(dev)
     step = pretraining_step(tj, ids, mask, autocast_for(args))
-    batched = TransJectAttention.experts
+    batched, closed_form = TransJectAttention.experts, transject_module.approximate_eigenvalues
+    variants = {
+        "now": (batched, closed_form),
+        "broadcast_experts": (broadcast_experts, closed_form),
+        "formula_eigen_state": (batched, formula_eigen_state),
+        "before": (broadcast_experts, formula_eigen_state),
+    }
 
-    def with_experts(fn):
+    def with_variant(name):
+        experts, eigen = variants[name]
+
         def run():
-            TransJectAttention.experts = fn
+            TransJectAttention.experts = experts
+            transject_module.approximate_eigenvalues = eigen
             try:
                 step()
             finally:
                 TransJectAttention.experts = batched
+                transject_module.approximate_eigenvalues = closed_form
 
         return run
 
-    grads = []
-    for fn in (batched, broadcast_experts):
-        with_experts(fn)()
-        grads.append({n: p.grad.clone() for n, p in tj.named_parameters() if p.grad is not None})
-    scale = max(g.abs().max().item() for g in grads[0].values())
-    worst = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0]) / scale
-    t = time_steps(
-        {"batched": with_experts(batched), "broadcast_old": with_experts(broadcast_experts)},
-        args.warmup,
-        args.repeats,
-        dev,
-    )
+    grads = {}
+    for name in variants:
+        with_variant(name)()
+        grads[name] = {n: p.grad.clone() for n, p in tj.named_parameters() if p.grad is not None}
+    scale = max(g.abs().max().item() for g in grads["now"].values())
+    differences = {
+        name: max((grads["now"][n] - g[n]).abs().max().item() for n in g) / scale
+        for name, g in grads.items()
+        if name != "now"
+    }
+    t = time_steps({k: with_variant(k) for k in variants}, args.warmup, args.repeats, dev)
     row = {
         "layers": args.layers,
         "width": args.hidden,
@@ -596,8 +623,8 @@ def bench_transject_experts(args) -> dict:
         "batch": args.batch,
         "dtype": args.dtype,
         **{f"{k}_ms": 1000 * v for k, v in t.items()},
-        "old_over_new": t["broadcast_old"] / t["batched"],
-        "largest_gradient_difference_relative": worst,
+        **{f"{k}_over_now": v / t["now"] for k, v in t.items() if k != "now"},
+        "largest_gradient_difference_relative": differences,
     }
     print("TransJect training step:", json.dumps(row), flush=True)
     return {"transject_step": row}
