@@ -605,6 +605,20 @@ def bench_transject_experts(args) -> dict:
 
         return run
 
+    if args.only:  # one variant alone in this process: its peak memory over two steps
+        if dev == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        with_variant(args.only)()
+        with_variant(args.only)()
+        if dev == "cuda":
+            peak_mb = torch.cuda.max_memory_allocated() / 2**20
+        else:
+            import resource
+
+            peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        row = {"variant": args.only, "peak_mb": peak_mb, "device": dev, "batch": args.batch}
+        print("TransJect peak memory:", json.dumps(row), flush=True)
+        return {"peak": row}
     grads = {}
     for name in variants:
         with_variant(name)()
@@ -1229,6 +1243,13 @@ def main() -> None:
     )
     p.add_argument(
         "--shard-min-size", type=int, default=256, help="engine.orthogonal_shard_min_size"
+    )
+    p.add_argument(
+        "--only",
+        choices=["now", "broadcast_experts", "formula_eigen_state", "before"],
+        default=None,
+        help="transject-experts: run one variant alone and report its peak memory (CPU: the "
+        "process's peak RSS; CUDA: torch's peak allocation)",
     )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
