@@ -12,7 +12,8 @@
 # 2-5 sdpa_<order>_<padding>
 # (cuDNN attention first against torch's own order, padded and unpadded, softmax and TISA at
 # albert-base/-large seq 512), 6 scaling_nomask (the scaling part, softmax on flash/cuDNN),
-# 7 accum8 (softmax and TransJect at accumulation 8: the orthogonal maps once per 8 micro-batches).
+# 7 accum8 (softmax and TransJect at accumulation 8: the orthogonal maps once per 8 micro-batches),
+# 8 large_transject_64 (TransJect's albert-large peak memory at micro-batch 64).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu_pending}
@@ -52,6 +53,10 @@ done
 pass scaling_nomask 60 ENV_PART= PARTS=scaling SCALING=--no-mask
 pass accum8 60 ENV_PART= PARTS=pretrain \
   "PRETRAIN=--configs albert-base-512 --families softmax transject --accumulation 8 --steps 4 --warmup 2"
+# TransJect at albert-large, micro-batch 64 (the recipe runs 32 x 2 since it peaked at 84.4 GB
+# with the expert stacks' broadcast copies, gone now): does 64 x 1 fit an 80 GB card again?
+pass large_transject_64 60 ENV_PART= PARTS=pretrain \
+  "PRETRAIN=--configs albert-large-512 --families transject --batch 64 --steps 4 --warmup 2"
 echo "=== all passes done in $(($(date +%s) - START)) s" | tee -a "$LOG"
 tar -czf "$OUT/pending.tgz" -C "$OUT" passes && rm -rf "$OUT/passes"
 ls -la "$OUT" | tee -a "$LOG"
