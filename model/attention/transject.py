@@ -403,7 +403,7 @@ class TransJectAttention(Attention):
         batched product over the E experts. (Broadcasting the batch against the (E, d, d)
         stacks instead made torch expand U and V to (B, E, d, d) copies and reduce their
         gradients over B, and keep the copies for the backward: a 2-layer step at d = 768 on
-        the CPU 1.25x slower, twice the peak memory; docs/methods.md.)
+        the CPU 1.24-1.30x slower, twice the peak memory; docs/methods.md.)
         """
         B, N, d = x_BND.shape
         E = self.num_experts
@@ -429,18 +429,28 @@ class TransJectAttention(Attention):
 
         # Gate: masked max over real tokens -> shared g -> softmax over experts (in fp32). The
         # authors pool each expert's sublayer output X + alpha A_e(X).
-        # Padding is excluded by the lowest value of the dtype: put into X (B, N, d) before the
-        # sum, not into the (E, B, N, d) sum afterwards (one pass over it less, forward and
-        # backward); X + alpha A_e there stays that lowest value (|alpha A_e| is far below its
-        # spacing), so the max over tokens is the same.
+        # The max over tokens picks one token per (expert, sample, feature): found without
+        # gradients, then the pooled values gathered from X and A_e, so autograd keeps an index
+        # (E, B, d) instead of the (E, B, N, d) sum, and the backward scatters into X and A_e
+        # (amax's backward splits a gradient between exactly tied maxima, which real tokens do
+        # not have: their position halves differ). Padding is excluded by the lowest value of
+        # the dtype, put into X (B, N, d) before the sum; X + alpha A_e there stays that lowest
+        # value (|alpha A_e| is far below its spacing).
         padding_BN1 = ~ctx.mask_BN[:, :, None]
         if self.gate_input == "sublayer":
             alpha = residual_alpha(ctx, self.num_applications).to(a_EBND.dtype)
-            x_masked_BND = x_BND.masked_fill(padding_BN1, torch.finfo(x_BND.dtype).min)
-            gated_EBND = x_masked_BND[None] + alpha * a_EBND
+            with torch.no_grad():
+                x_masked_BND = x_BND.masked_fill(padding_BN1, torch.finfo(x_BND.dtype).min)
+                index_EB1D = (x_masked_BND[None] + alpha * a_EBND).argmax(dim=2, keepdim=True)
+            # x[b, index[e, b, k], k], gathered along the tokens of X itself (B, E, d)
+            index_BED = index_EB1D.squeeze(2).transpose(0, 1)
+            x_pooled_EBD = x_BND.gather(1, index_BED).transpose(0, 1)
+            pooled_EBD = x_pooled_EBD + alpha * a_EBND.gather(2, index_EB1D).squeeze(2)
         else:
-            gated_EBND = a_EBND.masked_fill(padding_BN1[None], torch.finfo(a_EBND.dtype).min)
-        pooled_EBD = gated_EBND.amax(2)
+            with torch.no_grad():
+                masked_EBND = a_EBND.masked_fill(padding_BN1[None], torch.finfo(a_EBND.dtype).min)
+                index_EB1D = masked_EBND.argmax(dim=2, keepdim=True)
+            pooled_EBD = a_EBND.gather(2, index_EB1D).squeeze(2)
         has_tokens_1B1 = ctx.mask_BN.any(dim=1)[None, :, None]
         pooled_EBD = pooled_EBD.masked_fill(~has_tokens_1B1, 0.0)  # all-padding sample: no -inf
         w_BE = self.gate(pooled_EBD).squeeze(-1).T.float().softmax(dim=-1)
