@@ -20,6 +20,12 @@ batches, and reports per step:
 
 Then the first step's loss parts of each compiled mode against eager (relative difference).
 
+When the whole-encoder ``inductor`` mode has a non-finite step, two scoped modes follow (unless
+``--no-bisect``), each compiling only part of the eager encoder in place with inductor:
+``inductor-layers`` (every distinct layer module) and ``inductor-state`` (the embeddings and the
+family's once-per-forward state, e.g. TransJect's eigenvalues); which of them goes non-finite
+says where inductor's code differs. Either can also be asked for in ``--modes``.
+
     python bench/check_compiled_steps.py --device cuda --family transject --out compile_check.json
     python bench/check_compiled_steps.py --device cpu --base debug --seq 64 --batch 4  # setup check
 """
@@ -37,6 +43,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 MODES = ("eager", "aot_eager", "inductor")
+SCOPED = ("inductor-layers", "inductor-state")
+
+
+def compile_scope(encoder, scope: str) -> list[str]:
+    """Compiles part of an eager encoder in place with inductor (`nn.Module.compile`): "layers",
+    each distinct layer module once; "state", the embeddings and the family state. Returns
+    the names of what was compiled."""
+    named = dict(encoder.named_modules())
+    if scope == "layers":
+        seen, targets = set(), []
+        for _, layer in encoder.layer_applications():
+            if id(layer) not in seen:
+                seen.add(id(layer))
+                targets.append(layer)
+    else:
+        targets = [m for m in (encoder.embeddings, getattr(encoder, "family_state", None)) if m]
+    names = [n for n, m in named.items() if any(m is t for t in targets)]
+    for module in targets:
+        module.compile(backend="inductor")
+    return names
 
 
 def _summary(t) -> dict:
@@ -54,11 +80,16 @@ def run_mode(mode: str, args) -> dict:
     from pretrain.objective import model_inputs, pretraining_loss
 
     torch._dynamo.reset()
-    extra = {"engine.compile": mode != "eager"}
-    if mode != "eager":
+    scoped = mode in SCOPED
+    extra = {"engine.compile": mode not in ("eager", *SCOPED)}
+    if extra["engine.compile"]:
         extra["engine.compile_backend"] = mode
     m = Measurement(mode, args.base, args.family, args.seq, args.batch, args.vocab, args, extra)
     engine = m.engine
+    compiled = []
+    if scoped:
+        compiled = compile_scope(engine.module.encoder, mode.split("-", 1)[1])
+        print(f"{mode}: compiled {compiled}", flush=True)
     steps = []
     for i in range(args.steps):
         batch = engine.to_device(m.batches[i % len(m.batches)])
@@ -97,7 +128,7 @@ def run_mode(mode: str, args) -> dict:
             flush=True,
         )
     del m, engine
-    return {"mode": mode, "steps": steps}
+    return {"mode": mode, "steps": steps, **({"compiled": compiled} if scoped else {})}
 
 
 def main() -> None:
@@ -111,7 +142,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--vocab", type=int, default=30000)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES + SCOPED)
+    p.add_argument(
+        "--no-bisect",
+        action="store_true",
+        help="no scoped inductor modes after a non-finite whole-encoder inductor run",
+    )
     p.add_argument("--precision", default=None, help="default: bf16-mixed (CUDA), fp32 (CPU)")
     p.add_argument("--zero-stage", type=int, default=0)
     p.add_argument("--accumulation", type=int, default=1)
@@ -126,7 +162,8 @@ def main() -> None:
 
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     report = {"args": {k: str(v) for k, v in vars(args).items()}, "modes": []}
-    for mode in args.modes:
+    modes = list(args.modes)
+    for mode in modes:
         try:
             report["modes"].append(run_mode(mode, args))
         except Exception as e:  # a mode that fails to build or compile: say so, go on
@@ -135,6 +172,10 @@ def main() -> None:
         if args.out:  # what is done survives a kill
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(report, indent=2))
+        steps = report["modes"][-1].get("steps") or []
+        nonfinite = any(st["skipped"] or not st["loss_finite"] for st in steps)
+        if mode == "inductor" and nonfinite and not args.no_bisect:
+            modes += [m for m in SCOPED if m not in modes]  # where, then
     first = {r["mode"]: r["steps"][0]["loss"] for r in report["modes"] if r.get("steps")}
     if "eager" in first:
         report["first_step_vs_eager"] = {

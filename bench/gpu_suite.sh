@@ -216,7 +216,7 @@ else
     --hidden 768 --heads 12 --layers 1 --batch 8 --seq 256 4096 16384 --warmup 2 --repeats 10 \
     --out "$OUT/orthogonal_cache_gpu.json"
   # Where compiled TransJect steps stop being finite (an H200 skipped every one with inductor).
-  part compilecheck 240 python3 bench/check_compiled_steps.py --device cuda --family transject \
+  part compilecheck 360 python3 bench/check_compiled_steps.py --device cuda --family transject \
     --steps 3 --out "$OUT/compile_check_gpu.json"
   # Last: the fast paths' CUDA checks (TISA flex == SDPA bias incl. gradients, no recompiles,
   # inductor-compiled encoder == eager per family, apex LayerNorm if present) and timings; its

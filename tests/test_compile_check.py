@@ -59,3 +59,17 @@ def test_compile_check_names_the_nonfinite_gradients(tmp_path):
     assert bad, steps
     assert bad[0]["skipped"]
     assert bad[0]["first_nonfinite_grads"] or not bad[0]["loss_finite"]
+
+
+def test_scoped_inductor_mode_compiles_only_its_part(tmp_path):
+    """`inductor-state`: the eager encoder with only its embeddings and family state compiled
+    (inductor, CPU); finite, and its first step equal to eager's."""
+    _, report = run_check(
+        tmp_path, "transject", "--steps", "1", "--modes", "eager", "inductor-state"
+    )
+    scoped = report["modes"][1]
+    assert scoped["mode"] == "inductor-state" and "error" not in scoped, scoped
+    assert scoped["compiled"] == ["embeddings", "family_state"]
+    assert scoped["steps"][0]["loss_finite"] and not scoped["steps"][0]["skipped"]
+    diff = report["first_step_vs_eager"]["inductor-state"]
+    assert max(diff.values()) < 1e-5, diff
