@@ -432,10 +432,10 @@ class TransJectAttention(Attention):
         # The max over tokens picks one token per (expert, sample, feature): found without
         # gradients, then the pooled values gathered from X and A_e, so autograd keeps an index
         # (E, B, d) instead of the (E, B, N, d) sum, and the backward scatters into X and A_e
-        # (amax's backward splits a gradient between exactly tied maxima, which real tokens do
-        # not have: their position halves differ). Padding is excluded by the lowest value of
-        # the dtype, put into X (B, N, d) before the sum; X + alpha A_e there stays that lowest
-        # value (|alpha A_e| is far below its spacing).
+        # (at exactly tied maxima, possible in bf16, the gradient goes to one of them where
+        # amax's split it evenly: both are gradients of the max). Padding is excluded by the
+        # lowest value of the dtype, put into X (B, N, d) before the sum; X + alpha A_e there
+        # stays that lowest value (|alpha A_e| is far below its spacing).
         padding_BN1 = ~ctx.mask_BN[:, :, None]
         if self.gate_input == "sublayer":
             alpha = residual_alpha(ctx, self.num_applications).to(a_EBND.dtype)
