@@ -449,8 +449,9 @@ def bench_cayley(args) -> dict:
 
     1. `--maps` matrices of `--hidden` x `--hidden` free parameters, forward + backward, with
        each method's largest error against the fp64 map and from orthogonality;
-    2. a TransJect pretraining step (`--layers`, `--hidden`, `--seq`, `--batch`, `--dtype`)
-       with its maps by block inverse vs by LU, same model, interleaved.
+    2. a TransJect pretraining step (`--layers` distinct layers, as the recipes, `--hidden`,
+       `--seq`, `--batch`, `--dtype`) with its maps by block inverse vs by LU, same model,
+       interleaved.
     """
     from torch.nn.utils.parametrizations import _OrthMaps, _Orthogonal
 
@@ -498,7 +499,9 @@ def bench_cayley(args) -> dict:
     N = args.seq[0]
     ids, mask = make_batch(args, N, dev, padded=False)
     torch.manual_seed(1)
-    tj = EncoderForPretraining(model_config("transject", args)).to(dev)
+    # one distinct layer per depth, as TransJect's recipes (num_hidden_groups = layers)
+    cfg = model_config("transject", args, num_hidden_groups=args.layers)
+    tj = EncoderForPretraining(cfg).to(dev)
     step = pretraining_step(tj, ids, mask, autocast_for(args))
     block_map = orthogonal_module.cayley
 
@@ -581,7 +584,9 @@ def bench_transject_experts(args) -> dict:
     torch.manual_seed(1)
     # residual_init 1: not the identity at init (r_l = 0), so the experts' gradients are not 0
     transject = {"num_experts": 4, "residual_init": 1.0}
-    tj = EncoderForPretraining(model_config("transject", args, transject=transject)).to(dev)
+    # one distinct layer per depth, as TransJect's recipes (num_hidden_groups = layers)
+    cfg = model_config("transject", args, transject=transject, num_hidden_groups=args.layers)
+    tj = EncoderForPretraining(cfg).to(dev)
     step = pretraining_step(tj, ids, mask, autocast_for(args))
     batched, closed_form = TransJectAttention.experts, transject_module.approximate_eigenvalues
     variants = {

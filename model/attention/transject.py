@@ -403,7 +403,7 @@ class TransJectAttention(Attention):
         batched product over the E experts. (Broadcasting the batch against the (E, d, d)
         stacks instead made torch expand U and V to (B, E, d, d) copies and reduce their
         gradients over B, and keep the copies for the backward: a 2-layer step at d = 768 on
-        the CPU 1.24-1.30x slower, twice the peak memory; docs/methods.md.)
+        the CPU 1.22-1.25x slower, 1.6x the peak memory; docs/methods.md.)
         """
         B, N, d = x_BND.shape
         E = self.num_experts
