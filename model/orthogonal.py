@@ -384,7 +384,7 @@ def ieee_fp32_matmuls() -> Iterator[None]:
     """fp32 matrix products in full fp32 inside the block: a user's
     `torch.set_float32_matmul_precision("high")` (TF32 on CUDA) or `"medium"` (bf16 where the
     CPU has it) would otherwise leave the Cayley map orthogonal only to about
-    the precision of those formats (10 and 8 mantissa bits), not fp32's 1e-6."""
+    the precision of those formats (TF32: 10 mantissa bits, bf16: 7), not fp32's 1e-6."""
     previous = torch.get_float32_matmul_precision()
     if previous == "highest":
         yield
