@@ -100,6 +100,15 @@ def pretraining_step(model, ids, mask, autocast):
     return step
 
 
+def orthogonal_matrix_count(model) -> int:
+    """How many matrices the model's fp32-orthogonal maps produce (a batch of E counts E)."""
+    from model.orthogonal import orthogonal_modules
+
+    return sum(
+        m.parametrizations[n].original.shape[:-2].numel() for _, m, n in orthogonal_modules(model)
+    )
+
+
 def make_batch(args, N: int, device: str, padded: bool = True):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(5, args.vocab, (args.batch, N), generator=g)
@@ -518,10 +527,7 @@ def bench_cayley(args) -> dict:
     t = time_steps(
         {"block": with_method("block"), "lu": with_method("lu")}, args.warmup, args.repeats, dev
     )
-    matrices = sum(
-        m.parametrizations[n].original.shape[:-2].numel()
-        for _, m, n in orthogonal_module.orthogonal_modules(tj)
-    )
+    matrices = orthogonal_matrix_count(tj)
     steps = {
         "layers": args.layers,
         "matrices": matrices,
@@ -775,19 +781,12 @@ def bench_orthogonal_step(args) -> dict:
     same initial weights, steps interleaved. Also checks that they stay equal (the largest
     weight difference after all the timed steps)."""
     from engine.distributed import DistEnv
-    from model.orthogonal import FP32Orthogonal
 
     rows = []
     for N in args.seq:
         ids, mask = make_batch(args, N, args.device)
         engines = transject_engines(args, DistEnv.single(), "orthogonal_step_cache")
-        maps = sum(
-            m.parametrizations[n].original.shape[:-2].numel()
-            for m in engines[True].module.modules()
-            if hasattr(m, "parametrizations")
-            for n, plist in m.parametrizations.items()
-            if isinstance(plist[0], FP32Orthogonal)
-        )
+        maps = orthogonal_matrix_count(engines[True].module)
 
         t, diff = race(engines, ("per_micro_batch", "per_step"), ids, mask, args)
         row = {
@@ -1119,7 +1118,7 @@ def attention_checks(args) -> dict:
         if x is not None:
             assert ((x - y).abs().max() / x.abs().max().clamp_min(1e-12)).item() < 1e-4
     t = time_steps({"per_map": maps(False), "grouped": maps(True)}, 3, 20, dev)
-    matrices = sum(m.parametrizations[n].original.shape[:-2].numel() for _, m, n in found)
+    matrices = orthogonal_matrix_count(tj)
     report["orthogonal_maps"] = {
         "tensors": len(found),
         "matrices": matrices,

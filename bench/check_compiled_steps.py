@@ -50,16 +50,11 @@ def compile_scope(encoder, scope: str) -> list[str]:
     """Compiles part of an eager encoder in place with inductor (`nn.Module.compile`): "layers",
     each distinct layer module once; "state", the embeddings and the family state. Returns
     the names of what was compiled."""
-    named = dict(encoder.named_modules())
-    if scope == "layers":
-        seen, targets = set(), []
-        for _, layer in encoder.layer_applications():
-            if id(layer) not in seen:
-                seen.add(id(layer))
-                targets.append(layer)
+    if scope == "layers":  # the distinct layers: those of the encoder's groups
+        targets = [layer for group in encoder.groups for layer in group]
     else:
         targets = [m for m in (encoder.embeddings, getattr(encoder, "family_state", None)) if m]
-    names = [n for n, m in named.items() if any(m is t for t in targets)]
+    names = [n for n, m in encoder.named_modules() if any(m is t for t in targets)]
     for module in targets:
         module.compile(backend="inductor")
     return names

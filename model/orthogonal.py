@@ -325,11 +325,17 @@ def _solve(B: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
     ("Pivots given to lu_solve...") or hangs once torch.set_num_threads() has been called;
     single solves are unaffected.
     """
-    if B.ndim > 2 and B.device.type == "cpu":
-        flat_B, flat_C = B.reshape(-1, *B.shape[-2:]), C.reshape(-1, *C.shape[-2:])
-        out = [torch.linalg.solve_ex(b, c, check_errors=False)[0] for b, c in zip(flat_B, flat_C)]
-        return torch.stack(out).reshape(C.shape)
-    return torch.linalg.solve_ex(B, C, check_errors=False)[0]
+    return _batched_on_device(lambda b, c: torch.linalg.solve_ex(b, c, check_errors=False)[0], B, C)
+
+
+def _batched_on_device(fn, *mats: torch.Tensor) -> torch.Tensor:
+    """fn over a batch of matrices (the batch dimensions of the first): one batched call, or on
+    the CPU one call per matrix, since oneMKL's batched factorisation fails there (`_solve`)."""
+    if mats[0].ndim == 2 or mats[0].device.type != "cpu":
+        return fn(*mats)
+    flat = [m.reshape(-1, *m.shape[-2:]) for m in mats]
+    out = torch.stack([fn(*one) for one in zip(*flat)])
+    return out.reshape(*mats[0].shape[:-2], *out.shape[-2:])
 
 
 BLOCK_INVERSE_BASE = 128
@@ -341,10 +347,7 @@ d = 768 (the blocks are then 96 x 96)."""
 def _base_inverse(M: torch.Tensor) -> torch.Tensor:
     """M^-1 of small blocks by LU (`inv_ex`: no status check, no host sync); one call per
     matrix on the CPU, where oneMKL's batched factorisation fails (see `_solve`)."""
-    if M.ndim > 2 and M.device.type == "cpu":
-        flat = M.reshape(-1, *M.shape[-2:])
-        return torch.stack([torch.linalg.inv_ex(m)[0] for m in flat]).reshape(M.shape)
-    return torch.linalg.inv_ex(M)[0]
+    return _batched_on_device(lambda m: torch.linalg.inv_ex(m)[0], M)
 
 
 def block_inverse(M: torch.Tensor, base: int | None = None) -> torch.Tensor:

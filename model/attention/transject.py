@@ -215,6 +215,33 @@ def _basis_diagonal(x_BND: Tensor, U: Tensor) -> Tensor:
     return (xu_BND * xu_BND).sum(dim=-2)
 
 
+def _eigen_terms(x0_BND: Tensor, mask_BN: Tensor, U_dd: Tensor) -> tuple[Tensor, Tensor]:
+    """(lam_raw_Bd, energy_B): diag(U^T M U) and ||M||_F^2 for M = X0^T X0 over the real
+    tokens, fp32 with autocast off; everything the eigen-state needs (`approximate_eigenvalues`)."""
+    with torch.autocast(device_type=x0_BND.device.type, enabled=False):
+        x_BND = _real_tokens(x0_BND, mask_BN)
+        return _basis_diagonal(x_BND, U_dd.float()), _gram_energy(x_BND)
+
+
+def _lambda_and_reconstruction(
+    lam_raw_Bd: Tensor, energy_B: Tensor, reconstruction: str
+) -> tuple[Tensor, Tensor]:
+    """(lam_Bd, recon_B) from the two terms (`approximate_eigenvalues`); elementwise only."""
+    d = lam_raw_Bd.size(-1)
+    lam_Bd, s_B1 = _normalise(lam_raw_Bd)
+    if reconstruction == "authors":
+        squared_B = energy_B - 2 * (lam_Bd * lam_raw_Bd).sum(-1) + (lam_Bd * lam_Bd).sum(-1)
+    else:
+        squared_B = (energy_B - (lam_raw_Bd * lam_raw_Bd).sum(-1)) / s_B1.squeeze(-1) ** 2
+    return lam_Bd, squared_B.clamp_min(0.0) / (d * d)
+
+
+def _eigenbasis_error(lam_raw_Bd: Tensor, energy_B: Tensor) -> Tensor:
+    """(B,) (||M||_F^2 - |lam_raw|^2) / ||M||_F^2 from the two terms (`eigenbasis_error`)."""
+    total_B = energy_B.clamp_min(_EPS)
+    return ((total_B - (lam_raw_Bd * lam_raw_Bd).sum(-1)) / total_B).clamp_min(0.0)
+
+
 def approximate_eigenvalues(
     x0_BND: Tensor, mask_BN: Tensor, U_dd: Tensor, reconstruction: str = "scale_free"
 ) -> tuple[Tensor, Tensor]:
@@ -238,18 +265,7 @@ def approximate_eigenvalues(
     sample (docs/methods.md, "Computation"). The difference of the first two terms loses about
     1e-7 of ||M||_F^2 to rounding, so the loss is floored at 0 where U diagonalises M exactly.
     """
-    d = x0_BND.size(-1)
-    with torch.autocast(device_type=x0_BND.device.type, enabled=False):
-        x_BND = _real_tokens(x0_BND, mask_BN)
-        lam_raw_Bd = _basis_diagonal(x_BND, U_dd.float())
-        lam_Bd, s_B1 = _normalise(lam_raw_Bd)
-        energy_B = _gram_energy(x_BND)
-        if reconstruction == "authors":
-            squared_B = energy_B - 2 * (lam_Bd * lam_raw_Bd).sum(-1) + (lam_Bd * lam_Bd).sum(-1)
-        else:
-            squared_B = (energy_B - (lam_raw_Bd * lam_raw_Bd).sum(-1)) / s_B1.squeeze(-1) ** 2
-        recon_B = squared_B.clamp_min(0.0) / (d * d)
-    return lam_Bd, recon_B
+    return _lambda_and_reconstruction(*_eigen_terms(x0_BND, mask_BN, U_dd), reconstruction)
 
 
 @torch.no_grad()
@@ -261,11 +277,7 @@ def eigenbasis_error(x0_BND: Tensor, mask_BN: Tensor, U_dd: Tensor) -> Tensor:
     diagnostic logged to show that the eigenbasis trains. Computed as
     (||M||_F^2 - |diag(U^T M U)|^2) / ||M||_F^2 (`approximate_eigenvalues`).
     """
-    with torch.autocast(device_type=x0_BND.device.type, enabled=False):
-        x_BND = _real_tokens(x0_BND, mask_BN)
-        diag_Bd = _basis_diagonal(x_BND, U_dd.float())
-        total_B = _gram_energy(x_BND).clamp_min(_EPS)
-        return ((total_B - (diag_Bd * diag_Bd).sum(-1)) / total_B).clamp_min(0.0)
+    return _eigenbasis_error(*_eigen_terms(x0_BND, mask_BN, U_dd))
 
 
 class EigenState(FamilyState):
@@ -310,8 +322,9 @@ class EigenState(FamilyState):
         unweighted reconstruction loss; empty for Random-TransJect."""
         if self.mode == "random":
             return {}
-        _, recon_B = approximate_eigenvalues(x0_BND, mask_BN, self.eigenbasis, self.reconstruction)
-        error_B = eigenbasis_error(x0_BND, mask_BN, self.eigenbasis)
+        terms = _eigen_terms(x0_BND, mask_BN, self.eigenbasis)  # once for both scalars
+        _, recon_B = _lambda_and_reconstruction(*terms, self.reconstruction)
+        error_B = _eigenbasis_error(*terms)
         return {
             "transject/eigenbasis_error": float(error_B.mean()),
             "transject/reconstruction_loss": float(recon_B.mean()),
