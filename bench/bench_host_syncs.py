@@ -7,7 +7,11 @@ on small shards made here from the embedded corpus (sequences of ``--seq`` token
 vocabulary), ``--steps`` steps logging every ``--log-every``. Sync debug mode is ``error`` from the
 start of each step's iteration and off only for the logging (and final checkpoint) that follows
 a logging step, so the steps between logging steps, with everything the loop does around them
-(stop flags, counters), must not synchronise. CUDA's sync debug mode flags the calls that wait
+(stop flags, counters), must not synchronise. Where the recipe compiles the encoder
+(``engine.compile``), the steps up to the first logging step are its warm-up and run unchecked:
+Inductor synchronises while it compiles (its pattern matcher initialises on the device), which
+is not the training step's doing; every later step is checked, so a recompilation would fail.
+``--warmup-steps`` sets that number for every point. CUDA's sync debug mode flags the calls that wait
 for the device (``item``, ``.cpu()``, blocking copies, ``nonzero``, boolean-mask indexing, ...).
 
 One JSON row per point: ``ok``, the step time median over the non-logging steps (host clock,
@@ -97,10 +101,13 @@ def run_point(point: str, shards: Path, root: Path, args) -> dict:
     total = trainer.cfg.total_steps
     step_fn = trainer._train_step
     times: list[float] = []
+    warmup = args.warmup_steps
+    if warmup is None:
+        warmup = args.log_every if trainer.engine.compiled else 0
 
     def checked_step(*a, **k):
         number = trainer.step + 1
-        if cuda:
+        if cuda and number > warmup:
             torch.cuda.set_sync_debug_mode("error")
         t0 = time.perf_counter()
         out = step_fn(*a, **k)
@@ -108,7 +115,7 @@ def run_point(point: str, shards: Path, root: Path, args) -> dict:
         if logging:
             if cuda:
                 torch.cuda.set_sync_debug_mode(0)  # the logging step reads, on purpose
-        else:
+        elif number > warmup:
             times.append(time.perf_counter() - t0)
         return out
 
@@ -127,6 +134,8 @@ def run_point(point: str, shards: Path, root: Path, args) -> dict:
     finally:
         if cuda:
             torch.cuda.set_sync_debug_mode(0)
+    row["compiled"] = trainer.engine.compiled
+    row["unchecked_warmup_steps"] = warmup
     row["deferred_step"] = trainer.engine.deferred
     row["optimizer"] = type(trainer.engine.optimizer).__module__
     row["step_s_median"] = statistics.median(times) if times else None
@@ -141,6 +150,13 @@ def main() -> None:
     parser.add_argument("--points", nargs="+", default=list(DEFAULT_POINTS))
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--log-every", type=int, default=6)
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="steps run unchecked first (default: up to the first logging step where the "
+        "encoder is compiled, none otherwise)",
+    )
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--override", nargs="*", default=[], help="recipe overrides key=value")
