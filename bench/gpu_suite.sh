@@ -79,7 +79,7 @@ LAMB=${LAMB:-auto}
 read -ra EXTRA_OVERRIDES <<<"${EXTRA:-}"
 # COMPILE: engine.compile for the engine parts. false (the default): eager for every family, so
 # the parts fit their limits (a compile costs up to about 85 s per family and process); true; or recipe:
-# each recipe's own (auto: on a GPU for softmax, TISA and kernel, not TransJect). EXTRA overrides it.
+# each recipe's own (auto: on a GPU, every shipped family). EXTRA overrides it.
 COMPILE=${COMPILE:-false}
 if [ "$COMPILE" != recipe ]; then EXTRA_OVERRIDES=("engine.compile=$COMPILE" "${EXTRA_OVERRIDES[@]}"); fi
 read -ra PRETRAIN_ARGS <<<"${PRETRAIN:-}"  # e.g. PRETRAIN="--accumulation 8 --padding none"

@@ -167,11 +167,11 @@ class EngineConfig:
     (TransJect) in training are evaluated eagerly before the compiled encoder, through
     ``orthogonal_step_cache`` and ``orthogonal_shard_maps``, and enter its graph as inputs.
     Not with ZeRO-3. ``auto``: compile where it was measured to pay, i.e. on a GPU, for an
-    attention family whose ``AttentionFamily.compile_auto`` is true (softmax, TISA and kernel:
-    their compiled training step was 1.20-1.73x faster on an H200, bf16, seq 512, batch 64, the
-    first step paying up to about 85 s of compilation; not TransJect, whose compiled steps were
-    all non-finite there), never on CPU (1.00-1.07x, not worth the compile) nor under ZeRO-3;
-    what the ALBERT recipes set. A run prints what it resolved to."""
+    attention family whose ``AttentionFamily.compile_auto`` is true (every shipped family:
+    softmax, TISA and kernel 1.20-1.73x faster compiled on an H200, TransJect 1.21x on an H100,
+    bf16, seq 512, batch 64, the first step paying up to about 85 s of compilation; a family
+    added from outside runs eager until measured), never on CPU (1.00-1.07x, not worth the
+    compile) nor under ZeRO-3; what the ALBERT recipes set. A run prints what it resolved to."""
     orthogonal_step_cache: bool = True
     """With gradient accumulation, evaluate each orthogonal map (TransJect,
     ``orthogonal: true``) once per optimizer step, forward and backward, instead of once per

@@ -86,7 +86,7 @@ def nonfinite_message(run: int, step: int, skipped: int, path: object, compiled:
     if compiled and skipped >= step:  # not one good step: suspect the compiler first
         message += (
             " No step of this run was finite and engine.compile is on: try "
-            "engine.compile=false (a compiled TransJect recipe did this on a GPU)."
+            "engine.compile=false (an earlier compiled TransJect did this on an H200)."
         )
     return message
 

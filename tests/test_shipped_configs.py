@@ -165,7 +165,7 @@ def test_every_family_has_every_size(recipes):
 
 def test_compile_is_auto_where_it_was_measured(recipes):
     """engine.compile: `auto` in the ALBERT recipes (compiled on a GPU for the families whose
-    compiled step was measured faster there: softmax, TISA, kernel; not TransJect); off in the
+    compiled step was measured faster there: every shipped one); off in the
     deep recipe (not measured at 96 applications) and the CPU (debug) recipes."""
     for stem, (cfg, enc) in recipes.items():
         measured = stem.startswith("albert-") and enc.num_layer_applications < 48
