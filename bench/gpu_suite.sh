@@ -12,6 +12,9 @@
 #   PRETRAIN="--accumulation 8 --padding none" bash bench/gpu_suite.sh  # pretrain part's options
 #   SCALING="--no-mask" bash bench/gpu_suite.sh   # scaling part without a mask (unpadded path)
 #   PRETRAIN_LIMIT=180 bash bench/gpu_suite.sh  # the pretrain part's time limit (default 210 s)
+#   SYNCS="--points zero0:kernel" SYNCS_LIMIT=120 bash bench/gpu_suite.sh  # the syncs part's
+#                                       # options and time limit (default 60 s)
+#   PROFILE="--override engine.compile=true" bash bench/gpu_suite.sh  # the profile part's options
 #   ENV_PART= PARTS=pretrain bash bench/gpu_suite.sh  # without the env part (a second pass)
 #
 # On the device machine (see BENCHMARKS.md): run(command="bash bench/gpu_suite.sh",
@@ -49,6 +52,10 @@
 #   tjexperts bench_fast_paths.py transject-experts: a 12-layer TransJect step (albert-base width,
 #             seq 512, batch 16, bf16) with its expert block as products over the whole batch vs
 #             broadcast against the expert stacks (before)     -> transject_experts_gpu.json
+#   profile   profile_step.py: softmax and TransJect's albert-base recipes, seq 512, batch 64, eager
+#             (PROFILE="--override engine.compile=true": compiled), 3 steps under torch.profiler:
+#             each operator's device time per step and the share of each kind of work (not in
+#             the default PARTS)                                        -> profile_gpu.json
 #   tisabackends  bench_fast_paths.py tisa-backends: TISA flex vs SDPA bias per length, the
 #             length from which flex wins (tisa.flex_min_length)  -> tisa_backends_gpu.json
 set -uo pipefail
@@ -84,6 +91,8 @@ COMPILE=${COMPILE:-false}
 if [ "$COMPILE" != recipe ]; then EXTRA_OVERRIDES=("engine.compile=$COMPILE" "${EXTRA_OVERRIDES[@]}"); fi
 read -ra PRETRAIN_ARGS <<<"${PRETRAIN:-}"  # e.g. PRETRAIN="--accumulation 8 --padding none"
 read -ra SCALING_ARGS <<<"${SCALING:-}"  # e.g. SCALING="--no-mask" (the unpadded path)
+read -ra PROFILE_ARGS <<<"${PROFILE:-}"  # e.g. PROFILE="--override engine.compile=true"
+read -ra SYNCS_ARGS <<<"${SYNCS:-}"  # e.g. SYNCS="--points zero0:kernel" (SYNCS_LIMIT: its limit)
 OVERRIDES=("${EXTRA_OVERRIDES[@]}")
 # OPTX: EXTRA alone (the recipes' own LAMB), for the syncs part, which checks the shipped setup.
 if [ ${#OVERRIDES[@]} -gt 0 ]; then OPTX=(--override "${OVERRIDES[@]}"); else OPTX=(); fi
@@ -195,8 +204,8 @@ else
     "${OPT2[@]}" --out "$OUT/pretrain_zero2_gpu.json"
   # No host synchronisation between logging steps: the real trainer with CUDA's sync debug mode
   # set to "error" (a synchronisation raises; the point reports where).
-  part syncs 60 python3 bench/bench_host_syncs.py --device cuda --steps 8 --log-every 4 \
-    "${OPTX[@]}" --out "$OUT/syncs_gpu.json"
+  part syncs "${SYNCS_LIMIT:-60}" python3 bench/bench_host_syncs.py --device cuda --steps 8 \
+    --log-every 4 "${SYNCS_ARGS[@]}" "${OPTX[@]}" --out "$OUT/syncs_gpu.json"
   part depth 50 python3 bench/bench_pretrain_throughput.py --device cuda --depth 12 24 48 96 \
     --steps 4 --warmup 2 --timeout 45 "${OPT[@]}" --out "$OUT/depth_gpu.json"
   part loader 85 python3 bench/bench_loader.py --device cuda \
@@ -215,6 +224,10 @@ else
   part orthocache 40 python3 bench/bench_fast_paths.py orthogonal-cache --device cuda --dtype bf16 \
     --hidden 768 --heads 12 --layers 1 --batch 8 --seq 256 4096 16384 --warmup 2 --repeats 10 \
     --out "$OUT/orthogonal_cache_gpu.json"
+  # Where a step's time goes, per operator (torch.profiler), softmax and TransJect at albert-base
+  # seq 512: which kind of work holds TransJect's gap to softmax.
+  part profile 120 python3 bench/profile_step.py --device cuda --families softmax transject \
+    "${PROFILE_ARGS[@]}" --out "$OUT/profile_gpu.json"
   # Where compiled TransJect steps stop being finite (an H200 skipped every one with inductor).
   part compilecheck 360 python3 bench/check_compiled_steps.py --device cuda --family transject \
     --steps 3 --out "$OUT/compile_check_gpu.json"

@@ -1,0 +1,198 @@
+"""Where a pretraining step's time goes, per operator: the shipped recipe's training step (the
+same engine and batches as ``bench_pretrain_throughput.py``: DeepSpeed, the recipe's ZeRO stage,
+``bf16-mixed`` on CUDA, its LAMB) under ``torch.profiler``, for each family given, and the
+operators' self time per step, largest first, with the share of each kind of work (matrix
+products, attention kernels, linear algebra, the optimizer, copies and casts, everything else).
+
+A diagnostic for the GPU suite (part ``profile``), not a benchmark: the profiler adds its own
+overhead per operator, so the step time it sees is longer than the benchmark's; the shares are
+what it is for. On CUDA the time is the device's (kernels, attributed to the operator that
+launched them); on the CPU the host's.
+
+    python bench/profile_step.py --device cuda --families softmax transject --out profile.json
+    python bench/profile_step.py --device cpu --base debug --seq 64 --batch 4 --families transject
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+# Kinds of work by operator name, the first rule that matches; the rest is "other"
+# (elementwise, reductions, normalisation, indexing).
+KINDS = (
+    ("attention", lambda op: any(w in op for w in ("attention", "flash", "cudnn", "flex", "fmha"))),
+    (
+        "linear algebra",
+        lambda op: (
+            op.startswith("linalg")
+            or any(w in op for w in ("lu_factor", "lu_solve", "_lu", "solve", "inverse", "inv_ex"))
+        ),
+    ),
+    (
+        "optimizer",
+        lambda op: any(w in op for w in ("foreach", "lamb", "optimizer", "multi_tensor")),
+    ),
+    (
+        "matrix products",
+        lambda op: (
+            "gemm" in op
+            or op
+            in {
+                "mm",
+                "bmm",
+                "addmm",
+                "baddbmm",
+                "matmul",
+                "linear",
+                "einsum",
+                "_scaled_mm",
+                "addbmm",
+            }
+        ),
+    ),
+    (
+        "copies and casts",
+        lambda op: (
+            op in {"copy_", "_to_copy", "to", "clone", "contiguous", "cat", "stack", "_copy_from"}
+        ),
+    ),
+)
+
+
+def kind_of(name: str) -> str:
+    op = name.lower().removeprefix("aten::")
+    return next((kind for kind, rule in KINDS if rule(op)), "other")
+
+
+def self_time_us(event, cuda: bool) -> float:
+    """An averaged profiler event's self time in microseconds: the device's on CUDA (the name
+    of that field changed across torch versions), the host's on the CPU."""
+    if not cuda:
+        return float(event.self_cpu_time_total)
+    for field in ("self_device_time_total", "self_cuda_time_total"):
+        value = getattr(event, field, None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
+
+def profile_family(family: str, args) -> dict:
+    import torch
+    from bench_pretrain_throughput import Measurement
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = args.device == "cuda"
+    m = Measurement(family, args.base, family, args.seq, args.batch, args.vocab, args, {})
+    for i in range(args.warmup):  # compilation (engine.compile), the allocator, lazy inits
+        m.step(i)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    started = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for i in range(args.steps):
+            m.step(args.warmup + i)
+        if cuda:
+            torch.cuda.synchronize()
+    wall = (time.perf_counter() - started) / args.steps
+    ops = []
+    for event in prof.key_averages():
+        if str(getattr(event, "device_type", "")).endswith("CUDA"):
+            continue  # kernels: their time is already the launching operator's self time
+        us = self_time_us(event, cuda)
+        if us > 0:
+            ops.append({"op": event.key, "calls": event.count / args.steps,
+                        "self_ms": us / 1e3 / args.steps, "kind": kind_of(event.key)})  # fmt: skip
+    ops.sort(key=lambda o: -o["self_ms"])
+    total = sum(o["self_ms"] for o in ops) or 1.0
+    kinds: dict[str, float] = {}
+    for o in ops:
+        o["share"] = o["self_ms"] / total
+        kinds[o["kind"]] = kinds.get(o["kind"], 0.0) + o["self_ms"]
+    del m
+    if cuda:
+        torch.cuda.empty_cache()
+    return {
+        "family": family,
+        "recipe_base": args.base,
+        "seq": args.seq,
+        "batch": args.batch,
+        "profiled_step_wall_ms": wall * 1e3,
+        "self_ms_per_step": total,
+        "time": "device" if cuda else "host",
+        "kinds": {
+            k: {"ms": v, "share": v / total}
+            for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
+        },
+        "top": ops[: args.top],
+    }
+
+
+def print_report(row: dict) -> None:
+    print(f"\n{row['family']} ({row['recipe_base']}, seq {row['seq']}, batch {row['batch']}): "
+          f"{row['self_ms_per_step']:.1f} ms of {row['time']} time per step under the profiler "
+          f"(wall {row['profiled_step_wall_ms']:.1f} ms)")  # fmt: skip
+    print("\n| kind of work | ms per step | share |\n|---|---|---|")
+    for kind, v in row["kinds"].items():
+        print(f"| {kind} | {v['ms']:.2f} | {v['share']:.1%} |")
+    print(
+        "\n| operator | calls per step | self ms per step | share | kind |\n|---|---|---|---|---|"
+    )
+    for o in row["top"]:
+        print(
+            f"| `{o['op']}` | {o['calls']:g} | {o['self_ms']:.2f} | {o['share']:.1%} | {o['kind']} |"
+        )
+    sys.stdout.flush()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    p.add_argument("--families", nargs="+", default=["softmax", "transject"])
+    p.add_argument(
+        "--base", default="albert-base", help="recipe: configs/pretrain/<base>[-<family>]"
+    )
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=30000)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3, help="profiled steps")
+    p.add_argument("--top", type=int, default=25, help="operators listed")
+    p.add_argument("--precision", default=None, help="default: bf16-mixed (CUDA), fp32 (CPU)")
+    p.add_argument("--zero-stage", type=int, default=0)
+    p.add_argument("--accumulation", type=int, default=1)
+    p.add_argument("--padding", default="one-short-row", choices=["one-short-row", "none"])
+    p.add_argument("--override", nargs="*", default=["engine.compile=false"],
+                   help="recipe overrides key=value (default: engine.compile=false)")  # fmt: skip
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    if args.precision is None:
+        args.precision = "bf16-mixed" if args.device == "cuda" else "fp32"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    from bench_pretrain_throughput import free_port
+
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    report = {"args": {k: str(v) for k, v in vars(args).items()}, "families": []}
+    for family in args.families:
+        try:
+            row = profile_family(family, args)
+        except Exception as e:  # one family that fails: say so, go on with the others
+            row = {"family": family, "error": f"{type(e).__name__}: {e}"[:1000]}
+            print(f"{family}: {row['error']}", flush=True)
+        else:
+            print_report(row)
+        report["families"].append(row)
+        if args.out:  # what is done survives a kill
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
