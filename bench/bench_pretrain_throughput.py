@@ -108,6 +108,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def add_single_point_args(p: argparse.ArgumentParser, family: bool = True) -> None:
+    """The options of a script that builds one `Measurement` per family (a diagnostic beside
+    this benchmark): the recipe, the batch and the engine settings this benchmark varies."""
+    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    if family:
+        p.add_argument("--family", default="transject")
+    p.add_argument(
+        "--base", default="albert-base", help="recipe: configs/pretrain/<base>[-<family>]"
+    )
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=30000)
+    p.add_argument("--precision", default=None, help="default: bf16-mixed (CUDA), fp32 (CPU)")
+    p.add_argument("--zero-stage", type=int, default=0)
+    p.add_argument("--accumulation", type=int, default=1)
+    p.add_argument("--padding", default="one-short-row", choices=["one-short-row", "none"])
+
+
+def finish_single_point_args(args: argparse.Namespace) -> None:
+    """The precision's default by device, and the one-process rendezvous address."""
+    if args.precision is None:
+        args.precision = "bf16-mixed" if args.device == "cuda" else "fp32"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+
 def synthetic_batches(
     count: int, batch: int, seq: int, vocab: int, seed: int = 0, padded: bool = True
 ) -> list[dict]:

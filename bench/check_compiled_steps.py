@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -128,15 +127,10 @@ def run_mode(mode: str, args) -> dict:
 
 
 def main() -> None:
+    from bench_pretrain_throughput import add_single_point_args, finish_single_point_args
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
-    p.add_argument("--family", default="transject")
-    p.add_argument(
-        "--base", default="albert-base", help="recipe: configs/pretrain/<base>[-<family>]"
-    )
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=30000)
+    add_single_point_args(p)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES + SCOPED)
     p.add_argument(
@@ -144,19 +138,10 @@ def main() -> None:
         action="store_true",
         help="no scoped inductor modes after a non-finite whole-encoder inductor run",
     )
-    p.add_argument("--precision", default=None, help="default: bf16-mixed (CUDA), fp32 (CPU)")
-    p.add_argument("--zero-stage", type=int, default=0)
-    p.add_argument("--accumulation", type=int, default=1)
-    p.add_argument("--padding", default="one-short-row", choices=["one-short-row", "none"])
     p.add_argument("--override", nargs="*", default=[], help="recipe overrides key=value")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    if args.precision is None:
-        args.precision = "bf16-mixed" if args.device == "cuda" else "fp32"
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from bench_pretrain_throughput import free_port
-
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    finish_single_point_args(args)
     report = {"args": {k: str(v) for k, v in vars(args).items()}, "modes": []}
     modes = list(args.modes)
     for mode in modes:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -153,32 +152,19 @@ def print_report(row: dict) -> None:
 
 
 def main() -> None:
+    from bench_pretrain_throughput import add_single_point_args, finish_single_point_args
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    add_single_point_args(p, family=False)
     p.add_argument("--families", nargs="+", default=["softmax", "transject"])
-    p.add_argument(
-        "--base", default="albert-base", help="recipe: configs/pretrain/<base>[-<family>]"
-    )
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=30000)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
     p.add_argument("--top", type=int, default=25, help="operators listed")
-    p.add_argument("--precision", default=None, help="default: bf16-mixed (CUDA), fp32 (CPU)")
-    p.add_argument("--zero-stage", type=int, default=0)
-    p.add_argument("--accumulation", type=int, default=1)
-    p.add_argument("--padding", default="one-short-row", choices=["one-short-row", "none"])
     p.add_argument("--override", nargs="*", default=["engine.compile=false"],
                    help="recipe overrides key=value (default: engine.compile=false)")  # fmt: skip
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    if args.precision is None:
-        args.precision = "bf16-mixed" if args.device == "cuda" else "fp32"
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from bench_pretrain_throughput import free_port
-
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    finish_single_point_args(args)
     report = {"args": {k: str(v) for k, v in vars(args).items()}, "families": []}
     for family in args.families:
         try:
