@@ -9,7 +9,7 @@
 #
 # On the device machine: run(command="bash bench/gpu_pending.sh", carry=[".whl"], timeout_s=600).
 # Passes: 1 profile (where softmax's and TransJect's albert-base steps spend their time, per
-# operator and kind of work: what holds TransJect's gap), 2 compiled (softmax and TransJect
+# operator and kind of work: what holds TransJect's gap; and the LAMB step alone), 2 compiled (softmax and TransJect
 # compiled, as the recipes ship: the TransJect target compiled against compiled), 3
 # syncs_compiled (no host sync between logging steps, compiled, for the points not yet checked
 # so: kernel, TransJect, ZeRO-2 softmax), 4 large_transject_compiled (TransJect albert-large
@@ -45,7 +45,7 @@ pass() { # pass NAME MIN_S LIMIT_S VAR=VALUE...: one run of the suite into $OUT/
   tar -czf "$OUT/pending.tgz" -C "$OUT" passes # after every pass: a cut-off call keeps what ran
 }
 
-pass profile 100 120 PARTS=profile PROFILE="--steps 3 --warmup 2"
+pass profile 100 120 PARTS="profile lamb" PROFILE="--steps 3 --warmup 2"
 # Only the first pass prints the environment (nvidia-smi, versions): ENV_PART= in the others.
 pass compiled 180 240 ENV_PART= PARTS=pretrain COMPILE=recipe \
   "PRETRAIN=--configs albert-base-512 --families softmax transject --steps 6 --timeout 115"

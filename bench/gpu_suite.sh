@@ -52,6 +52,9 @@
 #   tjexperts bench_fast_paths.py transject-experts: a 12-layer TransJect step (albert-base width,
 #             seq 512, batch 16, bf16) with its expert block as products over the whole batch vs
 #             broadcast against the expert stacks (before)     -> transject_experts_gpu.json
+#   lamb      bench_lamb.py: the LAMB step alone on albert-base's, albert-base-transject's and
+#             albert-large-transject's parameters: ours as the engine runs it (a step that may
+#             be skipped on the device), ours plain, pytorch_optimizer's LAMB     -> lamb_gpu.json
 #   profile   profile_step.py: softmax and TransJect's albert-base recipes, seq 512, batch 64, eager
 #             (PROFILE="--override engine.compile=true": compiled), 3 steps under torch.profiler:
 #             each operator's device time per step and the share of each kind of work (not in
@@ -75,7 +78,7 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 SMOKE=${SMOKE:-0}
-PARTS=${PARTS:-jit cayley tjexperts model qkv scaling pretrain pretrain2 syncs depth loader tisa tisabackends orthocache fastpaths}
+PARTS=${PARTS:-jit cayley tjexperts lamb model qkv scaling pretrain pretrain2 syncs depth loader tisa tisabackends orthocache fastpaths}
 # LAMB=auto: what a recipe picks by itself, the foreach LAMB (engine/lamb.py: per tensor on every
 # ZeRO stage 0-2, no host synchronisation, nothing to build). LAMB=torch: pytorch_optimizer.Lamb.
 # LAMB=deepspeed: DeepSpeed's FusedLamb, JIT-built by the `jit` part first (ZeRO-0 only: the
@@ -224,6 +227,10 @@ else
   part orthocache 40 python3 bench/bench_fast_paths.py orthogonal-cache --device cuda --dtype bf16 \
     --hidden 768 --heads 12 --layers 1 --batch 8 --seq 256 4096 16384 --warmup 2 --repeats 10 \
     --out "$OUT/orthogonal_cache_gpu.json"
+  # The LAMB step alone on the recipes' parameters: ours as the engine runs it, ours plain, and
+  # pytorch_optimizer's reference (per tensor, a host sync per trust ratio).
+  part lamb 40 python3 bench/bench_lamb.py --device cuda --recipe albert-base \
+    albert-base-transject albert-large-transject --out "$OUT/lamb_gpu.json"
   # Where a step's time goes, per operator (torch.profiler), softmax and TransJect at albert-base
   # seq 512: which kind of work holds TransJect's gap to softmax.
   part profile 120 python3 bench/profile_step.py --device cuda --families softmax transject \

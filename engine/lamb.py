@@ -176,22 +176,25 @@ class Lamb(torch.optim.Optimizer):
             return
         if self.grad_scale is not None:
             torch._foreach_mul_(g, self.grad_scale)
-        skip = self.skip
-        # The moments: in place, or new tensors committed below when the step may be skipped.
-        if skip is None:
-            torch._foreach_mul_(m, beta1)
-            torch._foreach_add_(m, g, alpha=1.0 - beta1)
-            torch._foreach_mul_(v, beta2)
-            torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
-            m_new, v_new = m, v
-        else:
-            m_new = torch._foreach_mul(m, beta1)
-            torch._foreach_add_(m_new, g, alpha=1.0 - beta1)
-            v_new = torch._foreach_mul(v, beta2)
-            torch._foreach_addcmul_(v_new, g, g, value=1.0 - beta2)
-        update = torch._foreach_sqrt(v_new)
+        # A step that may be skipped (``skip`` a device tensor) runs the same in-place
+        # arithmetic with its coefficients chosen on the device: when skipped, the gradient is
+        # zeroed (it may hold NaN or inf), the moments' decay is 1 and the update's scale 0, so
+        # weights and moments keep their values exactly; no second copy of them is made.
+        keep = None if self.skip is None else self.skip.to(device=w[0].device, dtype=torch.bool)
+        b1: float | Tensor = beta1
+        b2: float | Tensor = beta2
+        if keep is not None:
+            zero = torch.zeros((), dtype=g[0].dtype, device=keep.device)
+            for grad in g:
+                torch.where(keep, zero, grad, out=grad)
+            b1, b2 = torch.where(keep, 1.0, beta1), torch.where(keep, 1.0, beta2)
+        torch._foreach_mul_(m, b1)
+        torch._foreach_add_(m, g, alpha=1.0 - beta1)
+        torch._foreach_mul_(v, b2)
+        torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
+        update = torch._foreach_sqrt(v)
         torch._foreach_add_(update, eps)
-        update = torch._foreach_div(m_new, update)
+        update = torch._foreach_div(m, update)
         if wd != 0.0:
             torch._foreach_add_(update, w, alpha=wd)
         index = self._index(tensor_of, w[0].device) if len(w) != count or reductions else None
@@ -202,17 +205,12 @@ class Lamb(torch.optim.Optimizer):
             (w_norm > 0) & (u_norm > 0), w_norm / (u_norm + eps), torch.ones_like(w_norm)
         )
         scale = ratio * (-self._lr(group))  # per tensor: -lr * trust ratio
+        if keep is not None:
+            scale = torch.where(keep, torch.zeros_like(scale), scale)
         if index is not None:
             scale = scale.index_select(0, index)  # per piece
         torch._foreach_mul_(update, list(scale.unbind()))
-        if skip is None:
-            torch._foreach_add_(w, update)
-            return
-        w_new = torch._foreach_add(w, update)
-        keep = skip.to(device=w[0].device, dtype=torch.bool)
-        for old, new in ((w, w_new), (m, m_new), (v, v_new)):
-            for o, n in zip(old, new):
-                torch.where(keep, o, n, out=o)
+        torch._foreach_add_(w, update)
 
     def _index(self, tensor_of: list[int], device: torch.device) -> Tensor:
         """``tensor_of`` as a long tensor on ``device``, made once (through pinned memory and a
