@@ -21,8 +21,10 @@ on ZeRO 0, 1 and 2 with 1 and 2 processes).
 Without host synchronisation. Everything stays on the device: the trust ratios are tensors, the
 learning rate may be a device tensor (``lr_multiplier``: the engine's schedule position, so a
 skipped step does not advance it) and ``skip`` (a 0-dim bool tensor) makes the step a no-op on
-the device when true (weights and moments untouched; ``torch.where`` commits), which is how the
-engine skips a step with a non-finite loss without asking the host first.
+the device when true (the gradient zeroed, the moments' decay 1 and the update's scale 0, all
+chosen on the device: weights and moments keep their values exactly, and a step that is not
+skipped is the plain step bit for bit), which is how the engine skips a step with a non-finite
+loss without asking the host first.
 
     >>> import torch
     >>> w = torch.nn.Parameter(torch.ones(3, 2))
