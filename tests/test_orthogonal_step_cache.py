@@ -341,6 +341,34 @@ def test_step_cache_under_compile(monkeypatch, checkpointing, backend):
         torch.testing.assert_close(x, y, **({"atol": ATOL, "rtol": RTOL} | tol))
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_engine_maps_eagerly_without_accumulation(monkeypatch, backend):
+    """`engine.compile` at accumulation 1 on one process (no step cache, no sharding): the
+    engine still evaluates the maps eagerly before the compiled encoder, once per forward, so
+    they run as the eager block inverse and never inside the graph (a map traced into it would
+    count once, at tracing, not once per step); one graph, and the weights of the eager run."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    eager = make_engine(accumulation=1)
+    train(eager, steps=3)
+    torch._dynamo.reset()
+    counters.clear()
+    calls = count_map_evaluations(monkeypatch)
+    compiled = make_engine(accumulation=1, compile=True, compile_backend=backend)
+    assert compiled.orthogonal_steps is None
+    train(compiled, steps=3)
+    graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+    assert not breaks, breaks
+    assert graphs == 1, graphs
+    assert len(calls) == 3 * orthogonal_matrices(compiled.module)  # every step, eagerly
+    tol = {} if backend == "aot_eager" else {"atol": 1e-4, "rtol": 1e-4}
+    for x, y in zip(weights(compiled), weights(eager), strict=True):
+        torch.testing.assert_close(x, y, **({"atol": ATOL, "rtol": RTOL} | tol))
+
+
 def test_map_shares_cover_each_batch_once():
     """`engine.orthogonal_shard_maps`: the shares of a batch of maps are contiguous, in rank
     order, cover it once and differ by at most one; a batch smaller than the ranks is not
