@@ -11,8 +11,9 @@ a logging step, so the steps between logging steps, with everything the loop doe
 (``engine.compile``), the steps up to the first logging step are its warm-up and run unchecked:
 Inductor synchronises while it compiles (its pattern matcher initialises on the device), which
 is not the training step's doing; every later step is checked, so a recompilation would fail.
-``--warmup-steps`` sets that number for every point. CUDA's sync debug mode flags the calls that wait
-for the device (``item``, ``.cpu()``, blocking copies, ``nonzero``, boolean-mask indexing, ...).
+``--warmup-steps`` sets that number for every point. CUDA's sync debug mode flags the calls
+that wait for the device (``item``, ``.cpu()``, blocking copies, ``nonzero``, boolean-mask
+indexing, ...).
 
 One JSON row per point: ``ok``, the step time median over the non-logging steps (host clock,
 for the record), and on failure the error and the innermost frames of its traceback.

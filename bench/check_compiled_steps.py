@@ -6,9 +6,10 @@ A diagnostic for the GPU suite (part ``compilecheck``), not a benchmark: it sync
 every step. It was written because the TransJect recipes compiled with inductor skipped every
 step as non-finite on an H200 while eager skipped none (BENCHMARKS.md) and the CPU did not
 reproduce it; with the maps by block inverse and the batched expert block, the same check on
-an H100 found every step finite (inductor within 1.4e-7 of eager). Each mode builds the engine afresh from the recipe (the same seed, so the same
-initial weights) through ``bench_pretrain_throughput.Measurement`` (DeepSpeed, ZeRO-0,
-``bf16-mixed`` on CUDA, the recipe's LAMB), runs ``--steps`` steps on the same synthetic
+an H100 found every step finite (inductor within 1.4e-7 of eager). Each mode builds the engine
+afresh from the recipe (the same seed, so the same initial weights) through
+``bench_pretrain_throughput.Measurement`` (DeepSpeed, ZeRO-0, ``bf16-mixed`` on CUDA, the
+recipe's LAMB), runs ``--steps`` steps on the same synthetic
 batches, and reports per step:
 
 * ``loss``: each part (``mlm``, ``sop``, ``aux/...``) and whether it is finite;

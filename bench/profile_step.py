@@ -25,51 +25,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-# Kinds of work by operator name, the first rule that matches; the rest is "other"
-# (elementwise, reductions, normalisation, indexing).
+# Kinds of work by operator name (without "aten::"): (kind, parts any of which the name
+# contains, names it may be), the first that matches; the rest is "other" (elementwise,
+# reductions, normalisation, indexing).
 KINDS = (
-    ("attention", lambda op: any(w in op for w in ("attention", "flash", "cudnn", "flex", "fmha"))),
-    (
-        "linear algebra",
-        lambda op: (
-            op.startswith("linalg")
-            or any(w in op for w in ("lu_factor", "lu_solve", "_lu", "solve", "inverse", "inv_ex"))
-        ),
-    ),
-    (
-        "optimizer",
-        lambda op: any(w in op for w in ("foreach", "lamb", "optimizer", "multi_tensor")),
-    ),
-    (
-        "matrix products",
-        lambda op: (
-            "gemm" in op
-            or op
-            in {
-                "mm",
-                "bmm",
-                "addmm",
-                "baddbmm",
-                "matmul",
-                "linear",
-                "einsum",
-                "_scaled_mm",
-                "addbmm",
-            }
-        ),
-    ),
-    (
-        "copies and casts",
-        lambda op: (
-            op in {"copy_", "_to_copy", "to", "clone", "contiguous", "cat", "stack", "_copy_from"}
-        ),
-    ),
-)
+    ("attention", ("attention", "flash", "cudnn", "flex", "fmha"), ()),
+    ("linear algebra", ("linalg", "lu_factor", "lu_solve", "_lu", "solve", "inverse"), ()),
+    ("optimizer", ("foreach", "lamb", "optimizer", "multi_tensor"), ()),
+    ("matrix products", ("gemm",),
+     ("mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "einsum", "_scaled_mm")),
+    ("copies and casts", (),
+     ("copy_", "_to_copy", "to", "clone", "contiguous", "cat", "stack", "_copy_from")),
+)  # fmt: skip
 
 
 def kind_of(name: str) -> str:
     op = name.lower().removeprefix("aten::")
-    return next((kind for kind, rule in KINDS if rule(op)), "other")
+    return next(
+        (kind for kind, parts, names in KINDS if op in names or any(p in op for p in parts)),
+        "other",
+    )
 
 
 def self_time_us(event, cuda: bool) -> float:

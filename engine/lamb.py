@@ -182,14 +182,14 @@ class Lamb(torch.optim.Optimizer):
         # arithmetic with its coefficients chosen on the device: when skipped, the gradient is
         # zeroed (it may hold NaN or inf), the moments' decay is 1 and the update's scale 0, so
         # weights and moments keep their values exactly; no second copy of them is made.
-        keep = None if self.skip is None else self.skip.to(device=w[0].device, dtype=torch.bool)
+        skipped = None if self.skip is None else self.skip.to(w[0].device, torch.bool)
         b1: float | Tensor = beta1
         b2: float | Tensor = beta2
-        if keep is not None:
-            zero = torch.zeros((), dtype=g[0].dtype, device=keep.device)
+        if skipped is not None:
+            zero = torch.zeros((), dtype=g[0].dtype, device=skipped.device)
             for grad in g:
-                torch.where(keep, zero, grad, out=grad)
-            b1, b2 = torch.where(keep, 1.0, beta1), torch.where(keep, 1.0, beta2)
+                torch.where(skipped, zero, grad, out=grad)
+            b1, b2 = torch.where(skipped, 1.0, beta1), torch.where(skipped, 1.0, beta2)
         torch._foreach_mul_(m, b1)
         torch._foreach_add_(m, g, alpha=1.0 - beta1)
         torch._foreach_mul_(v, b2)
@@ -207,8 +207,8 @@ class Lamb(torch.optim.Optimizer):
             (w_norm > 0) & (u_norm > 0), w_norm / (u_norm + eps), torch.ones_like(w_norm)
         )
         scale = ratio * (-self._lr(group))  # per tensor: -lr * trust ratio
-        if keep is not None:
-            scale = torch.where(keep, torch.zeros_like(scale), scale)
+        if skipped is not None:
+            scale = scale.masked_fill(skipped, 0.0)
         if index is not None:
             scale = scale.index_select(0, index)  # per piece
         torch._foreach_mul_(update, list(scale.unbind()))
