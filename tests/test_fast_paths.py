@@ -35,7 +35,7 @@ from finetune.trainer import FinetuneConfig, Finetuner
 from model import EncoderConfig, EncoderForPretraining, EncoderForSequenceClassification
 from model.attention import ATTENTION_REGISTRY, LayerContext
 from model.attention.base import key_padding_bias
-from model.attention.kernel import KernelAttention
+from model.attention.kernel import KernelAttention, naive_kernel_attention
 from model.attention.tisa import (
     PositionScorer,
     key_padding_block_mask,
@@ -271,6 +271,58 @@ def test_kernel_attention_products_are_batched_whatever_the_heads():
             counts[autocast, heads] = len(log.calls)
             assert all(dt == torch.float32 for _, dtypes in log.calls for dt in dtypes), log.calls
     assert set(counts.values()) == {2}, counts
+
+
+class CopyLog(MatmulLog):
+    """Records matrix products, and every copy of a tensor: clone / contiguous / copy_ / a
+    cast, with the number of elements it writes."""
+
+    COPIES = ("clone", "copy_", "_to_copy", "contiguous")
+
+    def __init__(self):
+        super().__init__()
+        self.copies: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        name = func.__name__.split(".")[0]
+        if name in self.COPIES and isinstance(out, torch.Tensor):
+            self.copies.append((name, out.numel()))
+        return out
+
+
+@pytest.mark.parametrize(
+    ("feature_map", "stacked", "products_per_unit", "copies"),
+    [("aoglu", 1, 2, 0), ("aoglu", 2, 2, 0), ("oglu", 1, 1, 0), ("ffn", 2, 1, 0), ("elu", 1, 0, 2)],
+)
+def test_kernel_attention_copies_nothing_and_fuses_the_gate(
+    feature_map, stacked, products_per_unit, copies
+):
+    """On q, k, v sliced out of the fused (B, N, 3, H, h) projection, as the encoder passes
+    them, kernel attention in fp32 inference copies no activation: the per-head products of
+    the feature maps run heads first as one (H, B N, h) product, a view of the strided input
+    (the (B, H, N, h) batched product copied q and k for each product, 4 copies per aoglu
+    unit, and broadcast each weight B times). A unit reads its input in one product: x [W | V]
+    or x [W | A] (then B for aoglu). The parameter-free elu(x) + 1 keeps the projection's
+    (B, N, H, h) order in its element-wise output, which the sums over the keys (batched over
+    B and H) copy once per call. Outputs equal the explicit O(N^2) form."""
+    B, N, H, h = 3, 10, 4, 8
+    kernel_cfg = {"dropout": 0.0, "feature_map": feature_map, "num_stacked": stacked}
+    cfg = tiny("kernel", hidden_size=H * h, num_attention_heads=H, kernel=kernel_cfg)
+    kernel = KernelAttention(cfg).eval()
+    qkv = torch.randn(B, N, 3, H, h)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    ctx = LayerContext(mask_BN=torch.ones(B, N, dtype=torch.bool), padded=False)
+    log = CopyLog()
+    with log, torch.no_grad():
+        out, _ = kernel(q, k, v, ctx)
+    activation = B * N * h  # the smallest activation of one head
+    assert len([c for c in log.copies if c[1] >= activation]) == copies, log.copies
+    assert len(log.calls) == 2 * stacked * products_per_unit + 2, log.calls
+    with torch.no_grad():
+        phi_q, phi_k = kernel.phi(q), kernel.phi(k)
+    ref = naive_kernel_attention(phi_q, phi_k, v, ctx.mask_BN, cfg.kernel.eps)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_transject_experts_are_batched_not_looped():

@@ -128,7 +128,8 @@ def test_dropout_on_kernel_input():
     kernel = KernelAttention(cfg).train()
     seen = []
     unit = units(kernel)[0]
-    unit.dropout.register_forward_hook(lambda mod, args, out: seen.append(out))
+    # the units run heads first: (H, B, N, h) back to (B, H, N, h)
+    unit.dropout.register_forward_hook(lambda mod, args, out: seen.append(out.transpose(0, 1)))
     q, k, v = random_qkv(cfg)
     ctx = LayerContext(mask_BN=torch.ones(3, 9, dtype=torch.bool))
     out_train, _ = kernel(q, k, v, ctx)
@@ -448,24 +449,45 @@ def _port_of(kernel: KernelAttention, dropout: float, lam: float) -> list[_Autho
     return out
 
 
+class _ReplayedDropout(torch.nn.Module):
+    """Inverted dropout with given masks, one per call in order (the port's stand-in for
+    nn.Dropout, so that it drops exactly what ours dropped)."""
+
+    def __init__(self, kept_masks: list[torch.Tensor], p: float):
+        super().__init__()
+        self.kept_masks, self.p = kept_masks, p
+
+    def forward(self, x):
+        return x * self.kept_masks.pop(0) / (1 - self.p)
+
+
 @pytest.mark.parametrize(("feature_map", "stacked"), [("aoglu", 3), ("oglu", 2), ("ffn", 1)])
 def test_matches_authors_port(feature_map, stacked):
-    """Same output (with dropout: same RNG order, one mask per unit per call) and the same
-    penalty as the authors' kernel attention; padding-free since their kernel has no mask."""
+    """Same output and the same penalty as the authors' kernel attention, with dropout: the
+    port drops what ours dropped (our masks recorded per unit and call, replayed in the port's
+    order: the queries' units, then the keys'); padding-free since their kernel has no mask."""
     lam, p = 0.1, 0.2
     cfg = make_cfg(feature_map, stacked, dropout=p, orthogonality_penalty=lam)
     torch.manual_seed(7)
     kernel = KernelAttention(cfg).train()
+    kept: list[torch.Tensor] = []
     for u in units(kernel):
         u.init_parameters()
+        # our units run heads first: a kept mask (H, B, N, h) back to (B, H, N, h)
+        u.dropout.register_forward_hook(lambda m, a, out: kept.append((out != 0).transpose(0, 1)))
     port = _port_of(kernel, p, lam)
     q, k, v = random_qkv(cfg, B=2, N=11)
     ctx = LayerContext(mask_BN=torch.ones(2, 11, dtype=torch.bool))
-    torch.manual_seed(123)
     ours, aux = kernel(q, k, v, ctx)
-    torch.manual_seed(123)
+    assert (
+        len(kept) == 2 * stacked
+        and 0.1 < 1 - torch.cat([m.flatten() for m in kept]).float().mean() < 0.3
+    )
+    for u in port:
+        u.dropout = _ReplayedDropout(kept, p)
     losses: list[torch.Tensor] = []
     theirs = _authors_attention(port, q, k, v, losses)
+    assert not kept  # every mask used once
     torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
     assert len(losses) == 2 * stacked
     torch.testing.assert_close(aux["kernel_orthogonality"], sum(losses))

@@ -74,11 +74,19 @@ def naive_kernel_attention(
     return scores_BHNN @ v_BHNh / (scores_BHNN.sum(-1, keepdim=True) + eps)
 
 
-def _matmul(x: Tensor, w: Tensor) -> Tensor:
-    """x (B, H, N, a) @ w (H, a, b), per head; casts w to x's dtype outside autocast."""
-    if w.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
-        w = w.to(x.dtype)
-    return x @ w
+def per_head_matmul(x_HBNa: Tensor, w_Hab: Tensor) -> Tensor:
+    """x (H, B, N, a) @ w (H, a, b) per head, as ONE (H, B N, a) x (H, a, b) batched product.
+
+    Heads first, so that batch and tokens merge into the rows of each head's product: for the
+    projection's strided views (q, k sliced out of the fused (B, N, 3, H, h) tensor) and for
+    every tensor the feature maps make, (H, B N, a) is a view, not a copy. The (B, H, N, a)
+    layout needed either a contiguous copy of x (its batch and head dimensions do not merge)
+    or w broadcast and copied B times (torch.matmul's batching). Casts w to x's dtype outside
+    autocast."""
+    if w_Hab.dtype != x_HBNa.dtype and not torch.is_autocast_enabled(x_HBNa.device.type):
+        w_Hab = w_Hab.to(x_HBNa.dtype)
+    H, B, N, a = x_HBNa.shape
+    return torch.bmm(x_HBNa.reshape(H, B * N, a), w_Hab).view(H, B, N, -1)
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
@@ -150,22 +158,35 @@ class FeatureMapUnit(nn.Module):
             else:
                 _he_normal_(param)
 
-    def forward(self, x_BHNh: Tensor) -> Tensor:
-        """One unit in the compute dtype (`compute_dtype`: bf16 under autocast): the products
-        through autocast, the element-wise softplus / sigmoid / product in that dtype too
-        (autocast alone would run softplus in fp32, and everything after it)."""
-        dtype = compute_dtype(x_BHNh)
-        x_BHNh = self.dropout(x_BHNh)
-        y_BHNh = _matmul(x_BHNh, self.w_Hhh).to(dtype)
+    def input_weight(self) -> Tensor:
+        """What multiplies the unit's input, in one product: W (H, h, h), [W | V] (H, h, 2h) for
+        glu and oglu, [W | A] (H, h, h + r) for aoglu. One read of the input and one product
+        instead of two; the same dot products."""
+        gate = {"glu": "v_Hhh", "oglu": "v_Hhh", "aoglu": "a_Hhr"}.get(self.feature_map)
+        if gate is None:
+            return self.w_Hhh
+        return torch.cat([self.w_Hhh, getattr(self, gate)], dim=-1)
+
+    def forward(self, x_HBNh: Tensor) -> Tensor:
+        """One unit on heads-first (H, B, N, h) input (`per_head_matmul`), in the compute dtype
+        (`compute_dtype`: bf16 under autocast): the products through autocast, the element-wise
+        softplus / sigmoid / product in that dtype too (autocast alone would run softplus in
+        fp32, and everything after it)."""
+        dtype = compute_dtype(x_HBNh)
+        x_HBNh = self.dropout(x_HBNh)
+        y_HBNc = per_head_matmul(x_HBNh, self.input_weight()).to(dtype)
+        h, c = self.w_Hhh.size(-1), y_HBNc.size(-1)
+        # split, not sliced: the backward of a split is one concatenation, that of two slices
+        # two zero-filled tensors and two copies
+        y_HBNh, gate_HBNc = y_HBNc.split([h, c - h], dim=-1) if c > h else (y_HBNc, None)
         if self.last:
-            with torch.autocast(x_BHNh.device.type, enabled=False):
-                y_BHNh = F.softplus(y_BHNh)
-        if self.feature_map in ("glu", "oglu"):
-            y_BHNh = y_BHNh * torch.sigmoid(_matmul(x_BHNh, self.v_Hhh).to(dtype))
-        elif self.feature_map == "aoglu":
-            gate_BHNh = _matmul(_matmul(x_BHNh, self.a_Hhr), self.b_Hrh).to(dtype)
-            y_BHNh = y_BHNh * torch.sigmoid(gate_BHNh)
-        return y_BHNh
+            with torch.autocast(x_HBNh.device.type, enabled=False):
+                y_HBNh = F.softplus(y_HBNh)
+        if self.feature_map == "aoglu":  # x A (in gate_HBNc), then B
+            gate_HBNc = per_head_matmul(gate_HBNc, self.b_Hrh).to(dtype)
+        if gate_HBNc is not None:
+            y_HBNh = y_HBNh * torch.sigmoid(gate_HBNc)
+        return y_HBNh
 
     def orthogonality_error(self) -> Tensor:
         """mean((W W^T - I)^2) over heads and entries, in fp32."""
@@ -195,9 +216,12 @@ class FeedForwardFeatureMap(nn.Module):
         )
 
     def forward(self, x_BHNh: Tensor) -> Tensor:
+        """phi on (B, H, N, h); the units run heads first (`per_head_matmul`), and the result
+        is a (B, H, N, h) view of a heads-first tensor."""
+        x_HBNh = x_BHNh.transpose(0, 1)
         for unit in self.units:
-            x_BHNh = unit(x_BHNh)
-        return x_BHNh
+            x_HBNh = unit(x_HBNh)
+        return x_HBNh.transpose(0, 1)
 
     def orthogonality_error(self) -> Tensor | None:
         """Sum over units of mean((W W^T - I)^2); None when no W is orthogonally initialised."""
@@ -246,25 +270,33 @@ class KernelAttention(ScoreKernel):
         self, q_BHNh: Tensor, k_BHNh: Tensor, v_BHNh: Tensor, ctx: LayerContext
     ) -> tuple[Tensor, AuxLosses]:
         dtype = compute_dtype(q_BHNh)
-        phi_q_BHNh = self.phi(q_BHNh)  # each unit drops out its own input
-        phi_k_BHNh = self.phi(k_BHNh)
+        # Heads first (views): the feature maps' products and the two products below batch
+        # over (H, B) without copying the projection's strided q, k, v.
+        phi_q_HBNh = self.phi(q_BHNh).transpose(0, 1)  # each unit drops out its own input
+        phi_k_HBNh = self.phi(k_BHNh).transpose(0, 1)
+        v_HBNh = v_BHNh.transpose(0, 1)
         # The feature maps ran in the compute dtype (bf16 under autocast: half the memory
         # traffic); the sums over keys, the numerator and the normaliser are fp32 products of
         # the upcast features (`matmul_fp32`).
         with torch.autocast(q_BHNh.device.type, enabled=False):
-            phi_q_BHNh = phi_q_BHNh.to(dtype)
-            phi_k_BHNh = phi_k_BHNh.to(dtype)
+            phi_q_HBNh = phi_q_HBNh.to(dtype)
+            phi_k_HBNh = phi_k_HBNh.to(dtype)
             if ctx.padded:
                 # Padding keys contribute nothing (masked_fill, not a product: safe if phi is inf).
-                phi_k_BHNh = phi_k_BHNh.masked_fill(~ctx.mask_BN[:, None, :, None], 0.0)
+                phi_k_HBNh = phi_k_HBNh.masked_fill(~ctx.mask_BN[None, :, :, None], 0.0)
             # [KV | z] = phi(K)^T [V | 1] (h, h + 1) in one product: KV = sum_j phi(k_j) v_j^T
-            # and z = sum_j phi(k_j), both summed over the tokens in fp32.
-            v1_BHNH1 = F.pad(v_BHNh.to(dtype), (0, 1), value=1.0)
-            kvz_BHhH1 = matmul_fp32(phi_k_BHNh.mT, v1_BHNH1)
+            # and z = sum_j phi(k_j), both summed over the tokens in fp32. [V | 1] is made in
+            # fp32 in one pass (a concatenation that upcasts), not padded and then upcast.
+            ones_HBN1 = v_HBNh.new_ones((*v_HBNh.shape[:-1], 1), dtype=torch.float32)
+            v1_HBNH1 = torch.cat([v_HBNh.to(dtype), ones_HBN1], dim=-1)
+            kvz_HBhH1 = matmul_fp32(phi_k_HBNh.mT, v1_HBNH1)
             # Numerator phi(q_i)^T KV and normaliser phi(q_i)^T z in one product.
-            numden_BHNH1 = matmul_fp32(phi_q_BHNh, kvz_BHhH1)
-            num_BHNh, den_BHN1 = numden_BHNH1.split([v_BHNh.size(-1), 1], dim=-1)
-            out_BHNh = (num_BHNh / (den_BHN1 + self.eps)).to(v_BHNh.dtype)
+            numden_HBNH1 = matmul_fp32(phi_q_HBNh, kvz_HBhH1)
+            num_HBNh, den_HBN1 = numden_HBNH1.split([v_BHNh.size(-1), 1], dim=-1)
+            # Times the reciprocal of the (B, H, N, 1) normaliser, not divided by it: the
+            # backward then makes no (B, H, N, h) quotient of the normaliser's gradient.
+            out_HBNh = (num_HBNh * (den_HBN1 + self.eps).reciprocal()).to(v_BHNh.dtype)
+        out_BHNh = out_HBNh.transpose(0, 1)
         aux: AuxLosses = {}
         if ctx.first_use:
             loss = self.orthogonality_loss()

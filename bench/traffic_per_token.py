@@ -1,0 +1,229 @@
+"""Memory traffic of a training step per family, counted on the CPU: what a GPU's eager step
+spends outside its matrix products and attention kernels.
+
+A diagnostic beside the GPU suite, not a benchmark: it times nothing. The recipe's model
+(``configs/pretrain/<base>[-<family>].yaml``: the same ``EncoderForPretraining`` and loss as
+the trainer, bf16 autocast as ``bf16-mixed`` runs it) takes one forward and backward under a
+``TorchDispatchMode`` that sees every operator as it reaches the kernels (after autograd and
+autocast). For each operator that is not a view, it adds the bytes of its tensor inputs and
+outputs (what the operator reads and writes, once); matrix products and attention kernels are
+counted apart (their time is the FLOPs', not the bytes'). This is run at two batch sizes and
+split into a fixed part (weight-sized work: casts of the weights, gradient sums of the shared
+layer, TransJect's orthogonal maps) and a part per token, then projected to the recipe's GPU
+batch (``--target-batch`` x ``--seq``), with the time those bytes take at ``--bandwidth``
+(default: an H100's 3.35 TB/s; eager kernels reach perhaps 70-90% of it).
+
+The operator count is that of an eager step (one kernel launch each, roughly, on a GPU).
+Operators are the CPU's: where the CPU takes another path (SDPA's math kernel for an additive
+bias, dropout in three operators instead of one fused kernel), the count differs from the GPU's,
+so compare families and commits with it, not the GPU's absolute time.
+
+    python bench/traffic_per_token.py --families softmax tisa kernel transject
+    python bench/traffic_per_token.py --families kernel --top 20 --out traffic.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+VIEWS = frozenset(
+    [
+        "view",
+        "_unsafe_view",
+        "t",
+        "transpose",
+        "expand",
+        "permute",
+        "unsqueeze",
+        "squeeze",
+        "slice",
+        "select",
+        "split",
+        "split_with_sizes",
+        "as_strided",
+        "detach",
+        "alias",
+        "_reshape_alias",
+        "reshape",
+        "unbind",
+        "lift_fresh",
+        "chunk",
+        "narrow",
+        "diagonal",
+        "unflatten",
+        "flatten",
+        "_conj",
+        "conj",
+        "view_as",
+        "expand_as",
+        "broadcast_to",
+        "movedim",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+    ]
+)
+"""Operators that move no data (views, and allocations without a fill)."""
+
+COMPUTE = ("mm", "bmm", "addmm", "baddbmm", "linear", "matmul", "_scaled_mm")
+"""Matrix products; operators whose name holds "attention" count as attention kernels."""
+
+
+def kind_of(name: str) -> str | None:
+    """ "compute", "memory", or None for an operator that moves no data."""
+    if name in VIEWS:
+        return None
+    return "compute" if name in COMPUTE or "attention" in name else "memory"
+
+
+def count_step(model, batch, max_masked: int) -> dict:
+    """{"ops": {kind: count}, "bytes": {kind: bytes}, "by_op": {name: memory bytes}} of one
+    forward + backward of `model` on `batch` under bf16 autocast."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from pretrain.objective import model_inputs, pretraining_loss
+
+    class Traffic(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: collections.Counter = collections.Counter()
+            self.bytes: collections.Counter = collections.Counter()
+            self.by_op: collections.Counter = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            kind = kind_of(name)
+            if kind is not None:
+                tensors = [
+                    t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)
+                ]
+                moved = sum(t.numel() * t.element_size() for t in tensors)
+                self.ops[kind] += 1
+                self.bytes[kind] += moved
+                if kind == "memory":
+                    self.by_op[name] += moved
+            return out
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            output = model(**model_inputs(batch, max_masked))
+            loss = pretraining_loss(output, batch).total
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()  # first-step work (lazy state, caches) stays out of the count
+    with Traffic() as traffic:
+        step()
+    return {"ops": dict(traffic.ops), "bytes": dict(traffic.bytes), "by_op": dict(traffic.by_op)}
+
+
+def measure(family: str, args) -> dict:
+    """The two counts, the fit, and the projection to the target batch."""
+    import torch
+    from bench_pretrain_throughput import load_config, synthetic_batches
+
+    from model.heads import EncoderForPretraining
+
+    cfg = load_config(args.base, family, args.seq, args.batches[0], args, {})
+    model_cfg = cfg.encoder_config(args.vocab, 0)
+    torch.manual_seed(0)
+    model = EncoderForPretraining(model_cfg).train()
+    counts = {}
+    for b in args.batches:
+        batch = synthetic_batches(1, b, args.seq, args.vocab, padded=args.padding != "none")[0]
+        max_masked = int((batch["mlm_labels"] != -100).sum(1).max())
+        counts[b] = count_step(model, batch, max_masked)
+    (b0, c0), (b1, c1) = sorted(counts.items())
+    tokens0, tokens1 = b0 * args.seq, b1 * args.seq
+    target_tokens = args.target_batch * args.seq
+
+    def fit(get) -> tuple[float, float]:
+        per_token = (get(c1) - get(c0)) / (tokens1 - tokens0)
+        return get(c0) - per_token * tokens0, per_token
+
+    fixed, per_token = fit(lambda c: c["bytes"].get("memory", 0))
+    names = set(c0["by_op"]) | set(c1["by_op"])
+    by_op = {n: fit(lambda c, n=n: c["by_op"].get(n, 0)) for n in names}
+    target = fixed + per_token * target_tokens
+    return {
+        "family": family,
+        "ops_per_step": sum(c1["ops"].values()),
+        "memory_ops_per_step": c1["ops"].get("memory", 0),
+        "fixed_mb": fixed / 1e6,
+        "per_token_kb": per_token / 1e3,
+        "target_gb": target / 1e9,
+        "target_ms": target / args.bandwidth * 1e3,
+        "top_per_token_kb": {
+            n: round(v[1] / 1e3, 1)
+            for n, v in sorted(by_op.items(), key=lambda kv: -kv[1][1])[: args.top]
+        },
+        "top_fixed_mb": {
+            n: round(v[0] / 1e6, 1)
+            for n, v in sorted(by_op.items(), key=lambda kv: -kv[1][0])[: args.top // 2]
+        },
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--families", nargs="+", default=["softmax", "tisa", "kernel", "transject"])
+    p.add_argument(
+        "--base", default="albert-base", help="recipe: configs/pretrain/<base>[-<family>]"
+    )
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument(
+        "--batches", type=int, nargs=2, default=[1, 2], help="the two counted batch sizes"
+    )
+    p.add_argument("--target-batch", type=int, default=64, help="the GPU micro-batch projected to")
+    p.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s (H100: 3.35e12)")
+    p.add_argument("--vocab", type=int, default=30000)
+    p.add_argument("--padding", default="none", choices=["one-short-row", "none"])
+    p.add_argument("--top", type=int, default=10, help="operators listed per family")
+    p.add_argument("--override", nargs="*", default=[], help="recipe overrides, key=value")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    # what load_config reads besides the recipe (a CPU fp32 engine: never built here)
+    args.zero_stage, args.precision, args.accumulation, args.device = 0, "fp32", 1, "cpu"
+    if args.batches[0] == args.batches[1]:
+        p.error("--batches needs two different sizes")
+    rows = [measure(f, args) for f in args.families]
+    base = next((r for r in rows if r["family"] == "softmax"), rows[0])
+    print(
+        f"{args.base}, seq {args.seq}, bf16 autocast, counted at batch {args.batches[0]} and "
+        f"{args.batches[1]}, projected to {args.target_batch} x {args.seq} "
+        f"at {args.bandwidth / 1e12:.2f} TB/s\n"
+    )
+    print(
+        "| family | operators / step | memory-bound operators | fixed MB | KB / token "
+        f"| GB at {args.target_batch} x {args.seq} | ms at the bandwidth | vs {base['family']} |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['family']} | {r['ops_per_step']} | {r['memory_ops_per_step']} "
+              f"| {r['fixed_mb']:.0f} | {r['per_token_kb']:.0f} | {r['target_gb']:.1f} "
+              f"| {r['target_ms']:.1f} | {r['target_gb'] / base['target_gb']:.2f}x |")  # fmt: skip
+    for r in rows:
+        print(f"\n{r['family']}, KB per token:", r["top_per_token_kb"])
+        print(f"{r['family']}, fixed MB:", r["top_fixed_mb"])
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
+                                                 for k, v in vars(args).items()},
+                                        "rows": rows}, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
