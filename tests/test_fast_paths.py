@@ -356,6 +356,44 @@ def test_transject_experts_are_batched_not_looped():
     assert counts[0] == counts[1], counts
 
 
+class WriteLog(TorchDispatchMode):
+    """Records (op name, elements written) of every operator that writes a tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and not func.is_view:
+            self.writes.append((func.__name__.split(".")[0], out.numel()))
+        return out
+
+
+def test_transject_experts_write_five_expert_sized_tensors():
+    """The forward of TransJect's expert block writes five (E, B, N, d)-sized tensors: X U + b
+    (the bias added by the product, `torch.addmm`), its scaling by lambda, the V products, the
+    ELU, and the gate's X + alpha A_e in one `addcmul` (an add over X U's result and
+    alpha A_e then a sum wrote two more; a step's memory traffic: bench/traffic_per_token.py)."""
+    E, B, N = 3, 2, 96  # B N > d: the expert-sized tensors outgrow the (E, d, d) maps
+    cfg = tiny("transject", transject={"num_experts": E}, max_position_embeddings=N)
+    attn = TransJectAttention(cfg)
+    d = cfg.hidden_size
+    x = torch.randn(B, N, d)
+    ctx = LayerContext(
+        mask_BN=torch.ones(B, N, dtype=torch.bool),
+        residual_gate=torch.tensor(0.5),
+        extras={LAMBDA_KEY: torch.rand(B, d)},
+    )
+    with torch.no_grad(), orthogonal_cache():
+        assert attn.expert_u is not None and attn.expert_v is not None  # the maps, cached
+        log = WriteLog()
+        with log:
+            attn(x, ctx)
+    expert_sized = [name for name, n in log.writes if n >= E * B * N * d]
+    assert expert_sized == ["addmm", "mul", "bmm", "elu", "addcmul"], log.writes
+
+
 @pytest.mark.parametrize("step_cache", [False, True])
 def test_orthogonal_maps_once_per_micro_batch_with_accumulation_and_checkpointing(
     monkeypatch, step_cache

@@ -355,7 +355,9 @@ class ExpertBias(nn.Module):
 
     forward(y, scale=None, experts_first=False) -> y + b_e for y with the expert axis second to
     last, (..., E, d), or first, (E, ..., d), with `experts_first`; with `scale` (broadcastable
-    to y's leading dimensions and a trailing 1): y + scale * b_e (the authors' V bias).
+    to y's leading dimensions and a trailing 1): y + scale * b_e (the authors' V bias). With
+    `matrix` (d_in, E d): y (T, d_in) @ matrix + [b_1 ... b_E], (T, E d), the bias added by the
+    matrix product itself (`torch.addmm`), not by a pass over its (T, E d) result.
     """
 
     def __init__(self, num_experts: int, width: int):
@@ -363,8 +365,14 @@ class ExpertBias(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_experts, width))
 
     def forward(
-        self, y: Tensor, scale: Tensor | None = None, experts_first: bool = False
+        self,
+        y: Tensor,
+        scale: Tensor | None = None,
+        experts_first: bool = False,
+        matrix: Tensor | None = None,
     ) -> Tensor:
+        if matrix is not None:
+            return torch.addmm(self.bias.to(matrix.dtype).flatten(), y, matrix)
         b = self.bias.to(y.dtype)
         if experts_first:
             b = b.view(b.size(0), *([1] * (y.dim() - 2)), b.size(1))  # (E, 1, ..., d)
@@ -425,9 +433,11 @@ class TransJectAttention(Attention):
         V_Edd = _compute_dtype(x_BND, self.expert_v)
         # A_e(X) = ELU( ((X U_e + b_e) * lambda) V_e^T ), row vectors ("X U" is x @ U).
         U_dEd = U_Edd.permute(1, 0, 2).reshape(d, E * d)  # [U_1 | ... | U_E]
-        xu_BNEd = (x_BND.reshape(B * N, d) @ U_dEd).view(B, N, E, d)
-        if self.expert_u_bias is not None:
-            xu_BNEd = self.expert_u_bias(xu_BNEd)
+        x_Td = x_BND.reshape(B * N, d)
+        if self.expert_u_bias is None:
+            xu_BNEd = (x_Td @ U_dEd).view(B, N, E, d)
+        else:  # X U + [b_1 ... b_E] in one product (the bias added by the GEMM)
+            xu_BNEd = self.expert_u_bias(x_Td, matrix=U_dEd).view(B, N, E, d)
         # lambda (fp32) in the products' dtype (autocast's bf16): the scaled tensor is the next
         # product's input, which autocast would round to that dtype anyway.
         lam_B11d = lam_Bd.to(xu_BNEd.dtype)[:, None, None, :]
@@ -454,7 +464,9 @@ class TransJectAttention(Attention):
             alpha = residual_alpha(ctx, self.num_applications).to(a_EBND.dtype)
             with torch.no_grad():
                 x_masked_BND = x_BND.masked_fill(padding_BN1, torch.finfo(x_BND.dtype).min)
-                index_EB1D = (x_masked_BND[None] + alpha * a_EBND).argmax(dim=2, keepdim=True)
+                # X + alpha A_e in one pass (addcmul), not alpha A_e and then a sum
+                sublayer_EBND = torch.addcmul(x_masked_BND[None], a_EBND, alpha)
+                index_EB1D = sublayer_EBND.argmax(dim=2, keepdim=True)
             # x[b, index[e, b, k], k], gathered along the tokens of X itself (B, E, d)
             index_BED = index_EB1D.squeeze(2).transpose(0, 1)
             x_pooled_EBD = x_BND.gather(1, index_BED).transpose(0, 1)
