@@ -15,10 +15,13 @@ as an error and the next one runs. The batch holds no padding; by default it com
 all-ones mask, which on a GPU the model must treat as padded (it cannot read the mask without
 a sync: softmax then runs SDPA with a key-padding bias, not flash); `--no-mask` passes none,
 as the trainers do for an unpadded batch (`Engine.to_device`), so every family runs its
-unpadded path.
+unpadded path. `--compile` compiles each point's encoder with inductor first, as
+`engine.compile` does in training (the ALBERT recipes' `auto`), so the families compare as
+they ship; the warm-up forwards absorb the compilation.
 
     python bench/bench_attention_scaling.py --lengths 256 512 1024 2048 4096 8192 --out bench/results/scaling.json
     python bench/bench_attention_scaling.py --device cuda --dtype bf16 --lengths 256 512 1024 2048 4096 8192 16384 --out scaling_gpu.json
+    python bench/bench_attention_scaling.py --device cuda --dtype bf16 --batch 8 --width 768 --heads 12 --no-mask --compile --lengths 2048 4096 8192
 
 Prints a markdown table with the speed-up of each family over softmax at every N, beside
 TransJect's Table 4 (5.0x to 26.3x inference speed-up, growing with sequence length).
@@ -104,6 +107,11 @@ def run_point_cuda(family: str, n: int, args: argparse.Namespace) -> dict:
     import torch
 
     model = build(family, n, args.width, args.heads, args.layers).cuda()
+    if args.compile:
+        from engine.engine import compile_encoder
+
+        torch._dynamo.reset()  # a fresh cache per point: each point compiles its own graph
+        compile_encoder(model)  # as the engine does (the warm-up forwards absorb the compile)
     ids = torch.randint(4, 1000, (args.batch, n), device="cuda")
     mask = None if args.no_mask else torch.ones(args.batch, n, dtype=torch.bool, device="cuda")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.dtype == "bf16")
@@ -157,6 +165,11 @@ def main() -> None:
         action="store_true",
         help="CUDA: no attention mask (the unpadded path) instead of an all-ones one",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="CUDA: the encoder compiled with inductor, as `engine.compile` compiles it",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--point", nargs=2, metavar=("FAMILY", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -170,8 +183,10 @@ def main() -> None:
             )
         )
         return
-    if args.device == "cpu" and (args.dtype != "fp32" or args.batch != 1):
-        parser.error("the CPU path measures fp32 at batch 1 (--dtype/--batch are for CUDA)")
+    if args.device == "cpu" and (args.dtype != "fp32" or args.batch != 1 or args.compile):
+        parser.error(
+            "the CPU path measures eager fp32 at batch 1 (--dtype/--batch/--compile are for CUDA)"
+        )
     rows = []
     for n in args.lengths:
         for family in args.families:
@@ -205,6 +220,7 @@ def main() -> None:
         import torch
 
         where = f"{torch.cuda.get_device_name()}, {args.dtype}, torch {torch.__version__}"
+        where += ", compiled (inductor)" if args.compile else ""
     else:
         where = f"{args.threads} threads"
     if args.out:

@@ -11,10 +11,13 @@
 # Passes: 1 profile (where softmax's and TransJect's albert-base steps spend their time, per
 # operator and kind of work: what holds TransJect's gap; and the LAMB step alone), 2 compiled (softmax and TransJect
 # compiled, as the recipes ship: the TransJect target compiled against compiled), 3
-# syncs_compiled (no host sync between logging steps, compiled, for the points not yet checked
-# so: kernel, TransJect, ZeRO-2 softmax), 4 large_transject_compiled (TransJect albert-large
-# compiled: finite? its peak memory at micro-batch 64), 5 h100_suite (the eager pretraining
-# table on an H100, every family, albert-base 128 / 512 and albert-large 512).
+# scaling_compiled (one layer forward at N = 4096 and 8192, softmax and kernel compiled, as
+# they ship: the kernel target), 4 h100_suite (the eager pretraining table on an H100, every
+# family, albert-base 128 / 512 and albert-large 512: kernel attention heads first and
+# TransJect's expert writes, eager), 5 syncs_compiled (no host sync between logging steps,
+# compiled, for the points not yet checked so: kernel, TransJect, ZeRO-2 softmax), 6
+# large_transject_compiled (TransJect albert-large compiled: finite? its peak memory at
+# micro-batch 64).
 # What the budget leaves out is named in pending.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,11 +52,13 @@ pass profile 100 120 PARTS="profile lamb" PROFILE="--steps 3 --warmup 2"
 # Only the first pass prints the environment (nvidia-smi, versions): ENV_PART= in the others.
 pass compiled 180 240 ENV_PART= PARTS=pretrain COMPILE=recipe \
   "PRETRAIN=--configs albert-base-512 --families softmax transject --steps 6 --timeout 115"
+pass scaling_compiled 100 150 ENV_PART= PARTS=scaling SCALING_LIMIT=150 \
+  "SCALING=--no-mask --compile --families softmax kernel --lengths 4096 8192 --warmup 3 --repeats 10"
+pass h100_suite 150 240 ENV_PART= PARTS="pretrain pretrain2"
 pass syncs_compiled 120 200 ENV_PART= PARTS=syncs COMPILE=recipe \
   "SYNCS=--points zero0:kernel zero0:transject zero2:softmax"
 pass large_transject_compiled 150 200 ENV_PART= PARTS=pretrain COMPILE=recipe \
   "PRETRAIN=--configs albert-large-512 --families transject --steps 4 --warmup 3 --timeout 190"
-pass h100_suite 150 240 ENV_PART= PARTS="pretrain pretrain2"
 echo "=== all passes done in $(($(date +%s) - START)) s" | tee -a "$LOG"
 tar -czf "$OUT/pending.tgz" -C "$OUT" passes && rm -rf "$OUT/passes"
 ls -la "$OUT" | tee -a "$LOG"

@@ -11,6 +11,8 @@
 #   COMPILE=recipe bash bench/gpu_suite.sh   # engine.compile as the recipes set it (default: off)
 #   PRETRAIN="--accumulation 8 --padding none" bash bench/gpu_suite.sh  # pretrain part's options
 #   SCALING="--no-mask" bash bench/gpu_suite.sh   # scaling part without a mask (unpadded path)
+#   SCALING="--no-mask --compile --families softmax kernel --lengths 4096 8192" SCALING_LIMIT=150 \
+#     PARTS=scaling bash bench/gpu_suite.sh       # compiled, as the recipes ship (a compile per point)
 #   PRETRAIN_LIMIT=180 bash bench/gpu_suite.sh  # the pretrain part's time limit (default 210 s)
 #   SYNCS="--points zero0:kernel" SYNCS_LIMIT=120 bash bench/gpu_suite.sh  # the syncs part's
 #                                       # options and time limit (default 60 s)
@@ -196,7 +198,7 @@ else
   # The fused Q/K/V weight once per forward vs at every application of the shared layer.
   part qkv 30 python3 bench/bench_fused_qkv.py --device cuda --points 32x512x768 8x128x768 \
     --repeats 20 --warmup 3 --out "$OUT/fused_qkv_gpu.json"
-  part scaling 80 python3 bench/bench_attention_scaling.py --device cuda --dtype bf16 \
+  part scaling "${SCALING_LIMIT:-80}" python3 bench/bench_attention_scaling.py --device cuda --dtype bf16 \
     --width 768 --heads 12 --batch 8 --lengths 256 512 1024 2048 4096 8192 16384 \
     --repeats 10 --warmup 3 "${SCALING_ARGS[@]}" --out "$OUT/scaling_gpu.json"
   part pretrain "${PRETRAIN_LIMIT:-210}" python3 bench/bench_pretrain_throughput.py --device cuda --preset albert \
