@@ -20,6 +20,8 @@ so compare families and commits with it, not the GPU's absolute time.
 
     python bench/traffic_per_token.py --families softmax tisa kernel transject
     python bench/traffic_per_token.py --families kernel --top 20 --out traffic.json
+    python bench/traffic_per_token.py --forward-only --families softmax kernel --seq 4096 \
+        --target-batch 8 --override model.max_position_embeddings=4096 model.num_hidden_layers=1
 """
 
 from __future__ import annotations
@@ -86,9 +88,10 @@ def kind_of(name: str) -> str | None:
     return "compute" if name in COMPUTE or "attention" in name else "memory"
 
 
-def count_step(model, batch, max_masked: int) -> dict:
+def count_step(model, batch, max_masked: int, forward_only: bool = False) -> dict:
     """{"ops": {kind: count}, "bytes": {kind: bytes}, "by_op": {name: memory bytes}} of one
-    forward + backward of `model` on `batch` under bf16 autocast."""
+    forward + backward of `model` on `batch` under bf16 autocast (`forward_only`: one forward
+    without gradients, the model in eval mode)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
@@ -107,9 +110,9 @@ def count_step(model, batch, max_masked: int) -> dict:
             name = func.overloadpacket.__name__
             kind = kind_of(name)
             if kind is not None:
-                tensors = [
-                    t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)
-                ]
+                # a factory (new_ones, zeros_like, ...) takes a tensor for its shape, not its data
+                read = () if name.startswith("new_") or name.endswith("_like") else (args, kwargs)
+                tensors = [t for t in tree_flatten((read, out))[0] if isinstance(t, torch.Tensor)]
                 moved = sum(t.numel() * t.element_size() for t in tensors)
                 self.ops[kind] += 1
                 self.bytes[kind] += moved
@@ -118,6 +121,10 @@ def count_step(model, batch, max_masked: int) -> dict:
             return out
 
     def step() -> None:
+        if forward_only:
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                model(**model_inputs(batch, max_masked))
+            return
         with torch.autocast("cpu", dtype=torch.bfloat16):
             output = model(**model_inputs(batch, max_masked))
             loss = pretraining_loss(output, batch).total
@@ -140,12 +147,12 @@ def measure(family: str, args) -> dict:
     cfg = load_config(args.base, family, args.seq, args.batches[0], args, {})
     model_cfg = cfg.encoder_config(args.vocab, 0)
     torch.manual_seed(0)
-    model = EncoderForPretraining(model_cfg).train()
+    model = EncoderForPretraining(model_cfg).train(not args.forward_only)
     counts = {}
     for b in args.batches:
         batch = synthetic_batches(1, b, args.seq, args.vocab, padded=args.padding != "none")[0]
         max_masked = int((batch["mlm_labels"] != -100).sum(1).max())
-        counts[b] = count_step(model, batch, max_masked)
+        counts[b] = count_step(model, batch, max_masked, args.forward_only)
     (b0, c0), (b1, c1) = sorted(counts.items())
     tokens0, tokens1 = b0 * args.seq, b1 * args.seq
     target_tokens = args.target_batch * args.seq
@@ -193,6 +200,9 @@ def main() -> None:
     p.add_argument("--padding", default="none", choices=["one-short-row", "none"])
     p.add_argument("--top", type=int, default=10, help="operators listed per family")
     p.add_argument("--override", nargs="*", default=[], help="recipe overrides, key=value")
+    p.add_argument(
+        "--forward-only", action="store_true", help="one forward without gradients, eval mode"
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     # what load_config reads besides the recipe (a CPU fp32 engine: never built here)
@@ -201,8 +211,9 @@ def main() -> None:
         p.error("--batches needs two different sizes")
     rows = [measure(f, args) for f in args.families]
     base = next((r for r in rows if r["family"] == "softmax"), rows[0])
+    what = "forward (eval, no gradients)" if args.forward_only else "training step"
     print(
-        f"{args.base}, seq {args.seq}, bf16 autocast, counted at batch {args.batches[0]} and "
+        f"{args.base}, {what}, seq {args.seq}, bf16 autocast, counted at batch {args.batches[0]} and "
         f"{args.batches[1]}, projected to {args.target_batch} x {args.seq} "
         f"at {args.bandwidth / 1e12:.2f} TB/s\n"
     )
