@@ -32,7 +32,7 @@ START=$(date +%s)
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 
 pass() { # pass NAME MIN_S LIMIT_S VAR=VALUE...: one run of the suite into $OUT/passes/NAME, its
-  # pretrain and syncs parts limited to LIMIT_S or the budget left, whichever is less
+  # pretrain, syncs and scaling parts limited to LIMIT_S or the budget left, whichever is less
   local name=$1 need=$2 limit=$3
   shift 3
   if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then return 0; fi
@@ -42,7 +42,7 @@ pass() { # pass NAME MIN_S LIMIT_S VAR=VALUE...: one run of the suite into $OUT/
   fi
   if [ "$(left)" -lt "$limit" ]; then limit=$(left); fi
   echo "=== pass $name ($(left) s left): $*" | tee -a "$LOG"
-  env OUT="$OUT/passes/$name" "$@" PRETRAIN_LIMIT="$limit" SYNCS_LIMIT="$limit" \
+  env OUT="$OUT/passes/$name" "$@" PRETRAIN_LIMIT="$limit" SYNCS_LIMIT="$limit" SCALING_LIMIT="$limit" \
     bash "$SUITE" 2>&1 | tee -a "$LOG"
   echo "=== pass $name: done at $(($(date +%s) - START)) s" | tee -a "$LOG"
   tar -czf "$OUT/pending.tgz" -C "$OUT" passes # after every pass: a cut-off call keeps what ran
@@ -52,7 +52,7 @@ pass profile 100 120 PARTS="profile lamb" PROFILE="--steps 3 --warmup 2"
 # Only the first pass prints the environment (nvidia-smi, versions): ENV_PART= in the others.
 pass compiled 180 240 ENV_PART= PARTS=pretrain COMPILE=recipe \
   "PRETRAIN=--configs albert-base-512 --families softmax transject --steps 6 --timeout 115"
-pass scaling_compiled 100 150 ENV_PART= PARTS=scaling SCALING_LIMIT=150 \
+pass scaling_compiled 100 150 ENV_PART= PARTS=scaling \
   "SCALING=--no-mask --compile --families softmax kernel --lengths 4096 8192 --warmup 3 --repeats 10"
 pass h100_suite 150 240 ENV_PART= PARTS="pretrain pretrain2"
 pass syncs_compiled 120 200 ENV_PART= PARTS=syncs COMPILE=recipe \
