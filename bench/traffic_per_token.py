@@ -207,9 +207,9 @@ def main() -> None:
         "--forward-only", action="store_true", help="one forward without gradients, eval mode"
     )
     p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args()
     # what load_config reads besides the recipe (a CPU fp32 engine: never built here)
-    args.zero_stage, args.precision, args.accumulation, args.device = 0, "fp32", 1, "cpu"
+    p.set_defaults(zero_stage=0, precision="fp32", accumulation=1, device="cpu")
+    args = p.parse_args()
     if args.batches[0] == args.batches[1]:
         p.error("--batches needs two different sizes")
     rows = [measure(f, args) for f in args.families]

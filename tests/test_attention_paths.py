@@ -7,16 +7,14 @@ evaluated in one batched solve per shape without a host sync.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fast_paths import MatmulLog, accumulating_engine
+from op_log import OpLog
+from test_fast_paths import accumulating_engine
 from test_model_core import batch, tiny
 from torch.nn.attention.flex_attention import create_block_mask
 from torch.nn.utils.parametrizations import _Orthogonal
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import model.encoder as encoder_module
 from model import EncoderConfig, EncoderForPretraining
@@ -183,10 +181,10 @@ def test_qkv_is_one_product_and_parameters_are_unchanged():
     model = EncoderForPretraining(tiny("softmax"))
     attn = model.encoder.groups[0][0].attention
     x = torch.randn(2, 7, model.config.hidden_size)
-    log = MatmulLog()
+    log = OpLog()
     with log, torch.no_grad():
         q, k, v = attn.project_qkv(x)
-    assert len(log.calls) == 1, log.calls
+    assert len(log.matmuls()) == 1, log.matmuls()
     B, N, H = 2, 7, attn.num_heads
     for got, lin in zip((q, k, v), (attn.query, attn.key, attn.value)):
         want = lin(x).view(B, N, H, -1).transpose(1, 2)
@@ -200,22 +198,10 @@ def test_qkv_is_one_product_and_parameters_are_unchanged():
     assert keys == expected
     # The orthogonal option keeps three products (ZeRO-3 gathers through the maps' modules).
     ortho = EncoderForPretraining(tiny("softmax", orthogonal=True)).encoder.groups[0][0].attention
-    log = MatmulLog()
+    log = OpLog()
     with log, torch.no_grad():
         ortho.project_qkv(x)
-    assert len(log.calls) == 3
-
-
-class OpCount(TorchDispatchMode):
-    """Counts aten ops by name (the part before the overload)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.__name__.split(".")[0]] += 1
-        return func(*args, **(kwargs or {}))
+    assert len(log.matmuls()) == 3
 
 
 @pytest.mark.parametrize("autocast", [False, True])
@@ -236,13 +222,13 @@ def test_fused_qkv_weight_is_made_once_per_forward(monkeypatch, checkpointing, a
 
     def run():
         model.zero_grad()
-        counter = OpCount()
+        counter = OpLog()
         with counter, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = loss_of(model(ids, mask))
         with counter:  # the recomputation of checkpointed layers runs in backward
             loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        return loss.detach(), grads, counter.counts
+        return loss.detach(), grads, counter.counts()
 
     loss, grads, counts = run()
     # one cat of the weights and one of the biases, once per forward, recomputation included

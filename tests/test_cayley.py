@@ -4,8 +4,8 @@ the matmul precision a user set, and no factorisation of a full-size matrix."""
 
 import pytest
 import torch
+from op_log import OpLog
 from torch.nn.utils.parametrizations import _OrthMaps, _Orthogonal
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import model.orthogonal as orthogonal_module
 from model.orthogonal import block_inverse, cayley
@@ -72,18 +72,8 @@ def test_closer_to_fp64_than_the_lu_solve_at_width_256():
     assert (block.mT @ block - Id).abs().max().item() < 2e-6
 
 
-class MatmulPrecisions(TorchDispatchMode):
-    """Records the fp32 matmul precision in force at every matrix product (forward and
-    backward: the autograd engine runs CPU backward functions on this thread, under the mode)."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.matmul):
-            self.seen.append(torch.get_float32_matmul_precision())
-        return func(*args, **(kwargs or {}))
+PRODUCTS = ("mm", "bmm", "matmul")
+"""The products whose fp32 precision the map guards."""
 
 
 def test_full_fp32_whatever_the_matmul_precision():
@@ -96,16 +86,18 @@ def test_full_fp32_whatever_the_matmul_precision():
     for setting in ("high", "medium"):
         torch.set_float32_matmul_precision(setting)
         try:
-            with MatmulPrecisions() as recorder:
+            with OpLog() as recorder:
                 cayley(X).sum().backward()
-            with MatmulPrecisions() as unguarded:
+            with OpLog() as unguarded:
                 block_inverse(torch.eye(256) - X.detach())
             assert torch.get_float32_matmul_precision() == setting
         finally:
             torch.set_float32_matmul_precision(previous)
         # 256 = 128 + 128: one split, six products; the backward's two
-        assert recorder.seen == ["highest"] * 8, recorder.seen
-        assert set(unguarded.seen) == {setting}  # what the guard is there for
+        seen = [op.matmul_precision for op in recorder.named(PRODUCTS)]
+        assert seen == ["highest"] * 8, seen
+        # what the guard is there for
+        assert {op.matmul_precision for op in unguarded.named(PRODUCTS)} == {setting}
 
 
 def test_no_factorisation_of_a_full_size_matrix(monkeypatch):

@@ -21,11 +21,11 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
+from op_log import OpLog
 from test_engine import ONE  # the one-process DistEnv
 from test_model_core import count_map_evaluations, orthogonal_matrices
 from torch import nn
 from torch._dynamo.utils import counters
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import model.norm as norm_module
 from engine.engine import Engine, EngineConfig, compile_encoder, compile_wanted
@@ -236,23 +236,6 @@ def test_flex_score_mod_compiles_once_and_equals_the_sdpa_bias():
 # ------------------------------------------------------------------------- batched products
 
 
-class MatmulLog(TorchDispatchMode):
-    """Records (op name, input dtypes) of every matrix product."""
-
-    OPS = ("mm", "bmm", "matmul", "addmm", "baddbmm")
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[tuple[str, tuple[torch.dtype, ...]]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        if name in self.OPS:
-            dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
-            self.calls.append((name, dtypes))
-        return func(*args, **(kwargs or {}))
-
-
 def test_kernel_attention_products_are_batched_whatever_the_heads():
     """[KV | z] = phi(K)^T [V | 1] and phi(Q) [KV | z] (numerator and normaliser together) are
     one batched product each over all batches and heads (the count does not grow with H), in
@@ -265,30 +248,13 @@ def test_kernel_attention_products_are_batched_whatever_the_heads():
             cfg = tiny("kernel", hidden_size=32, num_attention_heads=heads, kernel=kernel_cfg)
             kernel = KernelAttention(cfg)
             q, k, v = torch.randn(3, 2, heads, 10, 32 // heads).unbind(0)
-            log = MatmulLog()
+            log = OpLog()
             with log, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 kernel(q, k, v, LayerContext(mask_BN=torch.ones(2, 10, dtype=torch.bool)))
-            counts[autocast, heads] = len(log.calls)
-            assert all(dt == torch.float32 for _, dtypes in log.calls for dt in dtypes), log.calls
+            products = log.matmuls()
+            counts[autocast, heads] = len(products)
+            assert all(dt == torch.float32 for op in products for dt in op.input_dtypes), products
     assert set(counts.values()) == {2}, counts
-
-
-class CopyLog(MatmulLog):
-    """Records matrix products, and every copy of a tensor: clone / contiguous / copy_ / a
-    cast, with the number of elements it writes."""
-
-    COPIES = ("clone", "copy_", "_to_copy", "contiguous")
-
-    def __init__(self):
-        super().__init__()
-        self.copies: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        name = func.__name__.split(".")[0]
-        if name in self.COPIES and isinstance(out, torch.Tensor):
-            self.copies.append((name, out.numel()))
-        return out
 
 
 @pytest.mark.parametrize(
@@ -313,12 +279,12 @@ def test_kernel_attention_copies_nothing_and_fuses_the_gate(
     qkv = torch.randn(B, N, 3, H, h)
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
     ctx = LayerContext(mask_BN=torch.ones(B, N, dtype=torch.bool), padded=False)
-    log = CopyLog()
+    log = OpLog()
     with log, torch.no_grad():
         out, _ = kernel(q, k, v, ctx)
     activation = B * N * h  # the smallest activation of one head
-    assert len([c for c in log.copies if c[1] >= activation]) == copies, log.copies
-    assert len(log.calls) == 2 * stacked * products_per_unit + 2, log.calls
+    assert len([c for c in log.copies() if c[1] >= activation]) == copies, log.copies()
+    assert len(log.matmuls()) == 2 * stacked * products_per_unit + 2, log.matmuls()
     with torch.no_grad():
         phi_q, phi_k = kernel.phi(q), kernel.phi(k)
     ref = naive_kernel_attention(phi_q, phi_k, v, ctx.mask_BN, cfg.kernel.eps)
@@ -338,12 +304,12 @@ def test_transject_experts_are_batched_not_looped():
             residual_gate=torch.tensor(0.5),
             extras={LAMBDA_KEY: torch.rand(2, cfg.hidden_size)},
         )
-        log = MatmulLog()
+        log = OpLog()
         with torch.no_grad(), orthogonal_cache():
             U, V = attn.expert_u, attn.expert_v  # the maps, cached before the log starts
             with log:
                 out = attn(x, ctx).hidden_BND
-        counts.append(len(log.calls))
+        counts.append(len(log.matmuls()))
         # equals the per-expert loop it replaces
         lam_B1d = ctx.extras[LAMBDA_KEY][:, None, :]
         b = attn.expert_u_bias.bias
@@ -354,20 +320,6 @@ def test_transject_experts_are_batched_not_looped():
             w = attn.expert_weights(x, ctx)
         torch.testing.assert_close(out, torch.einsum("be,bend->bnd", w, a), rtol=1e-5, atol=1e-6)
     assert counts[0] == counts[1], counts
-
-
-class WriteLog(TorchDispatchMode):
-    """Records (op name, elements written) of every operator that writes a tensor."""
-
-    def __init__(self):
-        super().__init__()
-        self.writes: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor) and not func.is_view:
-            self.writes.append((func.__name__.split(".")[0], out.numel()))
-        return out
 
 
 def test_transject_experts_write_five_expert_sized_tensors():
@@ -387,11 +339,11 @@ def test_transject_experts_write_five_expert_sized_tensors():
     )
     with torch.no_grad(), orthogonal_cache():
         assert attn.expert_u is not None and attn.expert_v is not None  # the maps, cached
-        log = WriteLog()
+        log = OpLog()
         with log:
             attn(x, ctx)
-    expert_sized = [name for name, n in log.writes if n >= E * B * N * d]
-    assert expert_sized == ["addmm", "mul", "bmm", "elu", "addcmul"], log.writes
+    expert_sized = [name for name, n in log.writes() if n >= E * B * N * d]
+    assert expert_sized == ["addmm", "mul", "bmm", "elu", "addcmul"], log.writes()
 
 
 @pytest.mark.parametrize("step_cache", [False, True])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from op_log import OpLog
 
 from model.attention import ATTENTION_REGISTRY, LayerContext
 from model.attention.kernel import (
@@ -347,21 +347,6 @@ def test_gradients_reach_feature_map(feature_map, stacked):
         assert p.grad.abs().sum() > 0, name
 
 
-class LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an op returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_linear_cost_no_N_by_N_intermediate():
     """Forward and backward at N = 4096 never make a tensor larger than one (B, H, N, h + 1)
     (the numerator and the normaliser come out of one product, phi(Q) [KV | z]).
@@ -379,17 +364,19 @@ def test_linear_cost_no_N_by_N_intermediate():
     q, k, v = (t.requires_grad_() for t in random_qkv(cfg, B=1, N=N))
     mask = torch.ones(1, N, dtype=torch.bool)
     mask[0, -100:] = False
-    with LargestTensor() as probe:
+    with OpLog() as probe:
         out, _ = kernel(q, k, v, LayerContext(mask_BN=mask))
         out.square().sum().backward()
     h = q.size(-1)
-    assert probe.largest <= q.numel() // h * (h + 1), probe.largest  # never (N, N)
+    assert probe.largest_output() <= q.numel() // h * (h + 1), (
+        probe.largest_output()
+    )  # never (N, N)
     assert out.shape == q.shape and torch.isfinite(q.grad).all()
     # The probe does see an N x N tensor when there is one.
     n = 64
-    with LargestTensor() as naive_probe:
+    with OpLog() as naive_probe:
         naive_kernel_attention(q[..., :n, :], k[..., :n, :], v[..., :n, :], mask[:, :n], 1e-6)
-    assert naive_probe.largest >= n * n
+    assert naive_probe.largest_output() >= n * n
 
 
 # --------------------------------------------------------------------------------------------
