@@ -18,7 +18,16 @@ Operators are the CPU's: where the CPU takes another path (SDPA's math kernel fo
 bias, dropout in three operators instead of one fused kernel), the count differs from the GPU's,
 so compare families and commits with it, not the GPU's absolute time.
 
+``--compiled`` counts the step as the recipes run it on a GPU, compiled by Inductor: the
+forward and loss compiled as one function, each kernel Inductor generates (forward and
+backward graphs) counted with the bytes its scheduler estimates it reads and writes; the
+operator count is then the kernel count (`count_compiled_step`). Inductor's CPU backend fuses
+like its GPU backend in the main, but not in every detail (a CPU falls back to ATen for some
+scatters, and decomposes SDPA with an additive bias into its math: TISA's count there is not a
+GPU's).
+
     python bench/traffic_per_token.py --families softmax tisa kernel transject
+    python bench/traffic_per_token.py --compiled --families softmax kernel transject
     python bench/traffic_per_token.py --families kernel --top 20 --out traffic.json
     python bench/traffic_per_token.py --forward-only --families softmax kernel --seq 4096 \
         --target-batch 8 --override model.max_position_embeddings=4096 model.num_hidden_layers=1
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -137,6 +147,105 @@ def count_step(model, batch, max_masked: int, forward_only: bool = False) -> dic
     return {"ops": dict(traffic.ops), "bytes": dict(traffic.bytes), "by_op": dict(traffic.by_op)}
 
 
+# Origins of a fused kernel that say nothing about what it computes (layout, dtype, views).
+_PLUMBING = frozenset(
+    ["reshape", "permute", "convert_element_type", "view", "unsqueeze", "squeeze", "expand",
+     "clone", "full", "iota", "select", "slice", "alias"]
+)  # fmt: skip
+
+
+def _extern_name(node) -> str:
+    """The operator behind one of Inductor's extern kernels ("mm", "scatter_add", ...)."""
+    op = getattr(node, "op_overload", None)
+    if op is not None:
+        return op.overloadpacket.__name__ if hasattr(op, "overloadpacket") else str(op)
+    name = getattr(node, "python_kernel_name", None) or type(node).__name__
+    return name.rsplit(".", 2)[-2] if name.endswith(".default") else name.rsplit(".", 1)[-1]
+
+
+def _fused_label(scheduler_node) -> str:
+    """A fused kernel named by the operators it was made from, without the plumbing."""
+    origins = set()
+    for sub in scheduler_node.get_nodes():
+        for origin in getattr(sub.node, "origins", None) or ():
+            origins.add(str(origin.target).split(".")[-2 if "." in str(origin.target) else -1])
+    named = sorted(origins - _PLUMBING) or sorted(origins) or ["copy"]
+    return "+".join(named)
+
+
+def count_compiled_step(model, batch, max_masked: int, forward_only: bool = False) -> dict:
+    """`count_step` for the step compiled by Inductor (what the recipes run on a GPU): the
+    model's forward and loss compiled as one function (the engine compiles the encoder and
+    leaves the heads eager; here the heads are compiled too, the same for every family), its
+    forward and backward graphs each counted from Inductor's scheduler as it generates them.
+    Each fused kernel counts the bytes Inductor's scheduler estimates it reads and writes
+    (`get_read_write_buffers_sizes`: each buffer once, at most its size); an extern kernel (a
+    matrix product, an attention kernel, or an operator Inductor leaves to ATen) is sorted by
+    `kind_of` like an eager operator. TransJect's orthogonal maps are evaluated before the
+    compiled function, as the engine does, and not counted (a fixed, weight-sized cost).
+
+    Uses Inductor internals (`GraphLowering.codegen`, the scheduler's nodes); a torch that
+    renames them fails here with a clear error, never with a silent zero."""
+    import torch
+    import torch._dynamo
+    from torch._inductor import config as inductor_config
+    from torch._inductor import scheduler as inductor_scheduler
+    from torch._inductor.graph import GraphLowering
+
+    from model.orthogonal import evaluate_orthogonal_maps, orthogonal_cache
+    from pretrain.objective import model_inputs, pretraining_loss
+
+    for needed in ("ExternKernelSchedulerNode", "NopKernelSchedulerNode"):
+        if not hasattr(inductor_scheduler, needed):
+            raise RuntimeError(f"this torch's Inductor has no scheduler.{needed}: --compiled "
+                               "needs the Inductor internals of torch 2.6 to 2.13")  # fmt: skip
+    ops: collections.Counter = collections.Counter()
+    moved: collections.Counter = collections.Counter()
+    by_op: collections.Counter = collections.Counter()
+    phase = ["forward"]
+    codegen = GraphLowering.codegen
+
+    def counting_codegen(graph, *a, **k):
+        out = codegen(graph, *a, **k)
+        for node in graph.scheduler.nodes:
+            if isinstance(node, inductor_scheduler.NopKernelSchedulerNode):
+                continue
+            nbytes = int(node.get_read_write_buffers_sizes())
+            if isinstance(node, inductor_scheduler.ExternKernelSchedulerNode):
+                name = _extern_name(node.node)
+                kind = kind_of(name) or "memory"
+            else:
+                name, kind = _fused_label(node), "memory"
+            ops[kind] += 1
+            moved[kind] += nbytes
+            if kind == "memory":
+                by_op[f"{phase[0]}: {name}"] += nbytes
+        return out
+
+    def loss_of(batch):
+        output = model(**model_inputs(batch, max_masked))
+        return output.logits if forward_only else pretraining_loss(output, batch).total
+
+    torch._dynamo.reset()  # a fresh, static-shape compilation for this batch size
+    compiled = torch.compile(loss_of, backend="inductor", dynamic=False)
+    GraphLowering.codegen = counting_codegen
+    try:
+        with inductor_config.patch(fx_graph_cache=False):  # a cached graph skips the codegen
+            grad = contextlib.nullcontext() if not forward_only else torch.no_grad()
+            with grad, orthogonal_cache() as store, torch.autocast("cpu", dtype=torch.bfloat16):
+                evaluate_orthogonal_maps(model, store)
+                loss = compiled(batch)
+            if not forward_only:
+                phase[0] = "backward"
+                loss.backward()
+    finally:
+        GraphLowering.codegen = codegen
+    model.zero_grad(set_to_none=True)
+    if not moved:
+        raise RuntimeError("Inductor generated no kernel for the step: nothing was counted")
+    return {"ops": dict(ops), "bytes": dict(moved), "by_op": dict(by_op)}
+
+
 def measure(family: str, args) -> dict:
     """The two counts, the fit, and the projection to the target batch."""
     import torch
@@ -155,7 +264,8 @@ def measure(family: str, args) -> dict:
     counts = {}
     for b in args.batches:
         batch = synthetic_batches(1, b, args.seq, args.vocab, padded=args.padding != "none")[0]
-        counts[b] = count_step(model, batch, max_masked, args.forward_only)
+        count = count_compiled_step if getattr(args, "compiled", False) else count_step
+        counts[b] = count(model, batch, max_masked, args.forward_only)
     (b0, c0), (b1, c1) = sorted(counts.items())
     tokens0, tokens1 = b0 * args.seq, b1 * args.seq
     target_tokens = args.target_batch * args.seq
@@ -206,6 +316,11 @@ def main() -> None:
     p.add_argument(
         "--forward-only", action="store_true", help="one forward without gradients, eval mode"
     )
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="count the step compiled by Inductor (fused kernels) instead of the eager one",
+    )
     p.add_argument("--out", type=Path, default=None)
     # what load_config reads besides the recipe (a CPU fp32 engine: never built here)
     p.set_defaults(zero_stage=0, precision="fp32", accumulation=1, device="cpu")
@@ -215,6 +330,8 @@ def main() -> None:
     rows = [measure(f, args) for f in args.families]
     base = next((r for r in rows if r["family"] == "softmax"), rows[0])
     what = "forward (eval, no gradients)" if args.forward_only else "training step"
+    if args.compiled:
+        what += ", compiled (Inductor's kernels)"
     print(
         f"{args.base}, {what}, seq {args.seq}, bf16 autocast, counted at batch {args.batches[0]} and "
         f"{args.batches[1]}, projected to {args.target_batch} x {args.seq} "
