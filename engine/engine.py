@@ -132,6 +132,10 @@ DEVICES = ("auto", "cpu", "cuda")
 log = logging.getLogger(__name__)
 
 
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
+"""``torch.compile``'s modes (``EngineConfig.compile_mode``)."""
+
+
 @dataclass
 class EngineConfig:
     """How the model is trained across processes: backend, ZeRO, precision, batch layout."""
@@ -203,6 +207,16 @@ class EngineConfig:
     """The ``torch.compile`` backend: ``"inductor"`` (generates fused kernels), or a debugging
     backend such as ``"aot_eager"`` (traces forward and backward, runs them eagerly: isolates
     a compiler problem from a tracing one; the tests use it, inductor's C++ build being slow)."""
+    compile_mode: str = "default"
+    """``torch.compile``'s ``mode`` for Inductor: ``"default"``; ``"max-autotune-no-cudagraphs"``
+    (Inductor times candidate kernels for each matrix product, Triton templates among them, and
+    may fuse the element-wise work around a product into it: a longer first compilation,
+    minutes per family on a GPU); ``"max-autotune"`` (the same with CUDA graphs);
+    ``"reduce-overhead"`` (CUDA graphs, which cut the launch cost of small kernels but keep a
+    static copy of every input and output). Only ``default`` has been measured with this
+    engine on a GPU; the CUDA-graph modes have not run with it (DeepSpeed's hooks and the
+    orthogonal maps evaluated before the graph are untested under them). Any other value than
+    ``default`` needs ``compile_backend: inductor``."""
     device: str = "auto"
     """``"auto"`` (CUDA when available, else CPU), ``"cpu"`` or ``"cuda"``."""
     fp16_initial_scale_power: int = 16
@@ -271,6 +285,16 @@ class EngineConfig:
             raise ValueError(
                 f"engine.compile_backend={self.compile_backend!r} is invalid; valid: a "
                 "torch.compile backend name such as 'inductor' or 'aot_eager'"
+            )
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(
+                f"engine.compile_mode={self.compile_mode!r} is invalid; valid: "
+                + ", ".join(COMPILE_MODES)
+            )
+        if self.compile_mode != "default" and self.compile_backend != "inductor":
+            raise ValueError(
+                f"engine.compile_mode={self.compile_mode!r} needs engine.compile_backend="
+                f"inductor (got {self.compile_backend!r}): the modes are Inductor's"
             )
         if self.compile is True and self.zero3:
             raise ValueError(
@@ -515,14 +539,21 @@ def compile_wanted(cfg: EngineConfig, model: nn.Module, device_type: str) -> boo
     return bool(getattr(model, "compile_auto", False))
 
 
-def compile_encoder(model: nn.Module, backend: str = "inductor") -> nn.Module:
+def compile_encoder(
+    model: nn.Module, backend: str = "inductor", mode: str = "default"
+) -> nn.Module:
     """Compiles ``model.encoder`` (or ``model`` when it has no encoder) in place with
     ``nn.Module.compile``: parameters and state-dict keys stay as they are (no ``_orig_mod.``
-    prefix), so optimizers, DeepSpeed, checkpoints and releases see the same module. Returns
-    the compiled module. The one place the project applies ``torch.compile``."""
+    prefix), so optimizers, DeepSpeed, checkpoints and releases see the same module. ``mode``:
+    one of `COMPILE_MODES` (``EngineConfig.compile_mode``). Returns the compiled module. The
+    one place the project applies ``torch.compile``."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(
+            f"engine.compile_mode={mode!r} is invalid; valid: {', '.join(COMPILE_MODES)}"
+        )
     target = getattr(model, "encoder", model)
     try:
-        target.compile(backend=backend)
+        target.compile(backend=backend, mode=None if mode == "default" else mode)
     except Exception as e:  # torch raises InvalidBackend (a RuntimeError) for unknown names
         if type(e).__name__ != "InvalidBackend":
             raise
@@ -598,7 +629,7 @@ class Engine:
         self.compiled = compile_wanted(cfg, model, self.device.type)
         """Whether the encoder is compiled (``engine.compile``, ``auto`` resolved)."""
         if self.compiled:
-            compile_encoder(model, cfg.compile_backend)
+            compile_encoder(model, cfg.compile_backend, cfg.compile_mode)
         model.to(self.device)
         self.optimizer = build_optimizer(model, optimizer, device_type=self.device.type)
         self.scheduler = build_scheduler(self.optimizer, schedule)  # wraps optimizer.step too

@@ -115,6 +115,7 @@ RESUMABLE_CHANGES = (
     "engine.dist_timeout_minutes",
     "engine.compile",
     "engine.compile_backend",
+    "engine.compile_mode",
     *TRACKER_KEYS,
     # These do change the order of the examples, but the loader state records them and refuses
     # a checkpoint saved with another setting (a clear error when it loads); listed here so that

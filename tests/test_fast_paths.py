@@ -168,6 +168,26 @@ def test_compile_config_errors():
     with pytest.raises(ValueError, match=r"engine\.compile="):
         EngineConfig(compile="yes")  # type: ignore[arg-type]
     EngineConfig(backend="deepspeed", zero_stage=3, compile="auto")  # auto: just not compiled
+    with pytest.raises(ValueError, match=r"engine\.compile_mode='fast'.*max-autotune"):
+        EngineConfig(compile=True, compile_mode="fast")
+    with pytest.raises(ValueError, match=r"compile_mode.*needs engine\.compile_backend=inductor"):
+        EngineConfig(compile=True, compile_mode="max-autotune", compile_backend="aot_eager")
+
+
+@pytest.mark.integration  # two Inductor compilations of the step: about 20 s
+def test_engine_compile_mode_reaches_inductor():
+    """engine.compile_mode is the mode Inductor compiles the encoder with (max-autotune turns on
+    its kernel autotuning), and the engine compiled with either mode takes a step."""
+    for mode, autotune in (("default", False), ("max-autotune-no-cudagraphs", True)):
+        torch._dynamo.reset()
+        model = EncoderForPretraining(tiny("softmax"))
+        engine = accumulating_engine(model, lr=1e-2, total_steps=4, compile=True, compile_mode=mode)
+        config = model.encoder._compiled_call_impl.get_compiler_config()
+        assert config["max_autotune"] is autotune, mode
+        assert engine.cfg.compile_mode == mode
+        ids, mask = batch(B=4)
+        step_in_two_micro_batches(engine, ids, mask)
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("family", ["softmax", "tisa", "kernel", "transject", "unmeasured"])
