@@ -7,7 +7,8 @@
 #   BUDGET=300 bash bench/gpu_pending.sh   # seconds for all the passes (default 540)
 #   ONLY="syncs_compiled" BUDGET=200 bash bench/gpu_pending.sh   # only those passes
 #
-# On the device machine: run(command="bash bench/gpu_pending.sh", carry=[".whl"], timeout_s=600).
+# On the device machine: run(command="bash bench/gpu_pending.sh", carry=[".whl"], timeout_s=600),
+# .whl/ made first here by bash bench/gpu_wheels.sh (a fresh checkout has none).
 # Passes: 1 compiled (softmax and TransJect compiled, as the recipes ship, unpadded: softmax's MFU
 # compiled on an H100, and the TransJect target compiled against compiled), 2 autotune (softmax
 # compiled with engine.compile_mode=max-autotune-no-cudagraphs, unpadded: Inductor's GEMM

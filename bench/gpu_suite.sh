@@ -20,7 +20,7 @@
 #   ENV_PART= PARTS=pretrain bash bench/gpu_suite.sh  # without the env part (a second pass)
 #
 # On the device machine (see BENCHMARKS.md): run(command="bash bench/gpu_suite.sh",
-# carry=[".whl"], timeout_s=600). .whl/ holds the wheels the image lacks (DeepSpeed built here
+# carry=[".whl"], timeout_s=600). .whl/ (made by bench/gpu_wheels.sh) holds the wheels the image lacks (DeepSpeed built here
 # with DS_BUILD_OPS=0, hjson, pydantic + pydantic-core + annotated-types + typing-inspection +
 # typing-extensions, omegaconf, pytorch-optimizer, zstandard); they are installed into
 # /tmp/site. Without $OUT the results go to bench/results/gpu/.
