@@ -198,7 +198,7 @@ def count_compiled_step(model, batch, max_masked: int, forward_only: bool = Fals
     for needed in ("ExternKernelSchedulerNode", "NopKernelSchedulerNode"):
         if not hasattr(inductor_scheduler, needed):
             raise RuntimeError(f"this torch's Inductor has no scheduler.{needed}: --compiled "
-                               "needs the Inductor internals of torch 2.6 to 2.13")  # fmt: skip
+                               "reads Inductor internals as torch 2.13 has them")  # fmt: skip
     ops: collections.Counter = collections.Counter()
     moved: collections.Counter = collections.Counter()
     by_op: collections.Counter = collections.Counter()
