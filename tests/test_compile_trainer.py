@@ -92,7 +92,7 @@ def test_compiled_trainer_zero2_bf16_mixed(shards, tmp_path, monkeypatch, capsys
     compiled, graphs, breaks = run(shards, tmp_path / "compiled", "softmax", extra, compiled=True)
     # The run says that its first steps pay the compilation, and how to turn it off.
     said = capsys.readouterr().err
-    assert "pretrain: encoder compiled (engine.compile=true, aot_eager)" in said
+    assert "pretrain: encoder compiled (engine.compile=true, aot_eager, mode default)" in said
     assert "engine.compile=false turns it off" in said
     assert not breaks, breaks
     assert 1 <= graphs <= 4, graphs
