@@ -98,6 +98,15 @@ def kind_of(name: str) -> str | None:
     return "compute" if name in COMPUTE or "attention" in name else "memory"
 
 
+def step_output(model, batch, max_masked: int, forward_only: bool):
+    """What one counted step computes: the recipe's model on `batch` and its pretraining loss,
+    or only the MLM logits for `forward_only`."""
+    from pretrain.objective import model_inputs, pretraining_loss
+
+    output = model(**model_inputs(batch, max_masked))
+    return output.logits if forward_only else pretraining_loss(output, batch).total
+
+
 def count_step(model, batch, max_masked: int, forward_only: bool = False) -> dict:
     """{"ops": {kind: count}, "bytes": {kind: bytes}, "by_op": {name: memory bytes}} of one
     forward + backward of `model` on `batch` under bf16 autocast (`forward_only`: one forward
@@ -105,8 +114,6 @@ def count_step(model, batch, max_masked: int, forward_only: bool = False) -> dic
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
-
-    from pretrain.objective import model_inputs, pretraining_loss
 
     class Traffic(TorchDispatchMode):
         def __init__(self):
@@ -133,11 +140,10 @@ def count_step(model, batch, max_masked: int, forward_only: bool = False) -> dic
     def step() -> None:
         if forward_only:
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-                model(**model_inputs(batch, max_masked))
+                step_output(model, batch, max_masked, forward_only)
             return
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            output = model(**model_inputs(batch, max_masked))
-            loss = pretraining_loss(output, batch).total
+            loss = step_output(model, batch, max_masked, forward_only)
         loss.backward()
         model.zero_grad(set_to_none=True)
 
@@ -193,7 +199,6 @@ def count_compiled_step(model, batch, max_masked: int, forward_only: bool = Fals
     from torch._inductor.graph import GraphLowering
 
     from model.orthogonal import evaluate_orthogonal_maps, orthogonal_cache
-    from pretrain.objective import model_inputs, pretraining_loss
 
     for needed in ("ExternKernelSchedulerNode", "NopKernelSchedulerNode"):
         if not hasattr(inductor_scheduler, needed):
@@ -222,19 +227,15 @@ def count_compiled_step(model, batch, max_masked: int, forward_only: bool = Fals
                 by_op[f"{phase[0]}: {name}"] += nbytes
         return out
 
-    def loss_of(batch):
-        output = model(**model_inputs(batch, max_masked))
-        return output.logits if forward_only else pretraining_loss(output, batch).total
-
     torch._dynamo.reset()  # a fresh, static-shape compilation for this batch size
-    compiled = torch.compile(loss_of, backend="inductor", dynamic=False)
+    compiled = torch.compile(step_output, backend="inductor", dynamic=False)
     GraphLowering.codegen = counting_codegen
     try:
         with inductor_config.patch(fx_graph_cache=False):  # a cached graph skips the codegen
             grad = contextlib.nullcontext() if not forward_only else torch.no_grad()
             with grad, orthogonal_cache() as store, torch.autocast("cpu", dtype=torch.bfloat16):
                 evaluate_orthogonal_maps(model, store)
-                loss = compiled(batch)
+                loss = compiled(model, batch, max_masked, forward_only)
             if not forward_only:
                 phase[0] = "backward"
                 loss.backward()
@@ -262,9 +263,9 @@ def measure(family: str, args) -> dict:
     # the same at every batch size, so the count grows linearly with the batch.
     max_masked = masking_budget(args.seq, cfg.data.masking)
     counts = {}
+    count = count_compiled_step if args.compiled else count_step
     for b in args.batches:
         batch = synthetic_batches(1, b, args.seq, args.vocab, padded=args.padding != "none")[0]
-        count = count_compiled_step if getattr(args, "compiled", False) else count_step
         counts[b] = count(model, batch, max_masked, args.forward_only)
     (b0, c0), (b1, c1) = sorted(counts.items())
     tokens0, tokens1 = b0 * args.seq, b1 * args.seq

@@ -545,12 +545,9 @@ def compile_encoder(
     """Compiles ``model.encoder`` (or ``model`` when it has no encoder) in place with
     ``nn.Module.compile``: parameters and state-dict keys stay as they are (no ``_orig_mod.``
     prefix), so optimizers, DeepSpeed, checkpoints and releases see the same module. ``mode``:
-    one of `COMPILE_MODES` (``EngineConfig.compile_mode``). Returns the compiled module. The
-    one place the project applies ``torch.compile``."""
-    if mode not in COMPILE_MODES:
-        raise ValueError(
-            f"engine.compile_mode={mode!r} is invalid; valid: {', '.join(COMPILE_MODES)}"
-        )
+    one of `COMPILE_MODES` (``EngineConfig.compile_mode``, which checks it; torch itself names
+    the valid modes for a direct caller). Returns the compiled module. The one place the
+    project applies ``torch.compile``."""
     target = getattr(model, "encoder", model)
     try:
         target.compile(backend=backend, mode=None if mode == "default" else mode)

@@ -614,8 +614,9 @@ class Trainer:
                 progress.write(
                     "pretrain: encoder compiled "
                     f"(engine.compile={str(cfg.engine.compile).lower()}, "
-                    f"{cfg.engine.compile_backend}, mode {cfg.engine.compile_mode}): the first steps pay the compilation (up to "
-                    "about 85 s per family on an H200); engine.compile=false turns it off"
+                    f"{cfg.engine.compile_backend}, mode {cfg.engine.compile_mode}): the first "
+                    "steps pay the compilation (up to about 85 s per family on an H200); "
+                    "engine.compile=false turns it off"
                 )
             elif cfg.engine.compile == "auto":
                 progress.write(

@@ -39,8 +39,8 @@ def test_operators_are_sorted(op, kind):
 def args_for(**kw) -> argparse.Namespace:
     base = dict(
         base="debug", seq=32, batches=[2, 4], target_batch=6, bandwidth=1e12, vocab=2000,
-        padding="none", top=5, override=[], forward_only=False, zero_stage=0, precision="fp32",
-        accumulation=1, device="cpu",
+        padding="none", top=5, override=[], forward_only=False, compiled=False, zero_stage=0,
+        precision="fp32", accumulation=1, device="cpu",
     )  # fmt: skip
     return argparse.Namespace(**{**base, **kw})
 
