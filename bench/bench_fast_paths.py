@@ -577,13 +577,26 @@ def formula_eigen_state(x0_BND, mask_BN, U_dd, reconstruction="scale_free"):
         return lam, ((target - recon) ** 2).mean(dim=(-2, -1))
 
 
+class ScatterGatePool:
+    """The gate's pooled gather as it was before `PooledAt` (the reference of
+    `transject-experts`'s `scatter_gate`): a plain gather, whose backward scatters into a
+    zero-filled tensor of the source's shape."""
+
+    @staticmethod
+    def apply(src, index, dim):
+        return src.gather(dim, index)
+
+
 def bench_transject_experts(args) -> dict:
     """TransJect training steps as they are against as they were, same model, interleaved, after
     checking every gradient equal: the expert block as products over the whole batch (now) vs
-    broadcast against the expert stacks (`broadcast_experts`), and the eigen-state in closed
-    form (now) vs its formulas (`formula_eigen_state`); each change alone and both."""
+    broadcast against the expert stacks (`broadcast_experts`), the eigen-state in closed form
+    (now) vs its formulas (`formula_eigen_state`), each change alone and both; and the gate's
+    pooled values with a dense backward (now) vs a gather's scatter (`scatter_gate`). With
+    `--compiled`: the encoder compiled as the engine does it (maps evaluated eagerly before it),
+    now vs scatter_gate only."""
     import model.attention.transject as transject_module
-    from model.attention.transject import TransJectAttention
+    from model.attention.transject import PooledAt, TransJectAttention
 
     dev, N = args.device, args.seq[0]
     ids, mask = make_batch(args, N, dev)
@@ -594,25 +607,44 @@ def bench_transject_experts(args) -> dict:
     cfg = model_config("transject", args, transject=transject, num_hidden_groups=args.layers)
     tj = EncoderForPretraining(cfg).to(dev)
     step = pretraining_step(tj, ids, mask, autocast_for(args))
+    if args.compiled:
+        from engine.engine import compile_encoder
+        from model.orthogonal import evaluate_orthogonal_maps, orthogonal_cache
+
+        compile_encoder(tj, args.compile_backend)
+        eager_step = step
+
+        def step():  # the engine's maps up front, then the compiled encoder
+            with orthogonal_cache() as store:
+                evaluate_orthogonal_maps(tj, store)
+                eager_step()
+
     batched, closed_form = TransJectAttention.experts, transject_module.approximate_eigenvalues
     variants = {
-        "now": (batched, closed_form),
-        "broadcast_experts": (broadcast_experts, closed_form),
-        "formula_eigen_state": (batched, formula_eigen_state),
-        "before": (broadcast_experts, formula_eigen_state),
+        "now": (batched, closed_form, PooledAt),
+        "broadcast_experts": (broadcast_experts, closed_form, PooledAt),
+        "formula_eigen_state": (batched, formula_eigen_state, PooledAt),
+        "before": (broadcast_experts, formula_eigen_state, PooledAt),
+        "scatter_gate": (batched, closed_form, ScatterGatePool),
     }
+    # scatter_gate differs from now only compiled (eagerly `pool_at` gathers in both); compiled,
+    # a graph per variant: the two the compiled step is about
+    keep = ("now", "scatter_gate") if args.compiled else tuple(variants)[:4]
+    variants = {k: variants[k] for k in keep}
 
     def with_variant(name):
-        experts, eigen = variants[name]
+        experts, eigen, pool = variants[name]
 
         def run():
             TransJectAttention.experts = experts
             transject_module.approximate_eigenvalues = eigen
+            transject_module.PooledAt = pool
             try:
                 step()
             finally:
                 TransJectAttention.experts = batched
                 transject_module.approximate_eigenvalues = closed_form
+                transject_module.PooledAt = PooledAt
 
         return run
 
@@ -647,6 +679,7 @@ def bench_transject_experts(args) -> dict:
         "seq": N,
         "batch": args.batch,
         "dtype": args.dtype,
+        "compiled": args.compiled,
         **{f"{k}_ms": 1000 * v for k, v in t.items()},
         **{f"{k}_over_now": v / t["now"] for k, v in t.items() if k != "now"},
         "largest_gradient_difference_relative": differences,
@@ -1232,7 +1265,8 @@ def main() -> None:
     p.add_argument(
         "--compiled",
         action="store_true",
-        help="orthogonal-step / orthogonal-shard: both engines with engine.compile",
+        help="orthogonal-step / orthogonal-shard: both engines with engine.compile; "
+        "transject-experts: the encoder compiled as the engine does (now vs scatter_gate)",
     )
     p.add_argument("--examples", type=int, default=1024, help="grouping: training examples")
     p.add_argument("--documents", type=int, default=2000, help="pretrain-padding: documents")
@@ -1252,7 +1286,7 @@ def main() -> None:
     )
     p.add_argument(
         "--only",
-        choices=["now", "broadcast_experts", "formula_eigen_state", "before"],
+        choices=["now", "broadcast_experts", "formula_eigen_state", "before", "scatter_gate"],
         default=None,
         help="transject-experts: run one variant alone and report its peak memory (CPU: the "
         "process's peak RSS; CUDA: torch's peak allocation)",

@@ -19,6 +19,7 @@ from model.attention.transject import (
     LAMBDA_KEY,
     RECONSTRUCTION_KEY,
     EigenState,
+    PooledAt,
     TransJectAttention,
     TransJectEmbeddings,
     TransJectLayer,
@@ -29,7 +30,12 @@ from model.attention.transject import (
 from model.config import EncoderConfig
 from model.encoder import Encoder
 from model.heads import EncoderForPretraining, EncoderForSequenceClassification
-from model.orthogonal import orthogonal_modules, orthogonality_error
+from model.orthogonal import (
+    evaluate_orthogonal_maps,
+    orthogonal_cache,
+    orthogonal_modules,
+    orthogonality_error,
+)
 
 
 def debug_cfg(**overrides) -> EncoderConfig:
@@ -750,3 +756,111 @@ def test_gate_input_options():
         (x, ctx), *_ = encoder.trace(ids, mask)
         w = encoder.groups[0][0].attention.expert_weights(x, ctx)
         assert torch.allclose(w, torch.full_like(w, 1 / 3), atol=1e-6) == uniform
+
+
+# --------------------------------------------------------------------------------------------
+# The gate's pooled values: a gather whose backward is dense (PooledAt)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pooled", [1, 4])  # the experts' (one token each) and X's (E tokens)
+def test_pooled_at_gradient_is_the_gather_gradient(pooled):
+    """PooledAt's forward is gather's and its backward is gather's (scatter-add): exactly, with
+    one pooled entry per position; with E entries, some at the same token, up to the order of
+    the sums."""
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(3, 10, 6, generator=g, dtype=torch.float64)
+    index = torch.randint(0, 10, (3, pooled, 6), generator=g)
+    index[0, :, 0] = 7  # every pooled entry of one column on one token: their gradients add
+    upstream = torch.randn(3, pooled, 6, generator=g, dtype=torch.float64)
+    grads = []
+    for pool in (PooledAt.apply, lambda s, i, d: s.gather(d, i)):
+        leaf = src.clone().requires_grad_()
+        out = pool(leaf, index, 1)
+        torch.testing.assert_close(out, src.gather(1, index), rtol=0, atol=0)
+        (out * upstream).sum().backward()
+        grads.append(leaf.grad)
+    if pooled == 1:
+        assert torch.equal(grads[0], grads[1])
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-15, atol=1e-15)
+    assert grads[0][0, 7, 0] == upstream[0, :, 0].sum()  # the tied column's entries summed
+    assert torch.autograd.gradcheck(lambda s: PooledAt.apply(s, index, 1), src.requires_grad_())
+
+
+@pytest.mark.parametrize("gate_input", ["sublayer", "attention"])
+def test_gate_gradients_match_a_max_over_tokens(gate_input):
+    """The whole attention's gradients, eager (the pooled values' gather) and compiled
+    (`PooledAt`'s dense backward), against the gate as the authors write it: a masked max over
+    the tokens of the (E, B, N, d) sublayer outputs with autograd's own backward, padding
+    included."""
+    torch.manual_seed(5)
+    cfg = debug_cfg(transject={"num_experts": 3, "gate_input": gate_input, "residual_init": 1.0})
+    encoder = Encoder(cfg).train()
+    ids, mask = random_batch(cfg, B=3, N=10, lengths=[10, 6, 3])
+    (x, ctx), *_ = encoder.trace(ids, mask)
+    attn = encoder.groups[0][0].attention
+    x = x.detach().double().requires_grad_()
+    attn.double()
+    ctx.extras[LAMBDA_KEY] = ctx.extras[LAMBDA_KEY].detach().double()
+    ctx.residual_gate = ctx.residual_gate.detach().double()
+
+    def reference(x):
+        a_EBND, _ = attn.experts(x, ctx)  # the expert outputs (the weights recomputed below)
+        alpha = torch.tanh(ctx.residual_gate) / cfg.num_layer_applications
+        gated = x[None] + alpha * a_EBND if gate_input == "sublayer" else a_EBND
+        gated = gated.masked_fill(~mask[None, :, :, None], float("-inf"))
+        w_BE = attn.gate(gated.amax(dim=2)).squeeze(-1).T.float().softmax(dim=-1)  # as ours
+        return torch.einsum("be,ebnd->bnd", w_BE.double(), a_EBND)
+
+    def ours(x):
+        return attn(x, ctx).hidden_BND
+
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)  # PooledAt's backward
+    upstream = torch.randn_like(x)
+    results = []
+    for fn in (reference, ours, compiled):
+        attn.zero_grad()
+        x.grad = None
+        with orthogonal_cache() as store:  # the same matrices for all three (as the engine)
+            evaluate_orthogonal_maps(attn, store)
+            out = fn(x)
+        (out * upstream).sum().backward()
+        results.append([x.grad.clone()] + [p.grad.clone() for p in attn.parameters()])
+    torch._dynamo.reset()
+    for grads in results[1:]:  # eager (gather's scatter) and compiled (dense)
+        for ours_grad, reference_grad in zip(grads, results[0]):
+            torch.testing.assert_close(ours_grad, reference_grad, rtol=1e-9, atol=1e-12)
+    assert results[0][-1].abs().max() > 0  # the gate's weight has a gradient
+
+
+def test_compiled_gate_backward_has_no_scatter():
+    """Traced for torch.compile, the attention's backward graph routes the pooled gradients
+    without a scatter (the dense expression Inductor fuses), and its forward gathers."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    torch._dynamo.reset()
+    cfg = debug_cfg(transject={"num_experts": 3, "residual_init": 1.0})
+    encoder = Encoder(cfg).train()
+    ids, mask = random_batch(cfg, B=2, N=8, lengths=[8, 5])
+    (x, ctx), *_ = encoder.trace(ids, mask)
+    x = x.detach().requires_grad_()
+    attn = encoder.groups[0][0].attention
+    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    compiled = torch.compile(lambda x: attn(x, ctx).hidden_BND, backend=backend, fullgraph=True)
+    compiled(x).sum().backward()
+    torch._dynamo.reset()
+    assert any("gather" in op for op in graphs["forward"]), graphs["forward"]
+    scatters = sorted(op for op in graphs["backward"] if "scatter" in op or "index_put" in op)
+    assert not scatters, scatters
+    assert x.grad is not None and attn.gate.weight.grad.abs().max() > 0

@@ -349,6 +349,58 @@ def _linear_default_init_(param: Tensor, fan_in: int) -> None:
     nn.init.uniform_(param, -bound, bound)
 
 
+class PooledAt(torch.autograd.Function):
+    """`src.gather(dim, index)` for the gate's max-pool, whose backward is one dense expression.
+
+    The gradient of a gather is a scatter into a zero-filled tensor of src's shape: compiled,
+    one kernel fills it, another scatters, and the next kernel of the backward reads it again,
+    for each of the (E, B, N, d) expert outputs and the (B, N, d) input, every layer. Here
+    grad_src[..., n, ...] = sum_j where(index[..., j, ...] == n, grad[..., j, ...], 0), over
+    the k = index.size(dim) pooled entries (1 for the experts, E for X): a broadcast of the
+    small (index, grad) pair that Inductor fuses into the kernel consuming the gradient, so
+    nothing of src's size is written for it (a compiled TransJect step moves 20% fewer bytes:
+    BENCHMARKS.md, memory traffic). The gradient is the scatter's exactly where the indices
+    along `dim` differ; k = E pooled entries on one token of X add up in another order (fp
+    rounding). Eagerly the broadcast is the slower (it writes a comparison and a result of
+    src's size per pooled entry; a layer's two pooled gathers at 8 x 128, d = 768, CPU:
+    backward 6.6 against 1.7 ms), so `pool_at` uses it only under torch.compile.
+
+    apply(src, index, dim) -> src.gather(dim, index); no gradient for the index.
+    """
+
+    @staticmethod
+    def forward(src: Tensor, index: Tensor, dim: int) -> Tensor:
+        return src.gather(dim, index)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        src, index, dim = inputs
+        ctx.save_for_backward(index)
+        ctx.dim, ctx.size = dim, src.size(dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (index,) = ctx.saved_tensors
+        dim = ctx.dim % grad.dim()
+        shape = [1] * grad.dim()
+        shape[dim] = ctx.size
+        positions = torch.arange(ctx.size, device=grad.device).view(shape)
+        zero = grad.new_zeros(())
+        total = None
+        for j in range(index.size(dim)):  # k is static: 1 or E
+            term = torch.where(index.narrow(dim, j, 1) == positions, grad.narrow(dim, j, 1), zero)
+            total = term if total is None else total + term
+        return total, None, None
+
+
+def pool_at(src: Tensor, index: Tensor, dim: int) -> Tensor:
+    """`src.gather(dim, index)`: with `PooledAt`'s dense backward under torch.compile (fused by
+    Inductor), with gather's scatter eagerly (the faster of the two there)."""
+    if torch.compiler.is_compiling():
+        return PooledAt.apply(src, index, dim)
+    return src.gather(dim, index)
+
+
 class ExpertBias(nn.Module):
     """A per-expert bias (E, d), in a module of its own so that a sharded engine (ZeRO-3), which
     gathers a module's parameters around its forward and backward, sees it used.
@@ -454,7 +506,8 @@ class TransJectAttention(Attention):
         # authors pool each expert's sublayer output X + alpha A_e(X).
         # The max over tokens picks one token per (expert, sample, feature): found without
         # gradients, then the pooled values gathered from X and A_e, so autograd keeps an index
-        # (E, B, d) instead of the (E, B, N, d) sum, and the backward scatters into X and A_e
+        # (E, B, d) instead of the (E, B, N, d) sum, and the backward routes each pooled gradient
+        # to its token (`pool_at`: compiled, a dense expression Inductor fuses, no scatter)
         # (at exactly tied maxima, possible in bf16, the gradient goes to one of them where
         # amax's split it evenly: both are gradients of the max). Padding is excluded by the
         # lowest value of the dtype, put into X (B, N, d) before the sum; X + alpha A_e there
@@ -469,13 +522,14 @@ class TransJectAttention(Attention):
                 index_EB1D = sublayer_EBND.argmax(dim=2, keepdim=True)
             # x[b, index[e, b, k], k], gathered along the tokens of X itself (B, E, d)
             index_BED = index_EB1D.squeeze(2).transpose(0, 1)
-            x_pooled_EBD = x_BND.gather(1, index_BED).transpose(0, 1)
-            pooled_EBD = x_pooled_EBD + alpha * a_EBND.gather(2, index_EB1D).squeeze(2)
+            x_pooled_EBD = pool_at(x_BND, index_BED, 1).transpose(0, 1)
+            a_pooled_EBD = pool_at(a_EBND, index_EB1D, 2).squeeze(2)
+            pooled_EBD = x_pooled_EBD + alpha * a_pooled_EBD
         else:
             with torch.no_grad():
                 masked_EBND = a_EBND.masked_fill(padding_BN1[None], torch.finfo(a_EBND.dtype).min)
                 index_EB1D = masked_EBND.argmax(dim=2, keepdim=True)
-            pooled_EBD = a_EBND.gather(2, index_EB1D).squeeze(2)
+            pooled_EBD = pool_at(a_EBND, index_EB1D, 2).squeeze(2)
         has_tokens_1B1 = ctx.mask_BN.any(dim=1)[None, :, None]
         pooled_EBD = pooled_EBD.masked_fill(~has_tokens_1B1, 0.0)  # all-padding sample: no -inf
         w_BE = self.gate(pooled_EBD).squeeze(-1).T.float().softmax(dim=-1)
@@ -652,12 +706,14 @@ __all__ = [
     "RECONSTRUCTION_KEY",
     "EigenState",
     "ExpertBias",
+    "PooledAt",
     "TransJectAttention",
     "TransJectEmbeddings",
     "TransJectLayer",
     "approximate_eigenvalues",
     "eigenbasis_error",
     "expert_weights",
+    "pool_at",
     "residual_alpha",
     "sinusoidal_encoding",
     "transject_diagnostics",
