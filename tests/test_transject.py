@@ -836,7 +836,8 @@ def test_gate_gradients_match_a_max_over_tokens(gate_input):
 
 def test_compiled_gate_backward_has_no_scatter():
     """Traced for torch.compile, the attention's backward graph routes the pooled gradients
-    without a scatter (the dense expression Inductor fuses), and its forward gathers."""
+    without a scatter (the dense expression Inductor fuses), its forward gathers, and the
+    experts are mixed by a sum, not a product (one bmm: the V products)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -844,7 +845,7 @@ def test_compiled_gate_backward_has_no_scatter():
 
     def keep(name):
         def compiler(gm, example_inputs):
-            graphs[name] = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+            graphs[name] = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
             return make_boxed_func(gm.forward)
 
         return compiler
@@ -861,6 +862,7 @@ def test_compiled_gate_backward_has_no_scatter():
     compiled(x).sum().backward()
     torch._dynamo.reset()
     assert any("gather" in op for op in graphs["forward"]), graphs["forward"]
+    assert graphs["forward"].count("aten.bmm.default") == 1, graphs["forward"]
     scatters = sorted(op for op in graphs["backward"] if "scatter" in op or "index_put" in op)
     assert not scatters, scatters
     assert x.grad is not None and attn.gate.weight.grad.abs().max() > 0

@@ -401,6 +401,18 @@ def pool_at(src: Tensor, index: Tensor, dim: int) -> Tensor:
     return src.gather(dim, index)
 
 
+def mix_experts(w_BE: Tensor, a_EBND: Tensor) -> Tensor:
+    """sum_e w_e A_e, (B, N, d). Eagerly one batched product (the einsum reads A once; a
+    product then a sum would write one more tensor of A's size). Under torch.compile a sum over
+    the expert axis, which Inductor fuses with the ELU that makes A: the einsum's product
+    needs A in a (B, N d, E) layout for its backward, so compiled, every forward wrote that
+    copy of A (a compiled TransJect step moves 8% fewer bytes without it: BENCHMARKS.md,
+    memory traffic)."""
+    if torch.compiler.is_compiling():
+        return (w_BE.T[:, :, None, None] * a_EBND).sum(dim=0)
+    return torch.einsum("be,ebnd->bnd", w_BE, a_EBND)
+
+
 class ExpertBias(nn.Module):
     """A per-expert bias (E, d), in a module of its own so that a sharded engine (ZeRO-3), which
     gathers a module's parameters around its forward and backward, sees it used.
@@ -541,7 +553,7 @@ class TransJectAttention(Attention):
 
     def forward(self, x_BND: Tensor, ctx: LayerContext) -> AttentionOutput:
         a_EBND, w_BE = self.experts(x_BND, ctx)
-        out_BND = torch.einsum("be,ebnd->bnd", w_BE.to(a_EBND.dtype), a_EBND)
+        out_BND = mix_experts(w_BE.to(a_EBND.dtype), a_EBND)
         return AttentionOutput(out_BND, {})
 
 
@@ -713,6 +725,7 @@ __all__ = [
     "approximate_eigenvalues",
     "eigenbasis_error",
     "expert_weights",
+    "mix_experts",
     "pool_at",
     "residual_alpha",
     "sinusoidal_encoding",
