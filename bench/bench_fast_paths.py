@@ -587,16 +587,23 @@ class ScatterGatePool:
         return src.gather(dim, index)
 
 
+def einsum_mix(w_BE, a_EBND):
+    """The experts mixed by the einsum also under torch.compile, as before `mix_experts` (the
+    reference of `transject-experts`'s `einsum_mix`)."""
+    return torch.einsum("be,ebnd->bnd", w_BE, a_EBND)
+
+
 def bench_transject_experts(args) -> dict:
     """TransJect training steps as they are against as they were, same model, interleaved, after
     checking every gradient equal: the expert block as products over the whole batch (now) vs
     broadcast against the expert stacks (`broadcast_experts`), the eigen-state in closed form
-    (now) vs its formulas (`formula_eigen_state`), each change alone and both; and the gate's
-    pooled values with a dense backward (now) vs a gather's scatter (`scatter_gate`). With
-    `--compiled`: the encoder compiled as the engine does it (maps evaluated eagerly before it),
-    now vs scatter_gate only."""
+    (now) vs its formulas (`formula_eigen_state`), each change alone and both. With
+    `--compiled` (the encoder compiled as the engine does it, maps evaluated eagerly before it):
+    the gate's pooled values with a dense backward (now) vs a gather's scatter
+    (`scatter_gate`), the experts mixed by a sum (now) vs the einsum (`einsum_mix`), and both
+    (`before_compiled`)."""
     import model.attention.transject as transject_module
-    from model.attention.transject import PooledAt, TransJectAttention
+    from model.attention.transject import TransJectAttention
 
     dev, N = args.device, args.seq[0]
     ids, mask = make_batch(args, N, dev)
@@ -619,32 +626,42 @@ def bench_transject_experts(args) -> dict:
                 evaluate_orthogonal_maps(tj, store)
                 eager_step()
 
-    batched, closed_form = TransJectAttention.experts, transject_module.approximate_eigenvalues
+    # each variant: what it replaces, as (owner, attribute) -> the replacement
+    experts_at, eigen_at = (
+        (TransJectAttention, "experts"),
+        (transject_module, "approximate_eigenvalues"),
+    )
+    pool_at, mix_at = (transject_module, "PooledAt"), (transject_module, "mix_experts")
     variants = {
-        "now": (batched, closed_form, PooledAt),
-        "broadcast_experts": (broadcast_experts, closed_form, PooledAt),
-        "formula_eigen_state": (batched, formula_eigen_state, PooledAt),
-        "before": (broadcast_experts, formula_eigen_state, PooledAt),
-        "scatter_gate": (batched, closed_form, ScatterGatePool),
+        "now": {},
+        "broadcast_experts": {experts_at: broadcast_experts},
+        "formula_eigen_state": {eigen_at: formula_eigen_state},
+        "before": {experts_at: broadcast_experts, eigen_at: formula_eigen_state},
+        # these two differ from now only compiled (eagerly the gate gathers and the mix is the
+        # einsum in every variant)
+        "scatter_gate": {pool_at: ScatterGatePool},
+        "einsum_mix": {mix_at: einsum_mix},
+        "before_compiled": {pool_at: ScatterGatePool, mix_at: einsum_mix},
     }
-    # scatter_gate differs from now only compiled (eagerly `pool_at` gathers in both); compiled,
-    # a graph per variant: the two the compiled step is about
-    keep = ("now", "scatter_gate") if args.compiled else tuple(variants)[:4]
+    # compiled: a graph per variant, the ones the compiled step is about
+    compiled_variants = ("now", "scatter_gate", "einsum_mix", "before_compiled")
+    keep = (
+        (args.only,) if args.only else compiled_variants if args.compiled else tuple(variants)[:4]
+    )
     variants = {k: variants[k] for k in keep}
 
     def with_variant(name):
-        experts, eigen, pool = variants[name]
+        patches = variants[name]
+        originals = {at: getattr(*at) for at in patches}
 
         def run():
-            TransJectAttention.experts = experts
-            transject_module.approximate_eigenvalues = eigen
-            transject_module.PooledAt = pool
+            for (owner, attribute), replacement in patches.items():
+                setattr(owner, attribute, replacement)
             try:
                 step()
             finally:
-                TransJectAttention.experts = batched
-                transject_module.approximate_eigenvalues = closed_form
-                transject_module.PooledAt = PooledAt
+                for (owner, attribute), original in originals.items():
+                    setattr(owner, attribute, original)
 
         return run
 
@@ -1286,7 +1303,15 @@ def main() -> None:
     )
     p.add_argument(
         "--only",
-        choices=["now", "broadcast_experts", "formula_eigen_state", "before", "scatter_gate"],
+        choices=[
+            "now",
+            "broadcast_experts",
+            "formula_eigen_state",
+            "before",
+            "scatter_gate",
+            "einsum_mix",
+            "before_compiled",
+        ],
         default=None,
         help="transject-experts: run one variant alone and report its peak memory (CPU: the "
         "process's peak RSS; CUDA: torch's peak allocation)",
