@@ -204,6 +204,29 @@ def test_qkv_is_one_product_and_parameters_are_unchanged():
     assert len(log.matmuls()) == 3
 
 
+def test_fused_qkv_backward_writes_one_gradient_of_its_size():
+    """The backward of the fused projection's split writes the q, k, v gradients once, stacked
+    straight into the product's (B, N, 3, H, h) layout: one (B N, 3 d) tensor, no second copy
+    (splitting a heads-first permutation stacked them heads-first, then copied them back)."""
+    torch.manual_seed(0)
+    attn = EncoderForPretraining(tiny("softmax")).encoder.groups[0][0].attention
+    B, N, d = 4, 16, attn.query.in_features  # B N > d: the gradients outgrow the weight's
+    x = torch.randn(B, N, d, requires_grad=True)
+    q, k, v = attn.project_qkv(x)
+    grads = [torch.randn_like(t) for t in (q, k, v)]
+    log = OpLog()
+    with log:
+        torch.autograd.backward((q, k, v), grads)
+    qkv_sized = [(name, n) for name, n in log.writes() if n >= B * N * 3 * d]
+    assert qkv_sized == [("stack", B * N * 3 * d)], log.writes()
+    # the gradients themselves, against the three separate projections
+    x_ref = x.detach().clone().requires_grad_()
+    outs = [lin(x_ref).view(B, N, attn.num_heads, -1).transpose(1, 2)
+            for lin in (attn.query, attn.key, attn.value)]  # fmt: skip
+    torch.autograd.backward(outs, grads)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_fused_qkv_weight_is_made_once_per_forward(monkeypatch, checkpointing, autocast):

@@ -190,8 +190,12 @@ class MultiHeadAttention(Attention):
         weight, bias = self.qkv_weight() if cached is None else cached
         B, N, _ = x_BND.shape
         qkv_BN3Hh = F.linear(x_BND, weight, bias).view(B, N, 3, self.num_heads, -1)
-        q_BHNh, k_BHNh, v_BHNh = qkv_BN3Hh.permute(2, 0, 3, 1, 4).unbind(0)
-        return q_BHNh, k_BHNh, v_BHNh
+        # Unbound along the projection's own axis, then transposed: the backward stacks the
+        # three gradients straight into the product's (B, N, 3, H, h) layout. Unbinding a
+        # (3, B, H, N, h) permutation (the same views) stacked them heads-first and then needed
+        # one more copy back into that layout.
+        q_BNHh, k_BNHh, v_BNHh = qkv_BN3Hh.unbind(2)
+        return q_BNHh.transpose(1, 2), k_BNHh.transpose(1, 2), v_BNHh.transpose(1, 2)
 
     def forward(self, x_BND: Tensor, ctx: LayerContext) -> AttentionOutput:
         q_BHNh, k_BHNh, v_BHNh = self.project_qkv(x_BND)
