@@ -13,7 +13,9 @@
 # compiled on an H100, and the TransJect target compiled against compiled), 2 autotune (softmax
 # compiled with engine.compile_mode=max-autotune-no-cudagraphs, unpadded: Inductor's GEMM
 # autotuning and epilogue fusion, the lever left for the MFU target once the compiled step's
-# memory traffic is counted, BENCHMARKS "Memory traffic ... compiled"), 3 profile (where
+# memory traffic is counted, BENCHMARKS "Memory traffic ... compiled"), compile_check (TransJect's
+# compiled steps finite and equal to eager on the GPU, its compiled gate and mixture being new
+# since the last GPU check: check_compiled_steps.py, eager / aot_eager / inductor), 3 profile (where
 # softmax's and TransJect's albert-base steps spend their time, per operator and kind of work:
 # what holds TransJect's gap; and the LAMB step alone), 4 batch128 (softmax compiled at
 # micro-batch 128, unpadded: larger GEMMs), 5 scaling_compiled (one layer forward at N = 4096
@@ -59,6 +61,7 @@ pass compiled 180 240 PARTS=pretrain COMPILE=recipe \
 pass autotune 150 240 ENV_PART= PARTS=pretrain COMPILE=recipe \
   EXTRA=engine.compile_mode=max-autotune-no-cudagraphs \
   "PRETRAIN=--configs albert-base-512 --families softmax --padding none --steps 6 --timeout 230"
+pass compile_check 150 360 ENV_PART= PARTS=compilecheck
 pass profile 100 120 ENV_PART= PARTS="profile lamb" PROFILE="--steps 3 --warmup 2"
 pass batch128 90 120 ENV_PART= PARTS=pretrain COMPILE=recipe \
   "PRETRAIN=--configs albert-base-512 --families softmax --padding none --batch 128 --steps 6 --timeout 110"
