@@ -1,7 +1,9 @@
 """The LAMB step on a recipe's parameters: ours (``engine.lamb.Lamb``) as the engine runs it
-(``skip`` a device tensor: a step that may be skipped without asking the host), ours as a plain
-optimizer (``skip`` None), and the reference per-tensor LAMB it is checked against
-(``pytorch_optimizer.Lamb``, ``weight_decouple=False``, ``adam_debias=True``: the same formula).
+(``skip`` a device tensor: a step that may be skipped without asking the host), the same with its
+arithmetic compiled (``optimizer.implementation: compiled``; the warm-up steps include the
+compilation), ours as a plain optimizer (``skip`` None), and the reference per-tensor LAMB it is
+checked against (``pytorch_optimizer.Lamb``, ``weight_decouple=False``, ``adam_debias=True``: the
+same formula).
 
 The parameters have the shapes of the recipe's model (built on the meta device, then
 materialised with random values), the gradients are random and fixed; each variant owns a copy
@@ -10,6 +12,7 @@ of them and its own state; the variants' steps are interleaved, median of ``--re
 
     python bench/bench_lamb.py --recipe albert-base-transject --device cpu --threads 2
     python bench/bench_lamb.py --recipe albert-base albert-base-transject --device cuda
+    python bench/bench_lamb.py --traffic --recipe albert-base albert-base-transject  # bytes/param
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-VARIANTS = ("ours_skippable", "ours_plain", "pytorch_optimizer")
+VARIANTS = ("ours_skippable", "ours_compiled", "ours_plain", "pytorch_optimizer")
 
 
 def recipe_shapes(recipe: str) -> list[torch.Size]:
@@ -48,8 +52,8 @@ def make_optimizer(variant: str, params: list[torch.nn.Parameter]):
         return Reference(params, lr=lr, weight_decay=wd, weight_decouple=False, adam_debias=True)
     from engine.lamb import Lamb
 
-    opt = Lamb(params, lr=lr, weight_decay=wd)
-    if variant == "ours_skippable":
+    opt = Lamb(params, lr=lr, weight_decay=wd, compiled=variant == "ours_compiled")
+    if variant in ("ours_skippable", "ours_compiled"):
         opt.skip = torch.tensor(False, device=params[0].device)
     return opt
 
@@ -101,6 +105,41 @@ def bench_recipe(recipe: str, args) -> dict:
     return row
 
 
+def count_traffic(recipe: str) -> dict:
+    """Bytes moved per parameter by one step of ours as the engine runs it (``skip`` set),
+    eagerly (every operator's tensor inputs and outputs, bench/traffic_per_token.py's count)
+    and compiled (the bytes of the kernels Inductor generates, by its scheduler's estimate);
+    on the CPU, no timing: the same operators a GPU runs, the compiled kernels the CPU's."""
+    import torch._dynamo
+    from traffic_per_token import InductorTraffic, eager_traffic
+
+    import engine.lamb
+
+    shapes = recipe_shapes(recipe)
+    numel = sum(s.numel() for s in shapes)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    values = [torch.randn(s, generator=g) * 0.02 for s in shapes]
+    row: dict = {"recipe": recipe, "tensors": len(shapes), "parameters": numel}
+    for variant in ("ours_skippable", "ours_compiled"):
+        params = [torch.nn.Parameter(v.clone()) for v in values]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) * 1e-3
+        opt = make_optimizer(variant, params)
+        torch._dynamo.reset()
+        engine.lamb._COMPILED.clear()
+        if variant == "ours_compiled":  # the first step compiles: its kernels are counted
+            with InductorTraffic("step") as traffic:
+                opt.step()
+        else:
+            opt.step()  # the moments made (zeros) outside the count
+            with eager_traffic() as traffic:
+                opt.step()
+        row[f"{variant}_bytes_per_parameter"] = traffic.bytes.get("memory", 0) / numel
+        row[f"{variant}_kernels"] = sum(traffic.ops.values())
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--recipe", nargs="+", default=["albert-base", "albert-base-transject"])
@@ -109,10 +148,22 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument(
+        "--traffic",
+        action="store_true",
+        help="count the bytes moved per parameter (eager vs compiled) instead of timing",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.traffic:
+        rows = [count_traffic(recipe) for recipe in args.recipe]
+        if args.out:
+            args.out.write_text(
+                json.dumps({"args": vars(args), "rows": rows}, default=str, indent=2)
+            )
+        return
     rows = [bench_recipe(recipe, args) for recipe in args.recipe]
     print(f"\nLAMB step, {args.device}, torch {torch.__version__}; ms (median of {args.repeats})\n")
     print("| recipe | tensors | parameters | " + " | ".join(args.variants) + " |")

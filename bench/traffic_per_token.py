@@ -107,10 +107,10 @@ def step_output(model, batch, max_masked: int, forward_only: bool):
     return output.logits if forward_only else pretraining_loss(output, batch).total
 
 
-def count_step(model, batch, max_masked: int, forward_only: bool = False) -> dict:
-    """{"ops": {kind: count}, "bytes": {kind: bytes}, "by_op": {name: memory bytes}} of one
-    forward + backward of `model` on `batch` under bf16 autocast (`forward_only`: one forward
-    without gradients, the model in eval mode)."""
+def eager_traffic():
+    """A `TorchDispatchMode` that counts, while active, every operator that is not a view: its
+    kind (`kind_of`) and the bytes of its tensor inputs and outputs, in `ops`, `bytes` and
+    `by_op` (memory-bound operators by name)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
@@ -137,6 +137,15 @@ def count_step(model, batch, max_masked: int, forward_only: bool = False) -> dic
                     self.by_op[name] += moved
             return out
 
+    return Traffic()
+
+
+def count_step(model, batch, max_masked: int, forward_only: bool = False) -> dict:
+    """{"ops": {kind: count}, "bytes": {kind: bytes}, "by_op": {name: memory bytes}} of one
+    forward + backward of `model` on `batch` under bf16 autocast (`forward_only`: one forward
+    without gradients, the model in eval mode)."""
+    import torch
+
     def step() -> None:
         if forward_only:
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -148,7 +157,7 @@ def count_step(model, batch, max_masked: int, forward_only: bool = False) -> dic
         model.zero_grad(set_to_none=True)
 
     step()  # first-step work (lazy state, caches) stays out of the count
-    with Traffic() as traffic:
+    with eager_traffic() as traffic:
         step()
     return {"ops": dict(traffic.ops), "bytes": dict(traffic.bytes), "by_op": dict(traffic.by_op)}
 
@@ -179,39 +188,32 @@ def _fused_label(scheduler_node) -> str:
     return "+".join(named)
 
 
-def count_compiled_step(model, batch, max_masked: int, forward_only: bool = False) -> dict:
-    """`count_step` for the step compiled by Inductor (what the recipes run on a GPU): the
-    model's forward and loss compiled as one function (the engine compiles the encoder and
-    leaves the heads eager; here the heads are compiled too, the same for every family), its
-    forward and backward graphs each counted from Inductor's scheduler as it generates them.
-    Each fused kernel counts the bytes Inductor's scheduler estimates it reads and writes
-    (`get_read_write_buffers_sizes`: each buffer once, at most its size); an extern kernel (a
-    matrix product, an attention kernel, or an operator Inductor leaves to ATen) is sorted by
-    `kind_of` like an eager operator. TransJect's orthogonal maps are evaluated before the
-    compiled function, as the engine does, and not counted (a fixed, weight-sized cost).
+class InductorTraffic:
+    """Counts, while active (a context manager), every kernel Inductor generates: its kind
+    (`kind_of` for an extern kernel, "memory" for a fused one) and the bytes its scheduler
+    estimates it reads and writes (`get_read_write_buffers_sizes`: each buffer once, at most its
+    size), in `ops`, `bytes` and `by_op` (memory-bound kernels named by the operators they
+    fused, prefixed with `phase`). Compilations it should see must happen while it is active,
+    with Inductor's FX graph cache off (a cached graph skips the code generation).
 
     Uses Inductor internals (`GraphLowering.codegen`, the scheduler's nodes); a torch that
     renames them fails here with a clear error, never with a silent zero."""
-    import torch
-    import torch._dynamo
-    from torch._inductor import config as inductor_config
-    from torch._inductor import scheduler as inductor_scheduler
-    from torch._inductor.graph import GraphLowering
 
-    from model.orthogonal import evaluate_orthogonal_maps, orthogonal_cache
+    def __init__(self, phase: str = "forward"):
+        from torch._inductor import scheduler as inductor_scheduler
 
-    for needed in ("ExternKernelSchedulerNode", "NopKernelSchedulerNode"):
-        if not hasattr(inductor_scheduler, needed):
-            raise RuntimeError(f"this torch's Inductor has no scheduler.{needed}: --compiled "
-                               "reads Inductor internals as torch 2.13 has them")  # fmt: skip
-    ops: collections.Counter = collections.Counter()
-    moved: collections.Counter = collections.Counter()
-    by_op: collections.Counter = collections.Counter()
-    phase = ["forward"]
-    codegen = GraphLowering.codegen
+        for needed in ("ExternKernelSchedulerNode", "NopKernelSchedulerNode"):
+            if not hasattr(inductor_scheduler, needed):
+                raise RuntimeError(f"this torch's Inductor has no scheduler.{needed}: counting "
+                                   "reads Inductor internals as torch 2.13 has them")  # fmt: skip
+        self.phase = phase
+        self.ops: collections.Counter = collections.Counter()
+        self.bytes: collections.Counter = collections.Counter()
+        self.by_op: collections.Counter = collections.Counter()
 
-    def counting_codegen(graph, *a, **k):
-        out = codegen(graph, *a, **k)
+    def _count(self, graph) -> None:
+        from torch._inductor import scheduler as inductor_scheduler
+
         for node in graph.scheduler.nodes:
             if isinstance(node, inductor_scheduler.NopKernelSchedulerNode):
                 continue
@@ -221,30 +223,64 @@ def count_compiled_step(model, batch, max_masked: int, forward_only: bool = Fals
                 kind = kind_of(name) or "memory"
             else:
                 name, kind = _fused_label(node), "memory"
-            ops[kind] += 1
-            moved[kind] += nbytes
+            self.ops[kind] += 1
+            self.bytes[kind] += nbytes
             if kind == "memory":
-                by_op[f"{phase[0]}: {name}"] += nbytes
-        return out
+                self.by_op[f"{self.phase}: {name}"] += nbytes
+
+    def __enter__(self) -> InductorTraffic:
+        from torch._inductor import config as inductor_config
+        from torch._inductor.graph import GraphLowering
+
+        self._codegen = codegen = GraphLowering.codegen
+
+        def counting_codegen(graph, *a, **k):
+            out = codegen(graph, *a, **k)
+            self._count(graph)
+            return out
+
+        GraphLowering.codegen = counting_codegen
+        self._no_cache = inductor_config.patch(fx_graph_cache=False)
+        self._no_cache.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from torch._inductor.graph import GraphLowering
+
+        GraphLowering.codegen = self._codegen
+        self._no_cache.__exit__(*exc)
+
+
+def count_compiled_step(model, batch, max_masked: int, forward_only: bool = False) -> dict:
+    """`count_step` for the step compiled by Inductor (what the recipes run on a GPU): the
+    model's forward and loss compiled as one function (the engine compiles the encoder and
+    leaves the heads eager; here the heads are compiled too, the same for every family), its
+    forward and backward graphs each counted from Inductor's scheduler as it generates them.
+    Each fused kernel counts the bytes Inductor's scheduler estimates it reads and writes
+    (`get_read_write_buffers_sizes`: each buffer once, at most its size); an extern kernel (a
+    matrix product, an attention kernel, or an operator Inductor leaves to ATen) is sorted by
+    `kind_of` like an eager operator (`InductorTraffic`). TransJect's orthogonal maps are
+    evaluated before the compiled function, as the engine does, and not counted (a fixed,
+    weight-sized cost)."""
+    import torch
+    import torch._dynamo
+
+    from model.orthogonal import evaluate_orthogonal_maps, orthogonal_cache
 
     torch._dynamo.reset()  # a fresh, static-shape compilation for this batch size
     compiled = torch.compile(step_output, backend="inductor", dynamic=False)
-    GraphLowering.codegen = counting_codegen
-    try:
-        with inductor_config.patch(fx_graph_cache=False):  # a cached graph skips the codegen
-            grad = contextlib.nullcontext() if not forward_only else torch.no_grad()
-            with grad, orthogonal_cache() as store, torch.autocast("cpu", dtype=torch.bfloat16):
-                evaluate_orthogonal_maps(model, store)
-                loss = compiled(model, batch, max_masked, forward_only)
-            if not forward_only:
-                phase[0] = "backward"
-                loss.backward()
-    finally:
-        GraphLowering.codegen = codegen
+    with InductorTraffic("forward") as traffic:
+        grad = contextlib.nullcontext() if not forward_only else torch.no_grad()
+        with grad, orthogonal_cache() as store, torch.autocast("cpu", dtype=torch.bfloat16):
+            evaluate_orthogonal_maps(model, store)
+            loss = compiled(model, batch, max_masked, forward_only)
+        if not forward_only:
+            traffic.phase = "backward"
+            loss.backward()
     model.zero_grad(set_to_none=True)
-    if not moved:
+    if not traffic.bytes:
         raise RuntimeError("Inductor generated no kernel for the step: nothing was counted")
-    return {"ops": dict(ops), "bytes": dict(moved), "by_op": dict(by_op)}
+    return {"ops": dict(traffic.ops), "bytes": dict(traffic.bytes), "by_op": dict(traffic.by_op)}
 
 
 def measure(family: str, args) -> dict:

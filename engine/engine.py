@@ -26,10 +26,11 @@ Precision (``EngineConfig.precision``):
 LAMB and ZeRO: ZeRO stage >= 1, and DeepSpeed's ``bf16``/``fp16`` modes, hand the optimizer
 flattened fp32 buffers instead of parameter tensors, so a LAMB that does not know where the
 tensors lie computes its trust ratio per flat partition rather than per tensor. The project's
-LAMB (``engine.lamb.Lamb``, ``optimizer.implementation`` ``auto`` / ``foreach``) is told the
-layout of DeepSpeed's ZeRO 1-2 partitions (``engine.lamb.attach_zero_layouts``) and stays per
-tensor there, the pieces of a tensor split across ranks joined by an all-reduce of their
-squared norms. Where LAMB is exact (:func:`lamb_exactness`):
+LAMB (``engine.lamb.Lamb``, ``optimizer.implementation`` ``auto`` / ``foreach`` /
+``compiled``) is told the layout of DeepSpeed's ZeRO 1-2 partitions
+(``engine.lamb.attach_zero_layouts``) and stays per tensor there, the pieces of a tensor split
+across ranks joined by an all-reduce of their squared norms. Where LAMB is exact
+(:func:`lamb_exactness`):
 
     backend / ZeRO stage     fp32, bf16-mixed     bf16                 fp16
     torch, 0                 exact (per tensor)   -                    exact (per tensor)
@@ -38,8 +39,9 @@ squared norms. Where LAMB is exact (:func:`lamb_exactness`):
     deepspeed, 2             exact (layout)       exact (layout)       exact (layout)
     deepspeed, 3             inexact              inexact              inexact
 
-("layout": ``foreach`` only; DeepSpeed's FusedLamb and apex's FusedLAMB are refused where the
-buffers are flat, ``pytorch_optimizer.Lamb`` runs with a warning; the inexact cells warn.)
+("layout": ``foreach`` and ``compiled`` only; DeepSpeed's FusedLamb and apex's FusedLAMB are
+refused where the buffers are flat, ``pytorch_optimizer.Lamb`` runs with a warning; the inexact
+cells warn.)
 
 Non-finite losses: ``backward`` agrees across ranks whether every rank's loss is finite. If
 not, the micro-batch is backpropagated as ``0 * loss`` (DeepSpeed needs the backward call to
@@ -55,9 +57,10 @@ schedule position (``Lamb.lr_multiplier``: a device table of the schedule indexe
 count of the applied steps, so a skipped step does not advance it). ``step`` then returns a
 :class:`DeferredStep` of device tensors; nothing reads them until the caller does (the trainer:
 once per logging window), and :meth:`Engine.sync_schedule` brings the host's scheduler to the
-device's count (``save`` does it). Available with the ``foreach`` LAMB on the torch backend and
-DeepSpeed ZeRO 0-2 in fp32 / ``bf16-mixed`` (``Engine.deferred``); elsewhere ``defer=True``
-falls back to the synchronising step and returns its result as a :class:`DeferredStep`.
+device's count (``save`` does it). Available with the project's LAMB (``foreach``,
+``compiled``) on the torch backend and DeepSpeed ZeRO 0-2 in fp32 / ``bf16-mixed``
+(``Engine.deferred``); elsewhere ``defer=True`` falls back to the synchronising step and returns
+its result as a :class:`DeferredStep`.
 Bit for bit the same updates as the synchronising step (tests/test_host_syncs.py). DeepSpeed's
 ZeRO 1-2 step still reads its own gradient-norm check back to the host (inside DeepSpeed).
 
@@ -486,7 +489,7 @@ def lamb_exactness(
 ) -> tuple[bool, str]:
     """Whether LAMB's trust ratio is per parameter tensor in this configuration, and if not
     why. The optimizer sees parameter tensors on the torch backend and on DeepSpeed ZeRO-0 in
-    fp32 / bf16-mixed; flat buffers otherwise, where only the ``foreach`` LAMB, given the layout
+    fp32 / bf16-mixed; flat buffers otherwise, where only the project's LAMB, given the layout
     of DeepSpeed's ZeRO 1-2 optimizer (``DeepSpeedZeroOptimizer``: ZeRO-2 in any precision,
     ZeRO-1 except in bf16, which DeepSpeed gives its BF16_Optimizer), is still per tensor."""
     if cfg.backend == "torch" or (cfg.zero_stage == 0 and cfg.precision in ("fp32", "bf16-mixed")):
@@ -501,7 +504,7 @@ def lamb_exactness(
         why = f"DeepSpeed's {cfg.precision} mode on ZeRO-0 hands the optimizer flat buffers"
     elif cfg.zero_stage == 1 and cfg.precision == "bf16":
         why = "DeepSpeed's bf16 mode on ZeRO-1 hands the optimizer flat buffers (BF16_Optimizer)"
-    elif impl != "foreach":
+    elif impl not in ("foreach", "compiled"):
         why = f"ZeRO-{cfg.zero_stage} hands the optimizer flat partitions"
     else:
         return True, ""

@@ -64,6 +64,60 @@ class FlatLayout:
     """Optional: the tensors' names, for error messages and tests."""
 
 
+def _update(
+    w: list[Tensor],
+    g: list[Tensor],
+    m: list[Tensor],
+    v: list[Tensor],
+    beta1: float,
+    beta2: float,
+    b1: float | Tensor,
+    b2: float | Tensor,
+    eps: float,
+    wd: float,
+    grad_scale: Tensor | None,
+    skipped: Tensor | None,
+) -> tuple[list[Tensor], Tensor, Tensor]:
+    """The per-piece arithmetic before the trust ratio, in place on ``g``, ``m`` and ``v``: the
+    update ``m / (sqrt(v) + eps) + wd * w`` of each piece and the L2 norms of each piece of the
+    weights and of the update (stacked). ``b1``, ``b2``: the moments' decay, a device tensor
+    when the step may be skipped (then 1, and the gradient zeroed, if ``skipped``)."""
+    if grad_scale is not None:
+        torch._foreach_mul_(g, grad_scale)
+    if skipped is not None:
+        # the gradient may hold NaN or inf: zeroed in place (no copy of it is made)
+        zero = torch.zeros((), dtype=g[0].dtype, device=skipped.device)
+        for grad in g:
+            torch.where(skipped, zero, grad, out=grad)
+    torch._foreach_mul_(m, b1)
+    torch._foreach_add_(m, g, alpha=1.0 - beta1)
+    torch._foreach_mul_(v, b2)
+    torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
+    update = torch._foreach_sqrt(v)
+    torch._foreach_add_(update, eps)
+    update = torch._foreach_div(m, update)
+    if wd != 0.0:
+        torch._foreach_add_(update, w, alpha=wd)
+    return update, torch.stack(torch._foreach_norm(w)), torch.stack(torch._foreach_norm(update))
+
+
+def _apply(w: list[Tensor], update: list[Tensor], scale: Tensor) -> None:
+    """w += scale[i] * update[i] for every piece i (``scale``: -lr * trust ratio per piece)."""
+    torch._foreach_mul_(update, list(scale.unbind()))
+    torch._foreach_add_(w, update)
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _compiled(name: str) -> Any:
+    """``_update`` or ``_apply`` compiled by torch.compile (Inductor: the foreach operators fused
+    into a few kernels), made once per process; each new list of shapes compiles once."""
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile({"update": _update, "apply": _apply}[name], dynamic=False)
+    return _COMPILED[name]
+
+
 class Lamb(torch.optim.Optimizer):
     """Per-tensor LAMB (see the module docstring) in ``torch._foreach_*`` ops.
 
@@ -82,6 +136,7 @@ class Lamb(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-6,
         weight_decay: float = 0.0,
+        compiled: bool = False,
     ):
         if not lr > 0:
             raise ValueError(f"lr={lr!r}: must be > 0")
@@ -94,6 +149,10 @@ class Lamb(torch.optim.Optimizer):
         self.lr_multiplier: Tensor | None = None
         self.grad_scale: Tensor | None = None
         self._indices: dict[tuple[tuple[int, ...], str], Tensor] = {}
+        self.compiled = compiled
+        """The arithmetic compiled by torch.compile (``optimizer.implementation: compiled``): the
+        same step, its foreach operators fused by Inductor; the first step of each parameter
+        group compiles."""
         self.require_layouts = False
         """True once flat layouts were attached (ZeRO 1-2): a parameter without one is then an
         error, not silently one tensor."""
@@ -172,12 +231,10 @@ class Lamb(torch.optim.Optimizer):
             # No piece here (a partition of padding only): the other ranks still all-reduce
             # their norms, twice per layout; join them with zeros.
             if reductions:
-                zeros = [p.new_zeros(0) for p in params[:1]]
+                like = params[0].new_zeros(0)
                 for _ in range(2):
-                    self._tensor_norms(zeros, None, count, reductions, empty=True)
+                    self._tensor_norms(like, None, count, reductions, empty=True)
             return
-        if self.grad_scale is not None:
-            torch._foreach_mul_(g, self.grad_scale)
         # A step that may be skipped (``skip`` a device tensor) runs the same in-place
         # arithmetic with its coefficients chosen on the device: when skipped, the gradient is
         # zeroed (it may hold NaN or inf), the moments' decay is 1 and the update's scale 0, so
@@ -186,22 +243,15 @@ class Lamb(torch.optim.Optimizer):
         b1: float | Tensor = beta1
         b2: float | Tensor = beta2
         if skipped is not None:
-            zero = torch.zeros((), dtype=g[0].dtype, device=skipped.device)
-            for grad in g:
-                torch.where(skipped, zero, grad, out=grad)
             b1, b2 = torch.where(skipped, 1.0, beta1), torch.where(skipped, 1.0, beta2)
-        torch._foreach_mul_(m, b1)
-        torch._foreach_add_(m, g, alpha=1.0 - beta1)
-        torch._foreach_mul_(v, b2)
-        torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
-        update = torch._foreach_sqrt(v)
-        torch._foreach_add_(update, eps)
-        update = torch._foreach_div(m, update)
-        if wd != 0.0:
-            torch._foreach_add_(update, w, alpha=wd)
+        update_fn = _compiled("update") if self.compiled else _update
+        apply_fn = _compiled("apply") if self.compiled else _apply
+        update, w_piece_norms, u_piece_norms = update_fn(
+            w, g, m, v, beta1, beta2, b1, b2, eps, wd, self.grad_scale, skipped
+        )
         index = self._index(tensor_of, w[0].device) if len(w) != count or reductions else None
-        w_norm = self._tensor_norms(w, index, count, reductions)
-        u_norm = self._tensor_norms(update, index, count, reductions)
+        w_norm = self._tensor_norms(w_piece_norms, index, count, reductions)
+        u_norm = self._tensor_norms(u_piece_norms, index, count, reductions)
         w_norm = w_norm.clamp(max=WEIGHT_NORM_CLAMP)
         ratio = torch.where(
             (w_norm > 0) & (u_norm > 0), w_norm / (u_norm + eps), torch.ones_like(w_norm)
@@ -211,8 +261,7 @@ class Lamb(torch.optim.Optimizer):
             scale = scale.masked_fill(skipped, 0.0)
         if index is not None:
             scale = scale.index_select(0, index)  # per piece
-        torch._foreach_mul_(update, list(scale.unbind()))
-        torch._foreach_add_(w, update)
+        apply_fn(w, update, scale)
 
     def _index(self, tensor_of: list[int], device: torch.device) -> Tensor:
         """``tensor_of`` as a long tensor on ``device``, made once (through pinned memory and a
@@ -228,19 +277,19 @@ class Lamb(torch.optim.Optimizer):
 
     @staticmethod
     def _tensor_norms(
-        pieces: list[Tensor],
+        norms: Tensor,
         index: Tensor | None,
         count: int,
         reductions: list[tuple[int, int, Any]],
         empty: bool = False,
     ) -> Tensor:
-        """The L2 norm of every tensor (a vector of ``count``) from its pieces (``index``: the
-        tensor of each piece; None: one piece per tensor), summed across ranks. ``empty``: no
-        piece here, only the collectives (``pieces`` then holds one tensor for dtype/device)."""
+        """The L2 norm of every tensor (a vector of ``count``) from the norms of its pieces
+        (``norms``, one per piece; ``index``: the tensor of each piece; None: one piece per
+        tensor), summed across ranks. ``empty``: no piece here, only the collectives (``norms``
+        then only gives the dtype and device)."""
         if empty:
-            squares = torch.zeros(count, dtype=pieces[0].dtype, device=pieces[0].device)
+            squares = torch.zeros(count, dtype=norms.dtype, device=norms.device)
         else:
-            norms = torch.stack(torch._foreach_norm(pieces))
             if index is None:
                 return norms
             # A tensor has at most one piece per rank (its elements are contiguous in the flat

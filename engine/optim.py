@@ -3,12 +3,16 @@
 Parameters are split into two groups: ``decay`` (matrices, embeddings) and ``no_decay`` (biases,
 LayerNorm weights and every other 1-D parameter), as BERT and ALBERT do.
 
-LAMB has four implementations, picked by ``OptimizerConfig.implementation``:
+LAMB has five implementations, picked by ``OptimizerConfig.implementation``:
 
 - ``"foreach"``: ``engine.lamb.Lamb``, this project's, in ``torch._foreach_*`` (multi-tensor)
   ops on any device. Per-tensor trust ratios also on DeepSpeed's flat ZeRO 1-2 partitions (the
   engine tells it where the tensors lie), and no host synchronisation (the engine can skip a
   step and keep the schedule on the device). The formula is ``pytorch_optimizer.Lamb``'s;
+- ``"compiled"``: the same ``engine.lamb.Lamb`` with its arithmetic compiled by torch.compile
+  (Inductor fuses the foreach operators into a few kernels; the first step of each parameter
+  group compiles), with everything ``"foreach"`` has (flat ZeRO 1-2 buffers, no host
+  synchronisation);
 - ``"torch"``: ``pytorch_optimizer.Lamb`` (the ``pytorch-optimizer`` package, any device; pinned
   to >=3.11,<4 because 3.0 steps differently, see tests/test_optim.py): the reference the
   tests compare ``"foreach"`` with. It reads every trust ratio back to the host (one
@@ -18,13 +22,13 @@ LAMB has four implementations, picked by ``OptimizerConfig.implementation``:
   source; the PyPI package called ``apex`` is an unrelated web toolkit and is not accepted);
 - ``"auto"``: ``"foreach"``.
 
-All are configured like ALBERT's original (TensorFlow) LAMB: no Adam bias correction, weight
-decay added to the update inside the trust ratio (You et al. 2019, Algorithm 2). Remaining
-differences: ``foreach`` and ``pytorch_optimizer.Lamb`` clamp the weight norm at 10 in the trust
-ratio, DeepSpeed clamps the trust ratio to [0.01, 10], apex clips the global gradient norm at 1.0
-(a no-op when the engine already clips at <= 1.0). Gradient clipping is the engine's job, not
-the optimizer's. Only ``foreach`` stays per tensor on flat buffers (ZeRO 1-2); the engine
-refuses the others there (``engine.engine.check_compatible``).
+All are configured like ALBERT's original (TensorFlow) LAMB: no Adam bias correction, weight decay
+added to the update inside the trust ratio (You et al. 2019, Algorithm 2). Remaining differences:
+``foreach`` and ``pytorch_optimizer.Lamb`` clamp the weight norm at 10 in the trust ratio, DeepSpeed
+clamps the trust ratio to [0.01, 10], apex clips the global gradient norm at 1.0 (a no-op when the
+engine already clips at <= 1.0). Gradient clipping is the engine's job, not the optimizer's. Only
+``foreach`` and ``compiled`` stay per tensor on flat buffers (ZeRO 1-2); the engine refuses the
+others there (``engine.engine.check_compatible``).
 
 Example: ALBERT's pretraining recipe (Lan et al. 2020: LAMB, lr 0.00176, batch 4096, 125k steps,
 3125 warmup steps, linear decay). The batch size is the engine/data config's business; the
@@ -58,7 +62,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 OPTIMIZERS = ("lamb", "adamw")
-LAMB_IMPLEMENTATIONS = ("auto", "foreach", "torch", "apex", "deepspeed")
+LAMB_IMPLEMENTATIONS = ("auto", "foreach", "compiled", "torch", "apex", "deepspeed")
 DECAYS = ("linear", "polynomial", "cosine", "constant")
 
 # Normalization layers whose parameters are never weight-decayed, whatever their names.
@@ -92,8 +96,11 @@ class OptimizerConfig:
     implementation: str = "auto"
     """LAMB implementation: ``"auto"`` (= ``"foreach"``), ``"foreach"`` (``engine.lamb.Lamb``:
     multi-tensor ops, per-tensor trust ratios also on ZeRO 1-2's flat buffers, no host
-    synchronisation), ``"torch"`` (``pytorch_optimizer.Lamb``, the reference), ``"apex"`` or
-    ``"deepspeed"`` (fused CUDA kernels; ZeRO-0 only; fail if not usable). Ignored by AdamW."""
+    synchronisation), ``"compiled"`` (the same, its arithmetic compiled by torch.compile into a few
+    fused kernels: fewer passes over the weights and moments; the first step compiles, which needs
+    Inductor's compiler: Triton on a GPU, a C++ compiler on the CPU), ``"torch"``
+    (``pytorch_optimizer.Lamb``, the reference), ``"apex"`` or ``"deepspeed"`` (fused CUDA kernels;
+    ZeRO-0 only; fail if not usable). Ignored by AdamW."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -289,10 +296,10 @@ def build_optimizer(
         )
     impl = resolve_lamb_implementation(cfg.implementation, device_type)
     common = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    if impl == "foreach":
+    if impl in ("foreach", "compiled"):
         from engine.lamb import Lamb
 
-        return Lamb(groups, **common)
+        return Lamb(groups, compiled=impl == "compiled", **common)
     try:
         if impl == "deepspeed":
             cls = _deepspeed_fused_lamb()

@@ -28,6 +28,11 @@ SHAPES = [(5, 3), (7,), (4, 4), (2,), (3, 1, 2)]
 GROUPS = [(0, 2, 0.1), (2, 5, 0.0)]  # (first, end, weight decay): a decay and a no-decay group
 
 
+COMPILED = [False, pytest.param(True, marks=pytest.mark.integration, id="compiled")]
+"""The foreach LAMB eagerly and with its arithmetic compiled (`optimizer.implementation:
+compiled`: seconds of compilation per test, hence the integration tier)."""
+
+
 def _reference(weights, grads, lr=0.01, scale=None):
     """pytorch_optimizer.Lamb (engine.optim's 'torch' configuration), one tensor at a time."""
     params = [nn.Parameter(w.clone()) for w in weights]
@@ -52,7 +57,8 @@ def _unflatten(buffer, like):
     return out
 
 
-def test_flat_buffers_with_a_layout_equal_per_tensor_lamb():
+@pytest.mark.parametrize("compiled", COMPILED)
+def test_flat_buffers_with_a_layout_equal_per_tensor_lamb(compiled):
     torch.manual_seed(0)
     weights = [torch.randn(s) * (20.0 if i == 2 else 1.0) for i, s in enumerate(SHAPES)]
     grads = [[torch.randn(s) for s in SHAPES] for _ in range(6)]  # ^ one norm above the clamp
@@ -63,7 +69,7 @@ def test_flat_buffers_with_a_layout_equal_per_tensor_lamb():
         flat = nn.Parameter(_flat(weights[a:b]))
         flats.append(flat)
         opt_groups.append({"params": [flat], "weight_decay": wd})
-    opt = Lamb(opt_groups, lr=0.01, eps=1e-6)
+    opt = Lamb(opt_groups, lr=0.01, eps=1e-6, compiled=compiled)
     for (a, b, _), flat in zip(GROUPS, flats):
         offsets = [0]
         for w in weights[a:b]:
@@ -81,15 +87,21 @@ def test_flat_buffers_with_a_layout_equal_per_tensor_lamb():
     assert all((f.detach()[-3:] == 0).all() for f in flats)  # the padding was never touched
 
 
-def test_plain_tensors_equal_the_reference_and_the_controls():
+@pytest.mark.parametrize("compiled", COMPILED)
+def test_plain_tensors_equal_the_reference_and_the_controls(compiled):
     torch.manual_seed(1)
     weights = [torch.randn(s) for s in SHAPES]
     grads = [[torch.randn(s) for s in SHAPES] for _ in range(4)]
     expected = _reference(weights, grads)
     params = [nn.Parameter(w.clone()) for w in weights]
     opt = Lamb(
-        [{"params": params[a:b], "weight_decay": wd} for a, b, wd in GROUPS], lr=0.02, eps=1e-6
+        [{"params": params[a:b], "weight_decay": wd} for a, b, wd in GROUPS],
+        lr=0.02,
+        eps=1e-6,
+        compiled=compiled,
     )
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     for group in opt.param_groups:
         group["initial_lr"] = 0.02
     opt.lr_multiplier = torch.tensor(0.5, dtype=torch.float64)  # 0.02 * 0.5: the reference's lr
@@ -100,12 +112,17 @@ def test_plain_tensors_equal_the_reference_and_the_controls():
         opt.step()
     for p, e in zip(params, expected):
         torch.testing.assert_close(p.detach(), e, rtol=0, atol=1e-6)
+    # compiled: each of the two functions one graph per parameter group, no graph break
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs == (2 * len(GROUPS) if compiled else 0), dict(torch._dynamo.utils.counters)
+    assert not torch._dynamo.utils.counters["graph_break"]
 
 
-def test_skip_leaves_weights_and_moments_untouched_even_with_nan_gradients():
+@pytest.mark.parametrize("compiled", COMPILED)
+def test_skip_leaves_weights_and_moments_untouched_even_with_nan_gradients(compiled):
     torch.manual_seed(2)
     params = [nn.Parameter(torch.randn(s)) for s in SHAPES]
-    opt = Lamb(params, lr=0.01, weight_decay=0.1)
+    opt = Lamb(params, lr=0.01, weight_decay=0.1, compiled=compiled)
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
@@ -240,7 +257,8 @@ def test_deferred_step_falls_back_where_it_cannot_defer():
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_zero_0_1_2_lamb_is_per_tensor(tmp_path, nproc):
     """DeepSpeed ZeRO 0, 1 and 2 (flat partitions; on 2 ranks tensors split between them, and a
-    partition of padding only) with the foreach LAMB equal per-tensor LAMB to 1e-6 after 5
+    partition of padding only) with the foreach LAMB (and compiled, on ZeRO 1 and 2) equal
+    per-tensor LAMB to 1e-6 after 5
     clipped steps, deferred steps equal synchronising ones bit for bit, and the control
     (pytorch_optimizer's LAMB on ZeRO-2's flat buffers) does not."""
     from pretrain_support import REPO, env, torchrun_cmd
@@ -261,3 +279,8 @@ def test_zero_0_1_2_lamb_is_per_tensor(tmp_path, nproc):
     assert max(runs["zero2-sync-torch"]["max_diff"].values()) > 1e-3
     # A group of one scalar: on 2 ranks one partition is padding only (no hang, still exact).
     assert max(runs["zero2-deferred-scaled"]["max_diff"].values()) < 1e-6
+    # optimizer.implementation=compiled: as exact on the flat partitions
+    for name in ("zero1-sync-compiled", "zero2-deferred-compiled"):
+        assert max(runs[name]["max_diff"].values()) < 1e-6, (name, runs[name]["max_diff"])
+        if nproc == 2:
+            assert runs[name]["split_tensors"] >= 1

@@ -175,6 +175,20 @@ def test_auto_is_the_foreach_lamb_on_every_device():
         assert optim.resolve_lamb_implementation("auto", device) == "foreach"
 
 
+def test_compiled_is_the_foreach_lamb_with_its_arithmetic_compiled():
+    """`optimizer.implementation: compiled` builds the project's LAMB with `compiled` on (the
+    compiled step itself: tests/test_lamb.py, integration tier); exact on ZeRO 1-2 like it."""
+    from engine.engine import EngineConfig, lamb_exactness
+
+    opt = build_optimizer(nn.Linear(2, 2), OptimizerConfig(implementation="compiled"), "cpu")
+    assert type(opt).__module__ == "engine.lamb" and opt.compiled
+    assert not build_optimizer(nn.Linear(2, 2), OptimizerConfig(), "cpu").compiled
+    for device in ("cpu", "cuda"):
+        assert optim.resolve_lamb_implementation("compiled", device) == "compiled"
+    zero2 = EngineConfig(backend="deepspeed", zero_stage=2, precision="bf16", device="cpu")
+    assert lamb_exactness(zero2, OptimizerConfig(implementation="compiled")) == (True, "")
+
+
 def test_adamw_is_torch_adamw_not_fused_on_cpu():
     opt = build_optimizer(nn.Linear(2, 2), OptimizerConfig(name="adamw"), "cpu")
     assert type(opt) is torch.optim.AdamW

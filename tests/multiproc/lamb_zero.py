@@ -142,6 +142,8 @@ def main() -> None:
     # flat buffers (trust ratio per flat partition): the comparison must see the difference.
     runs = [(stage, defer, "foreach", "net") for stage in (0, 1, 2) for defer in (False, True)]
     runs += [(2, True, "foreach", "scaled"), (2, False, "torch", "net")]
+    # The compiled LAMB (the same step, its arithmetic compiled) on the flat buffers of ZeRO 1-2
+    runs += [(1, False, "compiled", "net"), (2, True, "compiled", "net")]
     for stage, defer, implementation, net in runs:
         initial, expected = initials[net], expecteds[net]
         with warnings.catch_warnings():
