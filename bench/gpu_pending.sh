@@ -17,8 +17,8 @@
 # compiled steps finite and equal to eager on the GPU, its compiled gate and mixture being new
 # since the last GPU check: check_compiled_steps.py, eager / aot_eager / inductor), 3 profile (where
 # softmax's and TransJect's albert-base steps spend their time, per operator and kind of work:
-# what holds TransJect's gap; and the LAMB step alone), 4 batch128 (softmax compiled at
-# micro-batch 128, unpadded: larger GEMMs), 5 scaling_compiled (one layer forward at N = 4096
+# what holds TransJect's gap; and the LAMB step alone, foreach and compiled), 4 batch128
+# (softmax compiled at micro-batch 128, unpadded: larger GEMMs), 5 scaling_compiled (one layer forward at N = 4096
 # and 8192, softmax and kernel compiled, as they ship: the kernel target), 6 h100_suite (the
 # eager pretraining table on an H100, every family, albert-base 128 / 512 and albert-large 512:
 # kernel attention heads first and TransJect's expert writes, eager), 7 syncs_compiled (no host
