@@ -102,8 +102,15 @@ def _update(
 
 
 def _apply(w: list[Tensor], update: list[Tensor], scale: Tensor) -> None:
-    """w += scale[i] * update[i] for every piece i (``scale``: -lr * trust ratio per piece)."""
-    torch._foreach_mul_(update, list(scale.unbind()))
+    """w += scale[i] * update[i] for every piece i (``scale``: -lr * trust ratio per piece).
+    Compiled, one fused multiply-add that leaves ``update`` as it is (scaling it in place, an
+    input of the compiled function, would write it back: 4 bytes per parameter); eagerly the
+    two multi-tensor operators (a per-tensor broadcast would be one operator per tensor)."""
+    scales = list(scale.unbind())
+    if torch.compiler.is_compiling():
+        torch._foreach_addcmul_(w, update, scales)
+        return
+    torch._foreach_mul_(update, scales)
     torch._foreach_add_(w, update)
 
 
