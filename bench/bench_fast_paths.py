@@ -577,6 +577,11 @@ def formula_eigen_state(x0_BND, mask_BN, U_dd, reconstruction="scale_free"):
         return lam, ((target - recon) ** 2).mean(dim=(-2, -1))
 
 
+TRANSJECT_VARIANTS = ("now", "broadcast_experts", "formula_eigen_state", "before")
+"""`transject-experts`'s eager variants; compiled, `TRANSJECT_COMPILED_VARIANTS`."""
+TRANSJECT_COMPILED_VARIANTS = ("now", "scatter_gate", "einsum_mix", "before_compiled")
+
+
 class ScatterGatePool:
     """The gate's pooled gather as it was before `PooledAt` (the reference of
     `transject-experts`'s `scatter_gate`): a plain gather, whose backward scatters into a
@@ -631,7 +636,7 @@ def bench_transject_experts(args) -> dict:
         (TransJectAttention, "experts"),
         (transject_module, "approximate_eigenvalues"),
     )
-    pool_at, mix_at = (transject_module, "PooledAt"), (transject_module, "mix_experts")
+    pooled_at, mix_at = (transject_module, "PooledAt"), (transject_module, "mix_experts")
     variants = {
         "now": {},
         "broadcast_experts": {experts_at: broadcast_experts},
@@ -639,16 +644,13 @@ def bench_transject_experts(args) -> dict:
         "before": {experts_at: broadcast_experts, eigen_at: formula_eigen_state},
         # these two differ from now only compiled (eagerly the gate gathers and the mix is the
         # einsum in every variant)
-        "scatter_gate": {pool_at: ScatterGatePool},
+        "scatter_gate": {pooled_at: ScatterGatePool},
         "einsum_mix": {mix_at: einsum_mix},
-        "before_compiled": {pool_at: ScatterGatePool, mix_at: einsum_mix},
+        "before_compiled": {pooled_at: ScatterGatePool, mix_at: einsum_mix},
     }
     # compiled: a graph per variant, the ones the compiled step is about
-    compiled_variants = ("now", "scatter_gate", "einsum_mix", "before_compiled")
-    keep = (
-        (args.only,) if args.only else compiled_variants if args.compiled else tuple(variants)[:4]
-    )
-    variants = {k: variants[k] for k in keep}
+    keep = TRANSJECT_COMPILED_VARIANTS if args.compiled else TRANSJECT_VARIANTS
+    variants = {k: variants[k] for k in ((args.only,) if args.only else keep)}
 
     def with_variant(name):
         patches = variants[name]
@@ -1283,7 +1285,7 @@ def main() -> None:
         "--compiled",
         action="store_true",
         help="orthogonal-step / orthogonal-shard: both engines with engine.compile; "
-        "transject-experts: the encoder compiled as the engine does (now vs scatter_gate)",
+        "transject-experts: the encoder compiled as the engine does (its compiled variants)",
     )
     p.add_argument("--examples", type=int, default=1024, help="grouping: training examples")
     p.add_argument("--documents", type=int, default=2000, help="pretrain-padding: documents")
@@ -1303,15 +1305,7 @@ def main() -> None:
     )
     p.add_argument(
         "--only",
-        choices=[
-            "now",
-            "broadcast_experts",
-            "formula_eigen_state",
-            "before",
-            "scatter_gate",
-            "einsum_mix",
-            "before_compiled",
-        ],
+        choices=sorted(set(TRANSJECT_VARIANTS + TRANSJECT_COMPILED_VARIANTS)),
         default=None,
         help="transject-experts: run one variant alone and report its peak memory (CPU: the "
         "process's peak RSS; CUDA: torch's peak allocation)",

@@ -140,6 +140,12 @@ def eager_traffic():
     return Traffic()
 
 
+def counts_of(traffic) -> dict:
+    """{"ops": {kind: count}, "bytes": {kind: bytes}, "by_op": {name: memory bytes}} of an
+    `eager_traffic` or an `InductorTraffic`."""
+    return {"ops": dict(traffic.ops), "bytes": dict(traffic.bytes), "by_op": dict(traffic.by_op)}
+
+
 def count_step(model, batch, max_masked: int, forward_only: bool = False) -> dict:
     """{"ops": {kind: count}, "bytes": {kind: bytes}, "by_op": {name: memory bytes}} of one
     forward + backward of `model` on `batch` under bf16 autocast (`forward_only`: one forward
@@ -159,7 +165,7 @@ def count_step(model, batch, max_masked: int, forward_only: bool = False) -> dic
     step()  # first-step work (lazy state, caches) stays out of the count
     with eager_traffic() as traffic:
         step()
-    return {"ops": dict(traffic.ops), "bytes": dict(traffic.bytes), "by_op": dict(traffic.by_op)}
+    return counts_of(traffic)
 
 
 # Origins of a fused kernel that say nothing about what it computes (layout, dtype, views).
@@ -280,7 +286,7 @@ def count_compiled_step(model, batch, max_masked: int, forward_only: bool = Fals
     model.zero_grad(set_to_none=True)
     if not traffic.bytes:
         raise RuntimeError("Inductor generated no kernel for the step: nothing was counted")
-    return {"ops": dict(traffic.ops), "bytes": dict(traffic.bytes), "by_op": dict(traffic.by_op)}
+    return counts_of(traffic)
 
 
 def measure(family: str, args) -> dict:

@@ -37,6 +37,7 @@ loss without asking the host first.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,8 +72,6 @@ def _update(
     v: list[Tensor],
     beta1: float,
     beta2: float,
-    b1: float | Tensor,
-    b2: float | Tensor,
     eps: float,
     wd: float,
     grad_scale: Tensor | None,
@@ -80,15 +79,18 @@ def _update(
 ) -> tuple[list[Tensor], Tensor, Tensor]:
     """The per-piece arithmetic before the trust ratio, in place on ``g``, ``m`` and ``v``: the
     update ``m / (sqrt(v) + eps) + wd * w`` of each piece and the L2 norms of each piece of the
-    weights and of the update (stacked). ``b1``, ``b2``: the moments' decay, a device tensor
-    when the step may be skipped (then 1, and the gradient zeroed, if ``skipped``)."""
+    weights and of the update (stacked). With ``skipped`` (a device bool) true, the gradient is
+    zeroed and the moments' decay is 1, chosen on the device."""
     if grad_scale is not None:
         torch._foreach_mul_(g, grad_scale)
+    b1: float | Tensor = beta1
+    b2: float | Tensor = beta2
     if skipped is not None:
         # the gradient may hold NaN or inf: zeroed in place (no copy of it is made)
         zero = torch.zeros((), dtype=g[0].dtype, device=skipped.device)
         for grad in g:
             torch.where(skipped, zero, grad, out=grad)
+        b1, b2 = torch.where(skipped, 1.0, beta1), torch.where(skipped, 1.0, beta2)
     torch._foreach_mul_(m, b1)
     torch._foreach_add_(m, g, alpha=1.0 - beta1)
     torch._foreach_mul_(v, b2)
@@ -114,15 +116,12 @@ def _apply(w: list[Tensor], update: list[Tensor], scale: Tensor) -> None:
     torch._foreach_add_(w, update)
 
 
-_COMPILED: dict[str, Any] = {}
-
-
-def _compiled(name: str) -> Any:
-    """``_update`` or ``_apply`` compiled by torch.compile (Inductor: the foreach operators fused
-    into a few kernels), made once per process; each new list of shapes compiles once."""
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile({"update": _update, "apply": _apply}[name], dynamic=False)
-    return _COMPILED[name]
+@functools.cache
+def _compiled(fn: Any) -> Any:
+    """``fn`` (``_update`` or ``_apply``) compiled by torch.compile (Inductor: the foreach
+    operators fused into a few kernels), made once per process; each new list of shapes
+    compiles once."""
+    return torch.compile(fn, dynamic=False)
 
 
 class Lamb(torch.optim.Optimizer):
@@ -247,14 +246,10 @@ class Lamb(torch.optim.Optimizer):
         # zeroed (it may hold NaN or inf), the moments' decay is 1 and the update's scale 0, so
         # weights and moments keep their values exactly; no second copy of them is made.
         skipped = None if self.skip is None else self.skip.to(w[0].device, torch.bool)
-        b1: float | Tensor = beta1
-        b2: float | Tensor = beta2
-        if skipped is not None:
-            b1, b2 = torch.where(skipped, 1.0, beta1), torch.where(skipped, 1.0, beta2)
-        update_fn = _compiled("update") if self.compiled else _update
-        apply_fn = _compiled("apply") if self.compiled else _apply
+        update_fn = _compiled(_update) if self.compiled else _update
+        apply_fn = _compiled(_apply) if self.compiled else _apply
         update, w_piece_norms, u_piece_norms = update_fn(
-            w, g, m, v, beta1, beta2, b1, b2, eps, wd, self.grad_scale, skipped
+            w, g, m, v, beta1, beta2, eps, wd, self.grad_scale, skipped
         )
         index = self._index(tensor_of, w[0].device) if len(w) != count or reductions else None
         w_norm = self._tensor_norms(w_piece_norms, index, count, reductions)

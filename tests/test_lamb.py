@@ -258,9 +258,8 @@ def test_deferred_step_falls_back_where_it_cannot_defer():
 def test_zero_0_1_2_lamb_is_per_tensor(tmp_path, nproc):
     """DeepSpeed ZeRO 0, 1 and 2 (flat partitions; on 2 ranks tensors split between them, and a
     partition of padding only) with the foreach LAMB (and compiled, on ZeRO 1 and 2) equal
-    per-tensor LAMB to 1e-6 after 5
-    clipped steps, deferred steps equal synchronising ones bit for bit, and the control
-    (pytorch_optimizer's LAMB on ZeRO-2's flat buffers) does not."""
+    per-tensor LAMB to 1e-6 after 5 clipped steps, deferred steps equal synchronising ones bit
+    for bit, and the control (pytorch_optimizer's LAMB on ZeRO-2's flat buffers) does not."""
     from pretrain_support import REPO, env, torchrun_cmd
 
     out = tmp_path / "report.json"
