@@ -16,8 +16,11 @@
 # memory traffic is counted, BENCHMARKS "Memory traffic ... compiled"), compile_check (TransJect's
 # compiled steps finite and equal to eager on the GPU, its compiled gate and mixture being new
 # since the last GPU check: check_compiled_steps.py, eager / aot_eager / inductor), 3 profile (where
-# softmax's and TransJect's albert-base steps spend their time, per operator and kind of work:
-# what holds TransJect's gap; and the LAMB step alone, foreach and compiled), 4 batch128
+# softmax's, TransJect's and TISA's albert-base steps spend their time compiled, as they ship,
+# unpadded, per operator, kind of work and device kernel: what holds softmax below the MFU target,
+# TransJect's and TISA's gaps, and which attention kernel SDPA runs for TISA's bias; softmax's and
+# TransJect's graphs are pass 1's, so Inductor's cache makes their compilation short; and the LAMB
+# step alone, foreach and compiled), 4 batch128
 # (softmax compiled at micro-batch 128, unpadded: larger GEMMs), 5 scaling_compiled (one layer forward at N = 4096
 # and 8192, softmax and kernel compiled, as they ship: the kernel target), 6 h100_suite (the
 # eager pretraining table on an H100, every family, albert-base 128 / 512 and albert-large 512:
@@ -62,7 +65,8 @@ pass autotune 150 240 ENV_PART= PARTS=pretrain COMPILE=recipe \
   EXTRA=engine.compile_mode=max-autotune-no-cudagraphs \
   "PRETRAIN=--configs albert-base-512 --families softmax --padding none --steps 6 --timeout 230"
 pass compile_check 150 360 ENV_PART= PARTS=compilecheck
-pass profile 100 120 ENV_PART= PARTS="profile lamb" PROFILE="--steps 3 --warmup 2"
+pass profile 150 200 ENV_PART= PARTS="profile lamb" PROFILE_LIMIT=180 \
+  "PROFILE=--families softmax transject tisa --steps 3 --warmup 2 --padding none --override engine.compile=true"
 pass batch128 90 120 ENV_PART= PARTS=pretrain COMPILE=recipe \
   "PRETRAIN=--configs albert-base-512 --families softmax --padding none --batch 128 --steps 6 --timeout 110"
 pass scaling_compiled 100 150 ENV_PART= PARTS=scaling \

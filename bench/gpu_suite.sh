@@ -17,6 +17,7 @@
 #   SYNCS="--points zero0:kernel" SYNCS_LIMIT=120 bash bench/gpu_suite.sh  # the syncs part's
 #                                       # options and time limit (default 60 s)
 #   PROFILE="--override engine.compile=true" bash bench/gpu_suite.sh  # the profile part's options
+#   PROFILE_LIMIT=200 bash bench/gpu_suite.sh   # the profile part's time limit (default 120 s)
 #   ENV_PART= PARTS=pretrain bash bench/gpu_suite.sh  # without the env part (a second pass)
 #
 # On the device machine (see BENCHMARKS.md): run(command="bash bench/gpu_suite.sh",
@@ -235,7 +236,7 @@ else
     albert-base-transject albert-large-transject --out "$OUT/lamb_gpu.json"
   # Where a step's time goes, per operator (torch.profiler), softmax and TransJect at albert-base
   # seq 512: which kind of work holds TransJect's gap to softmax.
-  part profile 120 python3 bench/profile_step.py --device cuda --families softmax transject \
+  part profile "${PROFILE_LIMIT:-120}" python3 bench/profile_step.py --device cuda --families softmax transject \
     "${PROFILE_ARGS[@]}" --out "$OUT/profile_gpu.json"
   # Where compiled TransJect steps stop being finite (an H200 skipped every one with inductor).
   part compilecheck 360 python3 bench/check_compiled_steps.py --device cuda --family transject \

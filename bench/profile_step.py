@@ -7,9 +7,14 @@ products, attention kernels, linear algebra, the optimizer, copies and casts, ev
 A diagnostic for the GPU suite (part ``profile``), not a benchmark: the profiler adds its own
 overhead per operator, so the step time it sees is longer than the benchmark's; the shares are
 what it is for. On CUDA the time is the device's (kernels, attributed to the operator that
-launched them); on the CPU the host's.
+launched them), and the kernels themselves are listed too, by name (which GEMM, which attention
+kernel SDPA chose, which fused kernel); on the CPU the host's. Compiled (``--override
+engine.compile=true``, as the recipes run on a GPU), the kernels Inductor fused count under
+their graph's range ("fused by the compiler"); its products and attention stay aten operators.
 
     python bench/profile_step.py --device cuda --families softmax transject --out profile.json
+    python bench/profile_step.py --device cuda --families softmax tisa transject --padding none \
+        --override engine.compile=true --out profile_compiled.json
     python bench/profile_step.py --device cpu --base debug --seq 64 --batch 4 --families transject
 """
 
@@ -29,6 +34,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 # contains, names it may be), the first that matches; the rest is "other" (elementwise,
 # reductions, normalisation, indexing).
 KINDS = (
+    # A compiled graph's own range: on CUDA the self time of the Triton kernels Inductor fused
+    # (its matrix products and attention kernels stay aten operators, counted as such).
+    ("fused by the compiler", ("compiledfxgraph", "triton_"), ()),
     ("attention", ("attention", "flash", "cudnn", "flex", "fmha"), ()),
     ("linear algebra", ("linalg", "lu_factor", "lu_solve", "_lu", "solve", "inverse"), ()),
     ("optimizer", ("foreach", "lamb", "optimizer", "multi_tensor"), ()),
@@ -59,6 +67,16 @@ def self_time_us(event, cuda: bool) -> float:
     return 0.0
 
 
+def kernel_time_us(event) -> float:
+    """A device kernel's averaged profiler event: its total time in microseconds (the field's
+    name changed across torch versions)."""
+    for field in ("device_time_total", "cuda_time_total"):
+        value = getattr(event, field, None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
+
 def profile_family(family: str, args) -> dict:
     import torch
     from bench_pretrain_throughput import Measurement
@@ -76,16 +94,25 @@ def profile_family(family: str, args) -> dict:
         if cuda:
             torch.cuda.synchronize()
     wall = (time.perf_counter() - started) / args.steps
-    ops = []
+    ops, kernels = [], []
     for event in prof.key_averages():
         if str(getattr(event, "device_type", "")).endswith("CUDA"):
-            continue  # kernels: their time is already the launching operator's self time
+            # kernels: their time is already the launching operator's self time; listed apart
+            # by name (which GEMM, which attention kernel SDPA chose, which fused kernel)
+            us = kernel_time_us(event)
+            if us > 0:
+                kernels.append({"kernel": event.key[:160], "calls": event.count / args.steps,
+                                "ms": us / 1e3 / args.steps})  # fmt: skip
+            continue
         us = self_time_us(event, cuda)
         if us > 0:
             ops.append({"op": event.key, "calls": event.count / args.steps,
                         "self_ms": us / 1e3 / args.steps, "kind": kind_of(event.key)})  # fmt: skip
     ops.sort(key=lambda o: -o["self_ms"])
     total = sum(o["self_ms"] for o in ops) or 1.0
+    kernels.sort(key=lambda k: -k["ms"])
+    for k in kernels:
+        k["share"] = k["ms"] / total
     kinds: dict[str, float] = {}
     for o in ops:
         o["share"] = o["self_ms"] / total
@@ -106,6 +133,7 @@ def profile_family(family: str, args) -> dict:
             for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
         },
         "top": ops[: args.top],
+        "top_kernels": kernels[: args.top],
     }
 
 
@@ -123,6 +151,10 @@ def print_report(row: dict) -> None:
         print(
             f"| `{o['op']}` | {o['calls']:g} | {o['self_ms']:.2f} | {o['share']:.1%} | {o['kind']} |"
         )
+    if row.get("top_kernels"):
+        print("\n| device kernel | calls per step | ms per step | share |\n|---|---|---|---|")
+        for k in row["top_kernels"]:
+            print(f"| `{k['kernel']}` | {k['calls']:g} | {k['ms']:.2f} | {k['share']:.1%} |")
     sys.stdout.flush()
 
 

@@ -34,6 +34,8 @@ sys.path.insert(0, str(REPO / "bench"))
         ("aten::add", "other"),
         ("aten::native_layer_norm", "other"),
         ("aten::topk", "other"),  # "to" inside a name is no copy
+        ("## Call CompiledFxGraph f4jab35akdpoevbk6ofj4w ##", "fused by the compiler"),
+        ("triton_poi_fused_add_mul_0", "fused by the compiler"),
     ],
 )
 def test_operators_are_sorted_into_kinds_of_work(op, kind):
@@ -65,3 +67,22 @@ def test_profile_reports_each_family_largest_first(tmp_path):
         assert f"\n{family} (debug, seq 32, batch 2)" in proc.stdout
     # TransJect evaluates its orthogonal maps (below 128 x 128 by an LU-based inverse).
     assert rows["transject"]["kinds"]["linear algebra"]["ms"] > 0
+
+
+def test_a_compiled_step_reports_its_fused_kernels_apart(tmp_path):
+    """As the recipes run on a GPU (engine.compile): the compiled graph's own time is its kind
+    of work, beside the products it leaves to aten."""
+    out = tmp_path / "profile.json"
+    cmd = [
+        sys.executable, str(REPO / "bench/profile_step.py"), "--device", "cpu", "--base", "debug",
+        "--families", "softmax", "--seq", "32", "--batch", "2", "--vocab", "2000", "--warmup", "2",
+        "--steps", "2", "--padding", "none", "--override", "engine.compile=true", "--out", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["families"]
+    assert "error" not in row, row
+    assert row["kinds"]["fused by the compiler"]["ms"] > 0
+    assert row["kinds"]["matrix products"]["ms"] > 0
+    assert row["top_kernels"] == []  # host time on the CPU: no device kernels
