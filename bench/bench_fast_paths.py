@@ -311,7 +311,8 @@ def gpu_verify(args) -> dict:
     dev = "cuda"
     report: dict = {"device": torch.cuda.get_device_name()}
 
-    # 1. TISA flex == SDPA bias, forward and gradients (q, k, v, scorer a/b/c), fp32 and bf16.
+    # 1. TISA flex == SDPA bias, forward and gradients (q, k, v, scorer a/b/c), fp32 and bf16,
+    #    f read from its table and from the dense (H, N, N) bias (tisa.flex_bias).
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
         torch.manual_seed(0)
         B, H, N, h = 4, 12, 512, 64
@@ -323,10 +324,13 @@ def gpu_verify(args) -> dict:
         mask[1, 300:] = False
         mask[3, 17:] = False
         results = {}
-        for backend in ("flex", "sdpa"):
+        for backend in ("flex", "flex_dense", "sdpa"):
             values = scorer.values(N)
             if backend == "flex":
                 out = tisa_flex_attention(q, k, v, values, mask)
+            elif backend == "flex_dense":
+                dense = toeplitz_bias(values.float())
+                out = tisa_flex_attention(q, k, v, values, mask, dense_bias_HNN=dense)
             else:
                 bias = toeplitz_bias(values).to(dtype) + key_padding_bias(mask, dtype)
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
@@ -334,13 +338,14 @@ def gpu_verify(args) -> dict:
             loss = out[real].float().square().sum()
             grads = torch.autograd.grad(loss, [q, k, v, scorer.a, scorer.b, scorer.c])
             results[backend] = (out[real].float(), [g.float() for g in grads])
-        torch.testing.assert_close(results["flex"][0], results["sdpa"][0], rtol=tol, atol=tol)
-        for g_flex, g_sdpa, name in zip(*(results[b][1] for b in ("flex", "sdpa")), "qkvabc"):
-            scale = g_sdpa.abs().max().clamp_min(1e-6)
-            err = ((g_flex - g_sdpa).abs().max() / scale).item()
-            assert err < (1e-3 if dtype == torch.float32 else 5e-2), (dtype, name, err)
-        report[f"flex_equals_sdpa_{str(dtype)[6:]}"] = True
-        print("flex == sdpa bias", dtype, "ok")
+        for flex in ("flex", "flex_dense"):
+            torch.testing.assert_close(results[flex][0], results["sdpa"][0], rtol=tol, atol=tol)
+            for g_flex, g_sdpa, name in zip(*(results[b][1] for b in (flex, "sdpa")), "qkvabc"):
+                scale = g_sdpa.abs().max().clamp_min(1e-6)
+                err = ((g_flex - g_sdpa).abs().max() / scale).item()
+                assert err < (1e-3 if dtype == torch.float32 else 5e-2), (flex, dtype, name, err)
+            report[f"{flex}_equals_sdpa_{str(dtype)[6:]}"] = True
+            print(f"{flex} == sdpa bias", dtype, "ok")
 
     # 2. Training steps of a TISA model on the flex path do not recompile.
     torch._dynamo.reset()
@@ -968,15 +973,22 @@ def bench_orthogonal_shard(args) -> dict:
 
 def bench_tisa_backends(args) -> dict:
     """TISA's mixing step alone, forward + backward (into q, k, v and the scorer's a, b, c), per
-    sequence length: FlexAttention (score_mod + key-padding block mask) vs SDPA with the
-    materialised bias, on a padded batch (a quarter of the rows half padding) and an unpadded
-    one (no mask). Checks that both agree at the real tokens, then times them (CUDA events,
-    median). Reports `flex_min_length`: the shortest length from which flex is the faster on
-    both batches at every longer length measured, the value for `tisa.flex_min_length`. SDPA
-    running out of memory counts as flex faster. CUDA only (flex has no CPU backward)."""
+    sequence length: FlexAttention (score_mod + key-padding block mask) reading f from its
+    table (`flex`, `tisa.flex_bias: table`) or from the (H, N, N) bias (`flex_dense`) vs SDPA
+    with the materialised bias, on a padded batch (a quarter of the rows half padding) and an
+    unpadded one (no mask). Checks that each flex variant agrees with SDPA at the real tokens,
+    gradients included, then times them (CUDA events, median). Reports `flex_min_length` (and
+    `flex_dense_min_length`): the shortest length from which that flex variant is the faster
+    on both batches at every longer length measured, the value for `tisa.flex_min_length`.
+    SDPA running out of memory counts as flex faster. CUDA only (flex has no CPU backward)."""
     if args.device != "cuda":
         raise SystemExit("tisa-backends needs CUDA (FlexAttention has no CPU backward)")
-    from model.attention.tisa import PositionScorer, sdpa_bias, tisa_flex_attention
+    from model.attention.tisa import (
+        PositionScorer,
+        sdpa_bias,
+        tisa_flex_attention,
+        toeplitz_bias,
+    )
 
     dev, dtype = "cuda", torch.bfloat16 if args.dtype == "bf16" else torch.float32
     H, h, B = args.heads, args.hidden // args.heads, args.batch
@@ -999,6 +1011,9 @@ def bench_tisa_backends(args) -> dict:
                 values = scorer.values(N)
                 if backend == "flex":
                     out = tisa_flex_attention(q, k, v, values, m)
+                elif backend == "flex_dense":
+                    dense = toeplitz_bias(values.float())
+                    out = tisa_flex_attention(q, k, v, values, m, dense_bias_HNN=dense)
                 else:
                     bias = sdpa_bias(values, m, dtype)
                     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
@@ -1009,20 +1024,25 @@ def bench_tisa_backends(args) -> dict:
         row: dict = {"seq": N}
         for padded in (True, False):
             name = "padded" if padded else "unpadded"
-            try:
-                (o_f, g_f), (o_s, g_s) = step("flex", padded)(), step("sdpa", padded)()
-                real = mask[:, None, :, None].expand_as(o_f) if padded else slice(None)
-                tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-                torch.testing.assert_close(o_f[real].float(), o_s[real].float(), rtol=tol, atol=tol)
-                for a, b_, what in zip(g_f, g_s, ("q", "k", "v", "a", "b", "c")):
-                    err = ((a - b_).abs().max() / b_.abs().max().clamp_min(1e-6)).item()
-                    assert err < (5e-2 if dtype == torch.bfloat16 else 1e-3), (N, name, what, err)
-                row[f"agree_{name}"] = True
-                del o_f, g_f, o_s, g_s
-            except torch.OutOfMemoryError:
-                row[f"agree_{name}"] = "sdpa out of memory"
-            torch.cuda.empty_cache()
-            for backend in ("flex", "sdpa"):
+            for flex in ("flex", "flex_dense"):
+                key = f"agree_{name}" if flex == "flex" else f"agree_dense_{name}"
+                try:
+                    (o_f, g_f), (o_s, g_s) = step(flex, padded)(), step("sdpa", padded)()
+                    real = mask[:, None, :, None].expand_as(o_f) if padded else slice(None)
+                    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+                    torch.testing.assert_close(
+                        o_f[real].float(), o_s[real].float(), rtol=tol, atol=tol
+                    )
+                    for a, b_, what in zip(g_f, g_s, ("q", "k", "v", "a", "b", "c")):
+                        err = ((a - b_).abs().max() / b_.abs().max().clamp_min(1e-6)).item()
+                        limit = 5e-2 if dtype == torch.bfloat16 else 1e-3
+                        assert err < limit, (flex, N, name, what, err)
+                    row[key] = True
+                    del o_f, g_f, o_s, g_s
+                except torch.OutOfMemoryError:
+                    row[key] = "out of memory"
+                torch.cuda.empty_cache()
+            for backend in ("flex", "flex_dense", "sdpa"):
                 try:
                     t = time_steps({backend: step(backend, padded)}, args.warmup, args.repeats, dev)
                     row[f"{backend}_{name}_ms"] = 1000 * t[backend]
@@ -1032,20 +1052,23 @@ def bench_tisa_backends(args) -> dict:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    def flex_wins(row) -> bool:
+    def flex_wins(row, flex: str) -> bool:
         return all(
             row[f"sdpa_{n}_ms"] is None
-            or (row[f"flex_{n}_ms"] is not None and row[f"flex_{n}_ms"] < row[f"sdpa_{n}_ms"])
+            or (row[f"{flex}_{n}_ms"] is not None and row[f"{flex}_{n}_ms"] < row[f"sdpa_{n}_ms"])
             for n in ("padded", "unpadded")
         )
 
-    threshold = None
-    for row in reversed(rows):
-        if not flex_wins(row):
-            break
-        threshold = row["seq"]
-    print("flex faster from N =", threshold, "(None: not at the longest length measured)")
-    return {"rows": rows, "flex_min_length": threshold, "device": torch.cuda.get_device_name()}
+    report = {"rows": rows, "device": torch.cuda.get_device_name()}
+    for flex in ("flex", "flex_dense"):
+        threshold = None
+        for row in reversed(rows):
+            if not flex_wins(row, flex):
+                break
+            threshold = row["seq"]
+        report[f"{flex}_min_length"] = threshold
+        print(f"{flex} faster from N =", threshold, "(None: not at the longest length measured)")
+    return report
 
 
 # ----------------------------------------------------------------------------- attention checks

@@ -27,7 +27,11 @@
 # kernel attention heads first and TransJect's expert writes, eager), 7 syncs_compiled (no host
 # sync between logging steps, compiled, for the points not yet checked so: kernel, TransJect,
 # ZeRO-2 softmax), 8 large_transject_compiled (TransJect albert-large compiled: finite? its
-# peak memory at micro-batch 64).
+# peak memory at micro-batch 64), 9 tisa (TISA's mixing step, flex with f from its table or from
+# the dense (H, N, N) bias vs SDPA with the bias, 512 to 4096, gradients checked; then softmax
+# and TISA albert-base compiled, unpadded: the TISA target as shipped), 10 tisa_flex_dense (the
+# same TISA step on FlexAttention reading the dense bias, tisa.backend=flex, flex_bias=dense:
+# against pass 9's softmax, whether it meets the 1.2x target and should be the default at 512).
 # What the budget leaves out is named in pending.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,6 +80,11 @@ pass syncs_compiled 120 200 ENV_PART= PARTS=syncs COMPILE=recipe \
   "SYNCS=--points zero0:kernel zero0:transject zero2:softmax"
 pass large_transject_compiled 150 200 ENV_PART= PARTS=pretrain COMPILE=recipe \
   "PRETRAIN=--configs albert-large-512 --families transject --steps 4 --warmup 3 --timeout 190"
+pass tisa 200 300 ENV_PART= PARTS="tisabackends pretrain" COMPILE=recipe \
+  "PRETRAIN=--configs albert-base-512 --families softmax tisa --padding none --steps 6 --timeout 140"
+pass tisa_flex_dense 120 200 ENV_PART= PARTS=pretrain COMPILE=recipe \
+  EXTRA="model.tisa.backend=flex model.tisa.flex_bias=dense" \
+  "PRETRAIN=--configs albert-base-512 --families tisa --padding none --steps 6 --timeout 190"
 echo "=== all passes done in $(($(date +%s) - START)) s" | tee -a "$LOG"
 tar -czf "$OUT/pending.tgz" -C "$OUT" passes && rm -rf "$OUT/passes"
 ls -la "$OUT" | tee -a "$LOG"

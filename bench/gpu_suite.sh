@@ -62,8 +62,9 @@
 #             (PROFILE="--override engine.compile=true": compiled), 3 steps under torch.profiler:
 #             each operator's device time per step and the share of each kind of work (not in
 #             the default PARTS)                                        -> profile_gpu.json
-#   tisabackends  bench_fast_paths.py tisa-backends: TISA flex vs SDPA bias per length, the
-#             length from which flex wins (tisa.flex_min_length)  -> tisa_backends_gpu.json
+#   tisabackends  bench_fast_paths.py tisa-backends: TISA flex (f from its table, and from the
+#             dense (H, N, N) bias: tisa.flex_bias) vs SDPA bias per length, the length from
+#             which flex wins (tisa.flex_min_length)                 -> tisa_backends_gpu.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu}
@@ -223,7 +224,7 @@ else
   part tisa 60 python3 bench/bench_fast_paths.py tisa --device cuda --dtype bf16 --hidden 768 \
     --heads 12 --layers 12 --batch 32 --seq 512 --warmup 3 --repeats 10 --out "$OUT/tisa_gpu.json"
   # TISA's mixing step, FlexAttention vs SDPA with the bias, per length: sets tisa.flex_min_length.
-  part tisabackends 60 python3 bench/bench_fast_paths.py tisa-backends --device cuda --dtype bf16 \
+  part tisabackends 120 python3 bench/bench_fast_paths.py tisa-backends --device cuda --dtype bf16 \
     --hidden 768 --heads 12 --batch 8 --seq 512 1024 2048 4096 --warmup 3 --repeats 5 \
     --out "$OUT/tisa_backends_gpu.json"
   # TransJect inference with its orthogonal maps kept across forwards vs evaluated every time.

@@ -65,11 +65,24 @@ class TISAConfig:
     247 ms at 8192); bench/results/fast_paths_tisa_backends_gpu.json. Re-measure for other
     widths or batch sizes."""
 
+    flex_bias: Literal["table", "dense"] = "table"
+    """How the flex backend's `score_mod` reads f (training on CUDA; the outputs are the same).
+    `table`: from the (H, 2N - 1) table of f's values, no N x N tensor at all; its backward
+    adds the gradient of every score to the table with an atomic, so the 2N - 1 entries of a
+    head are each hit by all the scores on their diagonal (B (N - |k|) of them, many at once).
+    `dense`: from the (H, N, N) fp32 bias built from that table once per forward (H N^2 x 4
+    bytes: 12.6 MB at N = 512, 805 MB at 4096, for 12 heads; no batch dimension); the backward
+    adds each score's gradient to its own entry, the B samples of a batch being the only
+    scores that share one, and the (H, N, N) gradient then goes to the table by the indexing's
+    backward. Which is faster on a GPU is not measured yet (bench_fast_paths.py tisa-backends
+    times both)."""
+
     def __post_init__(self) -> None:
         _check_positive("tisa.num_kernels", self.num_kernels)
         _check_choice("tisa.scope", self.scope, ("shared", "per_layer"))
         _check_choice("tisa.init", self.init, ("random", "zero_amplitude"))
         _check_choice("tisa.backend", self.backend, ("auto", "sdpa", "flex"))
+        _check_choice("tisa.flex_bias", self.flex_bias, ("table", "dense"))
         _check_positive("tisa.flex_min_length", self.flex_min_length)
 
 

@@ -311,6 +311,36 @@ def test_flex_with_block_mask_equals_sdpa_bias_padded_and_not():
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_flex_dense_bias_equals_the_table_and_sdpa():
+    """`tisa.flex_bias: dense` (F_P read from an fp32 (H, N, N) tensor) gives the table's and
+    SDPA's outputs, padded and not, with bf16 queries as under autocast (CPU, no grad: the
+    backward's atomic adds are FlexAttention's own and run on CUDA only)."""
+    torch.manual_seed(0)
+    B, H, N, h = 3, 4, 150, 8
+    scorer = PositionScorer(3, H)
+    q, k, v = torch.randn(3, B, H, N, h).unbind(0)
+    mask = torch.ones(B, N, dtype=torch.bool)
+    mask[1, 40:] = False
+    mask[2, 130:] = False
+    with torch.no_grad():
+        values = scorer.values(N)
+        dense = toeplitz_bias(values.float())
+        assert dense.shape == (H, N, N) and dense.dtype == torch.float32
+        for m in (mask, None):
+            table = tisa_flex_attention(q, k, v, values, m)
+            out = tisa_flex_attention(q, k, v, values, m, dense_bias_HNN=dense)
+            torch.testing.assert_close(out, table, rtol=1e-5, atol=1e-5)
+            bias = toeplitz_bias(values)
+            if m is not None:
+                bias = bias.masked_fill(~m[:, None, None, :], float("-inf"))
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+            q16, k16, v16 = (t.bfloat16() for t in (q, k, v))
+            out16 = tisa_flex_attention(q16, k16, v16, values, m, dense_bias_HNN=dense)
+            assert out16.dtype == torch.bfloat16
+            torch.testing.assert_close(out16.float(), ref, rtol=3e-2, atol=3e-2)
+
+
 def test_auto_backend_is_chosen_per_length():
     cfg = EncoderConfig.preset("debug", attention="tisa", tisa={"flex_min_length": 1024})
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -329,6 +359,18 @@ def test_auto_backend_is_chosen_per_length():
         x0 = torch.randn(2, 9, state.cfg.hidden_size)
         assert "tisa_block_mask" in state(x0, mask, padded=True)[0]
         assert "tisa_block_mask" not in state(x0, mask, padded=False)[0]
+        assert "tisa_flex_bias" not in state(x0, mask, padded=True)[0]  # the table by default
+    # With flex_bias: dense (shared scope) it also builds the fp32 (H, N, N) bias once.
+    dense_cfg = EncoderConfig.preset(
+        "debug", attention="tisa", tisa={"backend": "flex", "flex_bias": "dense"}
+    )
+    with torch.no_grad():
+        extras = TISAState(dense_cfg)(x0.bfloat16(), mask, padded=False)[0]
+    heads = dense_cfg.num_attention_heads
+    assert extras["tisa_flex_bias"].shape == (heads, 9, 9)
+    assert extras["tisa_flex_bias"].dtype == torch.float32
+    with pytest.raises(ValueError, match="flex_bias"):
+        EncoderConfig.preset("debug", attention="tisa", tisa={"flex_bias": "sparse"})
 
 
 # ------------------------------------------------------------------------- kernel attention

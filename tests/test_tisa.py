@@ -94,26 +94,36 @@ def test_kernel_matches_naive_softmax_with_bias(scope):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+FLEX_VARIANTS = {
+    "sdpa": {"backend": "sdpa"},
+    "flex": {"backend": "flex"},
+    "flex-dense": {"backend": "flex", "flex_bias": "dense"},
+}
+
+
 def test_flex_and_sdpa_paths_agree():
     q, k, v, mask_BN = qkv_and_mask()
     values_PHM = random_scorer().values(q.size(-2)).detach()[None]
     ctx = LayerContext(mask_BN, extras={"tisa_values": values_PHM})
     outs = {}
     with torch.no_grad():
-        for backend in ("sdpa", "flex"):
-            kernel = TISAKernel(tisa_config(tisa={"backend": backend}))
-            outs[backend], _ = kernel(q, k, v, ctx)
+        for name, tisa in FLEX_VARIANTS.items():
+            kernel = TISAKernel(tisa_config(tisa=tisa))
+            outs[name], _ = kernel(q, k, v, ctx)  # dense: the kernel builds its (H, N, N) bias
     torch.testing.assert_close(outs["flex"], outs["sdpa"], rtol=1e-5, atol=1e-5)
-    # and at the model level (flex under no_grad on CPU), with padding
+    torch.testing.assert_close(outs["flex-dense"], outs["sdpa"], rtol=1e-5, atol=1e-5)
+    # and at the model level (flex under no_grad on CPU), with padding, both scopes
     ids, mask = batch()
-    models = {}
-    for backend in ("sdpa", "flex"):
-        torch.manual_seed(0)
-        models[backend] = Encoder(tisa_config(tisa={"backend": backend})).eval()
-    with torch.no_grad():
-        hid = {b: m(ids, mask).last_hidden_state for b, m in models.items()}
     real = mask.bool()
-    torch.testing.assert_close(hid["flex"][real], hid["sdpa"][real], rtol=1e-5, atol=1e-5)
+    for scope in ("shared", "per_layer"):
+        models = {}
+        for name, tisa in FLEX_VARIANTS.items():
+            torch.manual_seed(0)
+            models[name] = Encoder(tisa_config(tisa={**tisa, "scope": scope})).eval()
+        with torch.no_grad():
+            hid = {b: m(ids, mask).last_hidden_state for b, m in models.items()}
+        for name in ("flex", "flex-dense"):
+            torch.testing.assert_close(hid[name][real], hid["sdpa"][real], rtol=1e-5, atol=1e-5)
 
 
 def test_zero_amplitude_tisa_equals_softmax_model():

@@ -16,7 +16,9 @@ those once per forward (docs/methods.md, TISA); every `TISAKernel` then applies 
 the (H, 2N - 1) table and an add, with no branch on the data; the key padding is a FlexAttention
 block mask (`key_padding_block_mask`: key blocks of padding only are skipped, the mask is read
 only in blocks that mix real keys and padding), and an unpadded batch has no mask at all.
-`tisa.backend: auto` picks the backend per sequence length (`select_backend`).
+With `tisa.flex_bias: dense` the `score_mod` reads an fp32 (H, N, N) bias made from that table
+instead (no batch dimension), which spreads the backward's atomic adds over N^2 entries per head
+instead of 2N - 1. `tisa.backend: auto` picks the backend per sequence length (`select_backend`).
 
 Decision (docs/methods.md): we use the paper's convention F_P[i, j] = f(j - i). The authors' code
 indexes f(i - j - 1), which is only a reparameterisation (c -> -c - 1), but plots of f here are
@@ -142,6 +144,18 @@ def tisa_score_mod(values_HM: Tensor):
     return score_mod
 
 
+def tisa_dense_score_mod(bias_HNN: Tensor):
+    """The FlexAttention `score_mod` adding F_P[h, i, j] = f_h(j - i) from the (H, N, N) bias
+    (`toeplitz_bias`, `tisa.flex_bias: dense`): one read per score, and in the backward one
+    atomic add per score onto its own entry (the table's `tisa_score_mod` sends all the scores of
+    a diagonal to one entry)."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias_HNN[h, q_idx, kv_idx]
+
+    return score_mod
+
+
 FLEX_BLOCK_SIZE = 128
 """FlexAttention's default sparse block size (`_DEFAULT_SPARSE_BLOCK_SIZE`)."""
 
@@ -191,13 +205,18 @@ def tisa_flex_attention(
     values_HM: Tensor,
     mask_BN: Tensor | None,
     block_mask=None,
+    dense_bias_HNN: Tensor | None = None,
 ) -> Tensor:
     """softmax(Q K^T / sqrt(h) + F_P + key_padding) V through FlexAttention: F_P in the
     score_mod, the key padding in a block mask (`block_mask`, else built from `mask_BN`; no mask
-    when `mask_BN` is None, i.e. the batch is unpadded)."""
+    when `mask_BN` is None, i.e. the batch is unpadded). F_P is read from the table `values_HM`,
+    or from `dense_bias_HNN` when given (`tisa.flex_bias: dense`; made from the same table)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    score_mod = tisa_score_mod(values_HM.to(q_BHNh.dtype))
+    if dense_bias_HNN is not None:
+        score_mod = tisa_dense_score_mod(dense_bias_HNN)
+    else:
+        score_mod = tisa_score_mod(values_HM.to(q_BHNh.dtype))
     if block_mask is None and mask_BN is not None:
         block_mask = key_padding_block_mask(mask_BN)
     if torch.compiler.is_compiling() or not q_BHNh.is_cuda:
@@ -216,7 +235,8 @@ class TISAState(FamilyState):
     With the shared scope and the sdpa backend it also builds the bias every layer uses,
     `tisa_bias` = F_P + key padding, (B, H, N, N), or F_P alone, (1, H, N, N), for an unpadded
     batch; with the flex backend and a padded batch, the key-padding block mask every layer
-    uses, `tisa_block_mask`. Both are built once per forward, here rather than lazily by the
+    uses, `tisa_block_mask`; with the flex backend, the shared scope and `tisa.flex_bias:
+    dense`, F_P as an fp32 (H, N, N) tensor, `tisa_flex_bias`. Both are built once per forward, here rather than lazily by the
     first kernel: a kernel-side cache would make activation checkpointing recompute a different
     graph than the original forward.
     """
@@ -240,6 +260,9 @@ class TISAState(FamilyState):
         backend = select_backend(self.cfg, x0_BND.device, dropout_active, N)
         if backend == "flex" and padded:
             extras["tisa_block_mask"] = key_padding_block_mask(mask_BN)
+        dense = self.cfg.tisa.flex_bias == "dense" and self.cfg.tisa.scope == "shared"
+        if backend == "flex" and dense:  # the fp32 (H, N, N) F_P every layer reads
+            extras["tisa_flex_bias"] = toeplitz_bias(values_PHM[0].float())
         if self.cfg.tisa.scope == "shared" and backend == "sdpa":
             # The dtype the kernels' queries will have (autocast's, else the weights').
             device_type = x0_BND.device.type
@@ -290,8 +313,13 @@ class TISAKernel(ScoreKernel):
         mask_BN = ctx.mask_BN if ctx.padded else None
         if backend == "flex":
             block_mask = ctx.extras.get("tisa_block_mask")  # built once per forward by the state
+            dense = None
+            if self.cfg.tisa.flex_bias == "dense":  # shared scope: built once by the state
+                dense = ctx.extras.get("tisa_flex_bias")
+                if dense is None:
+                    dense = toeplitz_bias(values_PHM[scorer].float())
             out = tisa_flex_attention(
-                q_BHNh, k_BHNh, v_BHNh, values_PHM[scorer], mask_BN, block_mask
+                q_BHNh, k_BHNh, v_BHNh, values_PHM[scorer], mask_BN, block_mask, dense
             )
             return out, {}
 
@@ -355,6 +383,7 @@ __all__ = [
     "sdpa_bias",
     "select_backend",
     "tisa_curves",
+    "tisa_dense_score_mod",
     "tisa_figures",
     "tisa_flex_attention",
     "tisa_score_mod",
