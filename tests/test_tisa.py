@@ -285,3 +285,22 @@ def test_bias_matches_authors_port_up_to_the_offset_convention():
         scorer.c.copy_(-scorer.c - 1)
     ours = toeplitz_bias(scorer.values(9))
     torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("flex_bias", ["table", "dense"])
+def test_compiled_encoder_traces_the_flex_score_mod(flex_bias):
+    """The flex path inside a compiled encoder (engine.compile; Dynamo captures flex_attention
+    with the score_mod's closure over the table or the dense bias the state made in the same
+    graph), equal to the eager SDPA model at every real token (CPU, no grad, aot_eager)."""
+    ids, mask = batch()
+    torch.manual_seed(0)
+    ref_model = Encoder(tisa_config(tisa={"backend": "sdpa"})).eval()
+    torch.manual_seed(0)
+    model = Encoder(tisa_config(tisa={"backend": "flex", "flex_bias": flex_bias})).eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        ref = ref_model(ids, mask).last_hidden_state
+        out = compiled(ids, mask).last_hidden_state
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], rtol=1e-5, atol=1e-5)
