@@ -21,7 +21,9 @@
 # TransJect's and TISA's gaps, and which attention kernel SDPA runs for TISA's bias; softmax's and
 # TransJect's graphs are pass 1's, so Inductor's cache makes their compilation short; and the LAMB
 # step alone, foreach and compiled), 4 batch128
-# (softmax compiled at micro-batch 128, unpadded: larger GEMMs), 5 scaling_compiled (one layer forward at N = 4096
+# (softmax compiled at micro-batch 128, unpadded: larger GEMMs), backend_torch (the same softmax
+# step as pass 1's on the engine's torch backend instead of DeepSpeed's ZeRO-0: what DeepSpeed's
+# engine costs a step on a GPU, part of the MFU gap or not), 5 scaling_compiled (one layer forward at N = 4096
 # and 8192, softmax and kernel compiled, as they ship: the kernel target), 6 h100_suite (the
 # eager pretraining table on an H100, every family, albert-base 128 / 512 and albert-large 512:
 # kernel attention heads first and TransJect's expert writes, eager), 7 syncs_compiled (no host
@@ -73,6 +75,8 @@ pass profile 150 200 ENV_PART= PARTS="profile lamb" PROFILE_LIMIT=180 \
   "PROFILE=--families softmax transject tisa --steps 3 --warmup 2 --padding none --override engine.compile=true"
 pass batch128 90 120 ENV_PART= PARTS=pretrain COMPILE=recipe \
   "PRETRAIN=--configs albert-base-512 --families softmax --padding none --batch 128 --steps 6 --timeout 110"
+pass backend_torch 90 120 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=engine.backend=torch \
+  "PRETRAIN=--configs albert-base-512 --families softmax --padding none --steps 6 --timeout 110"
 pass scaling_compiled 100 150 ENV_PART= PARTS=scaling \
   "SCALING=--no-mask --compile --families softmax kernel --lengths 4096 8192 --warmup 3 --repeats 10"
 pass h100_suite 150 240 ENV_PART= PARTS="pretrain pretrain2"
