@@ -74,8 +74,9 @@ class TISAConfig:
     bytes: 12.6 MB at N = 512, 805 MB at 4096, for 12 heads; no batch dimension); the backward
     adds each score's gradient to its own entry, the B samples of a batch being the only
     scores that share one, and the (H, N, N) gradient then goes to the table by the indexing's
-    backward. Which is faster on a GPU is not measured yet (bench_fast_paths.py tisa-backends
-    times both)."""
+    backward. The bias and its gradient grow as N^2 (3.2 GB each at 8192 tokens): `dense` is for
+    the shorter lengths, the table for long ones. Which is faster on a GPU is not measured yet
+    (bench_fast_paths.py tisa-backends times both)."""
 
     def __post_init__(self) -> None:
         _check_positive("tisa.num_kernels", self.num_kernels)

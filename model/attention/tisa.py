@@ -236,9 +236,9 @@ class TISAState(FamilyState):
     `tisa_bias` = F_P + key padding, (B, H, N, N), or F_P alone, (1, H, N, N), for an unpadded
     batch; with the flex backend and a padded batch, the key-padding block mask every layer
     uses, `tisa_block_mask`; with the flex backend, the shared scope and `tisa.flex_bias:
-    dense`, F_P as an fp32 (H, N, N) tensor, `tisa_flex_bias`. Both are built once per forward, here rather than lazily by the
-    first kernel: a kernel-side cache would make activation checkpointing recompute a different
-    graph than the original forward.
+    dense`, F_P as an fp32 (H, N, N) tensor, `tisa_flex_bias`. Each is built once per forward,
+    here rather than lazily by the first kernel: a kernel-side cache would make activation
+    checkpointing recompute a different graph than the original forward.
     """
 
     def __init__(self, cfg: EncoderConfig):
