@@ -305,7 +305,12 @@ def gpu_verify(args) -> dict:
 
     from engine.engine import compile_encoder
     from model.attention.base import key_padding_bias
-    from model.attention.tisa import PositionScorer, tisa_flex_attention, toeplitz_bias
+    from model.attention.tisa import (
+        PositionScorer,
+        flex_dense_bias,
+        tisa_flex_attention,
+        toeplitz_bias,
+    )
     from model.norm import LayerNorm, apex_layer_norm_fn, layer_norm_backend
 
     dev = "cuda"
@@ -329,7 +334,7 @@ def gpu_verify(args) -> dict:
             if backend == "flex":
                 out = tisa_flex_attention(q, k, v, values, mask)
             elif backend == "flex_dense":
-                dense = toeplitz_bias(values.float())
+                dense = flex_dense_bias(values)
                 out = tisa_flex_attention(q, k, v, values, mask, dense_bias_HNN=dense)
             else:
                 bias = toeplitz_bias(values).to(dtype) + key_padding_bias(mask, dtype)
@@ -985,9 +990,9 @@ def bench_tisa_backends(args) -> dict:
         raise SystemExit("tisa-backends needs CUDA (FlexAttention has no CPU backward)")
     from model.attention.tisa import (
         PositionScorer,
+        flex_dense_bias,
         sdpa_bias,
         tisa_flex_attention,
-        toeplitz_bias,
     )
 
     dev, dtype = "cuda", torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -1012,7 +1017,7 @@ def bench_tisa_backends(args) -> dict:
                 if backend == "flex":
                     out = tisa_flex_attention(q, k, v, values, m)
                 elif backend == "flex_dense":
-                    dense = toeplitz_bias(values.float())
+                    dense = flex_dense_bias(values)
                     out = tisa_flex_attention(q, k, v, values, m, dense_bias_HNN=dense)
                 else:
                     bias = sdpa_bias(values, m, dtype)

@@ -55,26 +55,27 @@ def kind_of(name: str) -> str:
     )
 
 
-def self_time_us(event, cuda: bool) -> float:
-    """An averaged profiler event's self time in microseconds: the device's on CUDA (the name
-    of that field changed across torch versions), the host's on the CPU."""
-    if not cuda:
-        return float(event.self_cpu_time_total)
-    for field in ("self_device_time_total", "self_cuda_time_total"):
+def _device_us(event, fields: tuple[str, str]) -> float:
+    """The first of ``fields`` (today's name, then the older one: it changed across torch
+    versions) that an averaged profiler event has, in microseconds; 0 if none."""
+    for field in fields:
         value = getattr(event, field, None)
         if value is not None:
             return float(value)
     return 0.0
+
+
+def self_time_us(event, cuda: bool) -> float:
+    """An averaged profiler event's self time in microseconds: the device's on CUDA, the host's
+    on the CPU."""
+    if not cuda:
+        return float(event.self_cpu_time_total)
+    return _device_us(event, ("self_device_time_total", "self_cuda_time_total"))
 
 
 def kernel_time_us(event) -> float:
-    """A device kernel's averaged profiler event: its total time in microseconds (the field's
-    name changed across torch versions)."""
-    for field in ("device_time_total", "cuda_time_total"):
-        value = getattr(event, field, None)
-        if value is not None:
-            return float(value)
-    return 0.0
+    """A device kernel's averaged profiler event: its total time in microseconds."""
+    return _device_us(event, ("device_time_total", "cuda_time_total"))
 
 
 def profile_family(family: str, args) -> dict:

@@ -23,6 +23,7 @@ from model.attention.kernel import KernelAttention, matmul_fp32, naive_kernel_at
 from model.attention.tisa import (
     PositionScorer,
     TISAState,
+    flex_dense_bias,
     key_padding_block_mask,
     select_backend,
     tisa_flex_attention,
@@ -324,7 +325,7 @@ def test_flex_dense_bias_equals_the_table_and_sdpa():
     mask[2, 130:] = False
     with torch.no_grad():
         values = scorer.values(N)
-        dense = toeplitz_bias(values.float())
+        dense = flex_dense_bias(values)
         assert dense.shape == (H, N, N) and dense.dtype == torch.float32
         for m in (mask, None):
             table = tisa_flex_attention(q, k, v, values, m)

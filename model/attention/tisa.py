@@ -144,6 +144,13 @@ def tisa_score_mod(values_HM: Tensor):
     return score_mod
 
 
+def flex_dense_bias(values_HM: Tensor) -> Tensor:
+    """F_P as `tisa.flex_bias: dense` reads it: the (H, N, N) `toeplitz_bias` of the table, in
+    fp32 whatever the weights' dtype (FlexAttention adds the scores' gradients into it with
+    atomics, which a bf16 tensor would round at every add)."""
+    return toeplitz_bias(values_HM.float())
+
+
 def tisa_dense_score_mod(bias_HNN: Tensor):
     """The FlexAttention `score_mod` adding F_P[h, i, j] = f_h(j - i) from the (H, N, N) bias
     (`toeplitz_bias`, `tisa.flex_bias: dense`): one read per score, and in the backward one
@@ -262,7 +269,7 @@ class TISAState(FamilyState):
             extras["tisa_block_mask"] = key_padding_block_mask(mask_BN)
         dense = self.cfg.tisa.flex_bias == "dense" and self.cfg.tisa.scope == "shared"
         if backend == "flex" and dense:  # the fp32 (H, N, N) F_P every layer reads
-            extras["tisa_flex_bias"] = toeplitz_bias(values_PHM[0].float())
+            extras["tisa_flex_bias"] = flex_dense_bias(values_PHM[0])
         if self.cfg.tisa.scope == "shared" and backend == "sdpa":
             # The dtype the kernels' queries will have (autocast's, else the weights').
             device_type = x0_BND.device.type
@@ -317,7 +324,7 @@ class TISAKernel(ScoreKernel):
             if self.cfg.tisa.flex_bias == "dense":  # shared scope: built once by the state
                 dense = ctx.extras.get("tisa_flex_bias")
                 if dense is None:
-                    dense = toeplitz_bias(values_PHM[scorer].float())
+                    dense = flex_dense_bias(values_PHM[scorer])
             out = tisa_flex_attention(
                 q_BHNh, k_BHNh, v_BHNh, values_PHM[scorer], mask_BN, block_mask, dense
             )
@@ -379,6 +386,7 @@ __all__ = [
     "PositionScorer",
     "TISAKernel",
     "TISAState",
+    "flex_dense_bias",
     "key_padding_block_mask",
     "sdpa_bias",
     "select_backend",
