@@ -166,6 +166,16 @@ def tisa_dense_score_mod(bias_HNN: Tensor):
 FLEX_BLOCK_SIZE = 128
 """FlexAttention's default sparse block size (`_DEFAULT_SPARSE_BLOCK_SIZE`)."""
 
+DENSE_FLEX_KERNEL_OPTIONS = {"num_stages": 2}
+"""FlexAttention's `kernel_options` on the dense bias (`tisa.flex_bias: dense`): two pipeline
+stages instead of the three of torch's defaults for an H100. The kernel stages each tile of the
+fp32 bias it reads in shared memory like the q, k and v tiles; with torch 2.11's H100 defaults
+(forward 128 x 128 tiles, 3 stages) that is 3 x 64 KB of bias + 96 KB of k, v + 16 KB of q =
+304 KB, over the 227 KB a block may have: on an H100 the forward did not compile (it asked
+for 240-304 KB; BENCHMARKS.md). With two stages the forward needs 208 KB (the backward's tiles
+are smaller). The table's `score_mod` gathers single values, which are not staged, and keeps
+torch's defaults. Whether the dense bias then runs faster than the table is measured on a GPU."""
+
 
 def key_padding_block_mask(mask_BN: Tensor, block_size: int = FLEX_BLOCK_SIZE):
     """The FlexAttention `BlockMask` of a key-padding mask (B, N), True at real keys, built in
@@ -220,8 +230,10 @@ def tisa_flex_attention(
     or from `dense_bias_HNN` when given (`tisa.flex_bias: dense`; made from the same table)."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    kernel_options = None
     if dense_bias_HNN is not None:
         score_mod = tisa_dense_score_mod(dense_bias_HNN)
+        kernel_options = dict(DENSE_FLEX_KERNEL_OPTIONS)
     else:
         score_mod = tisa_score_mod(values_HM.to(q_BHNh.dtype))
     if block_mask is None and mask_BN is not None:
@@ -232,7 +244,14 @@ def tisa_flex_attention(
         attend = flex_attention
     else:
         attend = _compiled_flex_attention()
-    return attend(q_BHNh, k_BHNh, v_BHNh, score_mod=score_mod, block_mask=block_mask)
+    return attend(
+        q_BHNh,
+        k_BHNh,
+        v_BHNh,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        kernel_options=kernel_options,
+    )
 
 
 class TISAState(FamilyState):
