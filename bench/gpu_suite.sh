@@ -233,7 +233,7 @@ else
     --out "$OUT/orthogonal_cache_gpu.json"
   # The LAMB step alone on the recipes' parameters: ours as the engine runs it, ours plain, and
   # pytorch_optimizer's reference (per tensor, a host sync per trust ratio).
-  part lamb 60 python3 bench/bench_lamb.py --device cuda --recipe albert-base \
+  part lamb 150 python3 bench/bench_lamb.py --device cuda --recipe albert-base \
     albert-base-transject albert-large-transject --out "$OUT/lamb_gpu.json"
   # Where a step's time goes, per operator (torch.profiler), softmax and TransJect at albert-base
   # seq 512: which kind of work holds TransJect's gap to softmax.
