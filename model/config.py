@@ -75,8 +75,10 @@ class TISAConfig:
     adds each score's gradient to its own entry, the B samples of a batch being the only
     scores that share one, and the (H, N, N) gradient then goes to the table by the indexing's
     backward. The bias and its gradient grow as N^2 (3.2 GB each at 8192 tokens): `dense` is for
-    the shorter lengths, the table for long ones. Which is faster on a GPU is not measured yet
-    (bench_fast_paths.py tisa-backends times both)."""
+    the shorter lengths, the table for long ones. FlexAttention stages the bias's fp32 tiles in
+    shared memory: with torch's three pipeline stages its forward did not compile on an H100
+    (240-304 KB of the 227 KB a block may have), so `dense` asks for two. Which is faster on a
+    GPU is not measured yet (bench_fast_paths.py tisa-backends times both)."""
 
     def __post_init__(self) -> None:
         _check_positive("tisa.num_kernels", self.num_kernels)
