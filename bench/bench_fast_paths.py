@@ -17,6 +17,7 @@ untimed ones (CUDA: synchronised). Ratios compare two paths in the same process.
     python bench/bench_fast_paths.py gpu-verify            # CUDA: flex, compile, apex; asserts
     python bench/bench_fast_paths.py tisa-backends --device cuda --dtype bf16 --seq 256 512 1024 2048 4096
     python bench/bench_fast_paths.py attention-checks      # CUDA: masks, bf16 kernel, maps; asserts
+    python bench/bench_fast_paths.py tisa-bias-grad --heads 12 --seq 512 1024  # the bias's gradient
 
 `gpu-verify` checks on CUDA (and fails loudly otherwise): TISA flex == SDPA bias in forward and
 in every gradient (fp32 and bf16 autocast) and that training steps do not recompile; the
@@ -976,6 +977,82 @@ def bench_orthogonal_shard(args) -> dict:
 # ----------------------------------------------------------------------------- TISA backends
 
 
+def diagonal_sums(grad_HNN: torch.Tensor) -> torch.Tensor:
+    """(H, N, N) -> (H, 2N - 1): entry j - i + N - 1 of each head sums grad[h, i, j] over its
+    diagonal; the gradient of `toeplitz_bias` without the indexing's scatter (a candidate, not
+    in the model: slower on the CPU). Each row padded with N - 1 zeros on the left and N on the
+    right (rows of L = 3N - 1), then read with a row stride of L + 1, which shifts row i by i:
+    entry (i, c) is grad[i, c + i - (N - 1)], so column c is one diagonal; a sum over rows."""
+    H, N = grad_HNN.shape[0], grad_HNN.shape[-1]
+    padded = F.pad(grad_HNN, (N - 1, N))
+    L = 3 * N - 1
+    return padded.as_strided((H, N, 2 * N - 1), (N * L, L + 1, 1)).sum(dim=1)
+
+
+class _ToeplitzByDiagonals(torch.autograd.Function):
+    """`toeplitz_bias`'s indexing forward with `diagonal_sums` as its backward."""
+
+    @staticmethod
+    def forward(ctx, values_HM: torch.Tensor) -> torch.Tensor:
+        from model.attention.tisa import toeplitz_bias
+
+        return toeplitz_bias(values_HM)
+
+    @staticmethod
+    def backward(ctx, grad_HNN: torch.Tensor) -> torch.Tensor:
+        return diagonal_sums(grad_HNN)
+
+
+def bench_tisa_bias_grad(args) -> dict:
+    """TISA's (H, N, N) bias from its (H, 2N - 1) table, forward + backward: the gradient by the
+    indexing's scatter (the model's `toeplitz_bias`) vs by sums along the diagonals
+    (`diagonal_sums`, a candidate), eager and compiled, fp32 (the table and the bias's gradient
+    are fp32 in the SDPA path). Gradients checked equal."""
+    from model.attention.tisa import toeplitz_bias
+
+    rows = []
+    for N in args.seq:
+        g = torch.Generator().manual_seed(N)
+        grad = torch.randn(args.heads, N, N, generator=g).to(args.device)
+        variants = {}
+        for name, bias_fn in (("index", toeplitz_bias), ("diagonal", _ToeplitzByDiagonals.apply)):
+            for compiled in (False, True):
+
+                def step(bias_fn=bias_fn, N=N, grad=grad):
+                    values = torch.ones(args.heads, 2 * N - 1, device=args.device)
+                    values.requires_grad_()
+                    (bias_fn(values) * grad).sum().backward()
+                    return values.grad
+
+                variants[name + ("_compiled" if compiled else "")] = (
+                    torch.compile(step) if compiled else step
+                )
+        torch._dynamo.reset()
+        grads = {name: fn() for name, fn in variants.items()}
+        for value in grads.values():
+            torch.testing.assert_close(value, grads["index"], rtol=1e-5, atol=1e-3)
+        times = time_steps(variants, args.warmup, args.repeats, args.device)
+        row = {"N": N, "heads": args.heads, **{f"{k}_ms": v * 1e3 for k, v in times.items()}}
+        row["speedup_eager"] = times["index"] / times["diagonal"]
+        row["speedup_compiled"] = times["index_compiled"] / times["diagonal_compiled"]
+        rows.append(row)
+        print(json.dumps(row))
+    print(
+        f"\nTISA bias from its table, forward + backward, {args.device}, fp32, {args.heads} heads"
+    )
+    print(
+        "| N | index ms | diagonal sums ms | speed-up | index compiled | diagonal compiled | speed-up |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['N']} | {r['index_ms']:.2f} | {r['diagonal_ms']:.2f} | {r['speedup_eager']:.2f}x "
+            f"| {r['index_compiled_ms']:.2f} | {r['diagonal_compiled_ms']:.2f} "
+            f"| {r['speedup_compiled']:.2f}x |"
+        )
+    return {"rows": rows, "where": f"{args.device}, torch {torch.__version__}"}
+
+
 def bench_tisa_backends(args) -> dict:
     """TISA's mixing step alone, forward + backward (into q, k, v and the scorer's a, b, c), per
     sequence length: FlexAttention (score_mod + key-padding block mask) reading f from its
@@ -1296,7 +1373,7 @@ def main() -> None:
         choices=[
             "tisa", "compile", "grouping", "pretrain-padding", "orthogonal-cache", "gpu-verify",
             "tisa-backends", "attention-checks", "orthogonal-step", "orthogonal-shard", "cayley",
-            "transject-experts",
+            "transject-experts", "tisa-bias-grad",
         ],
     )  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -1360,6 +1437,7 @@ def main() -> None:
         "orthogonal-shard": bench_orthogonal_shard,
         "cayley": bench_cayley,
         "transject-experts": bench_transject_experts,
+        "tisa-bias-grad": bench_tisa_bias_grad,
     }[args.what]
     result = {"what": args.what, "args": {k: str(v) for k, v in vars(args).items()}}
     result.update(run(args))

@@ -19,7 +19,8 @@
 #    91 s compiled with the foreach LAMB; compiling the LAMB for its 108 tensors adds about 30 s
 #    on the CPU);
 #  3 tisa_backends: TISA's mixing step, flex with f from its table or from the dense bias vs
-#    SDPA with the bias, 512 to 4096 tokens, gradients checked (tisa.flex_min_length);
+#    SDPA with the bias, 512 to 4096 tokens, gradients checked (tisa.flex_min_length); and the
+#    table's gradient by the indexing's scatter vs by diagonal sums (tisabiasgrad);
 #  4 lamb: the LAMB step alone on the recipes' parameters, foreach and compiled;
 #  5 compile_check: TransJect's compiled steps finite and equal to eager on the GPU
 #    (check_compiled_steps.py, eager / aot_eager / inductor);
@@ -67,7 +68,7 @@ pass tisa_flex_dense 150 250 PARTS=pretrain COMPILE=recipe \
   "PRETRAIN=--configs albert-base-512 --families softmax tisa --padding none --steps 6 --timeout 115"
 pass transject_lamb 200 300 ENV_PART= PARTS=pretrain COMPILE=recipe LAMB=compiled \
   "PRETRAIN=--configs albert-base-512 --families softmax transject --padding none --steps 6 --timeout 170"
-pass tisa_backends 100 150 ENV_PART= PARTS=tisabackends
+pass tisa_backends 100 200 ENV_PART= PARTS="tisabackends tisabiasgrad"
 pass lamb 100 160 ENV_PART= PARTS=lamb
 pass compile_check 150 360 ENV_PART= PARTS=compilecheck
 pass backend_torch 90 120 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=engine.backend=torch \

@@ -65,6 +65,9 @@
 #   tisabackends  bench_fast_paths.py tisa-backends: TISA flex (f from its table, and from the
 #             dense (H, N, N) bias: tisa.flex_bias) vs SDPA bias per length, the length from
 #             which flex wins (tisa.flex_min_length)                 -> tisa_backends_gpu.json
+#   tisabiasgrad  bench_fast_paths.py tisa-bias-grad: the gradient of TISA's table through the
+#             indexing's scatter vs sums along the diagonals, eager and compiled
+#                                                                     -> tisa_bias_grad_gpu.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu}
@@ -82,7 +85,7 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 SMOKE=${SMOKE:-0}
-PARTS=${PARTS:-jit cayley tjexperts lamb model qkv scaling pretrain pretrain2 syncs depth loader tisa tisabackends orthocache fastpaths}
+PARTS=${PARTS:-jit cayley tjexperts lamb model qkv scaling pretrain pretrain2 syncs depth loader tisa tisabackends tisabiasgrad orthocache fastpaths}
 # LAMB=auto: what a recipe picks by itself, the foreach LAMB (engine/lamb.py: per tensor on every
 # ZeRO stage 0-2, no host synchronisation, nothing to build). LAMB=torch: pytorch_optimizer.Lamb.
 # LAMB=deepspeed: DeepSpeed's FusedLamb, JIT-built by the `jit` part first (ZeRO-0 only: the
@@ -227,6 +230,9 @@ else
   part tisabackends 120 python3 bench/bench_fast_paths.py tisa-backends --device cuda --dtype bf16 \
     --hidden 768 --heads 12 --batch 8 --seq 512 1024 2048 4096 --warmup 3 --repeats 5 \
     --out "$OUT/tisa_backends_gpu.json"
+  # TISA's table gradient: the indexing's scatter (the model's) vs sums along the diagonals.
+  part tisabiasgrad 60 python3 bench/bench_fast_paths.py tisa-bias-grad --device cuda --heads 12 \
+    --seq 512 1024 2048 --warmup 3 --repeats 10 --out "$OUT/tisa_bias_grad_gpu.json"
   # TransJect inference with its orthogonal maps kept across forwards vs evaluated every time.
   part orthocache 40 python3 bench/bench_fast_paths.py orthogonal-cache --device cuda --dtype bf16 \
     --hidden 768 --heads 12 --layers 1 --batch 8 --seq 256 4096 16384 --warmup 2 --repeats 10 \
