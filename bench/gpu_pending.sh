@@ -31,14 +31,14 @@
 #  8 large_transject_compiled: TransJect albert-large compiled, finite? its peak at batch 64;
 #  9 h100_suite: the eager pretraining table on an H100, every family, albert-base 128 / 512 and
 #    albert-large 512, and ZeRO-2.
-# A first call runs the first two or three; a second one goes on (ONLY="autotune ...").
+# A first call runs the first three or four; a second one goes on (ONLY="compile_check ...").
 # What the budget leaves out is named in pending.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu_pending}
 BUDGET=${BUDGET:-540}
 SUITE=${SUITE:-bench/gpu_suite.sh}
-ONLY=${ONLY:-} # pass names to run (a second call: ONLY="autotune profile"); empty: all
+ONLY=${ONLY:-} # pass names to run (a second call: ONLY="compile_check backend_torch"); empty: all
 mkdir -p "$OUT/passes"
 LOG=$OUT/pending.log
 : >"$LOG"
