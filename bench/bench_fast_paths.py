@@ -1065,6 +1065,8 @@ def bench_tisa_backends(args) -> dict:
     SDPA running out of memory counts as flex faster. CUDA only (flex has no CPU backward)."""
     if args.device != "cuda":
         raise SystemExit("tisa-backends needs CUDA (FlexAttention has no CPU backward)")
+    from torch._inductor.exc import InductorError
+
     from model.attention.tisa import (
         PositionScorer,
         flex_dense_bias,
@@ -1075,6 +1077,7 @@ def bench_tisa_backends(args) -> dict:
     dev, dtype = "cuda", torch.bfloat16 if args.dtype == "bf16" else torch.float32
     H, h, B = args.heads, args.hidden // args.heads, args.batch
     rows = []
+    failed: dict[str, str] = {}  # variant -> the first line of its compile error
     for N in args.seq:
         torch.manual_seed(0)
         scorer = PositionScorer(5, H).to(dev)
@@ -1108,6 +1111,9 @@ def bench_tisa_backends(args) -> dict:
             name = "padded" if padded else "unpadded"
             for flex in ("flex", "flex_dense"):
                 key = f"agree_{name}" if flex == "flex" else f"agree_dense_{name}"
+                if flex in failed:
+                    row[key] = None
+                    continue
                 try:
                     (o_f, g_f), (o_s, g_s) = step(flex, padded)(), step("sdpa", padded)()
                     real = mask[:, None, :, None].expand_as(o_f) if padded else slice(None)
@@ -1123,13 +1129,22 @@ def bench_tisa_backends(args) -> dict:
                     del o_f, g_f, o_s, g_s
                 except torch.OutOfMemoryError:
                     row[key] = "out of memory"
+                except InductorError as error:  # a kernel that does not compile: on with the rest
+                    failed[flex] = str(error).strip().splitlines()[0]
+                    row[key] = None
+                    print(f"{flex} does not compile at N = {N}: {failed[flex]}", flush=True)
                 torch.cuda.empty_cache()
             for backend in ("flex", "flex_dense", "sdpa"):
+                row[f"{backend}_{name}_ms"] = None
+                if backend in failed:
+                    continue
                 try:
                     t = time_steps({backend: step(backend, padded)}, args.warmup, args.repeats, dev)
                     row[f"{backend}_{name}_ms"] = 1000 * t[backend]
                 except torch.OutOfMemoryError:
-                    row[f"{backend}_{name}_ms"] = None
+                    pass
+                except InductorError as error:
+                    failed[backend] = str(error).strip().splitlines()[0]
                 torch.cuda.empty_cache()
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -1141,7 +1156,7 @@ def bench_tisa_backends(args) -> dict:
             for n in ("padded", "unpadded")
         )
 
-    report = {"rows": rows, "device": torch.cuda.get_device_name()}
+    report = {"rows": rows, "device": torch.cuda.get_device_name(), "failed": failed}
     for flex in ("flex", "flex_dense"):
         threshold = None
         for row in reversed(rows):
