@@ -18,7 +18,10 @@ reaches the model without a mask (``Engine.to_device``), as most do with
 ``time/step`` of a step, its FLOPs K times one micro-batch's).
 
 Timing: ``--warmup`` untimed steps, then ``--steps`` steps each ended by a device synchronisation;
-the median step time gives tokens/s (positions computed, padding included) and samples/s. The split into
+the median step time gives tokens/s (positions computed, padding included) and samples/s. Then
+``--steady-steps`` more steps (default: ``--steps`` on CUDA, none on the CPU) run back to back
+with one synchronisation after the last, as the trainer runs between logging steps (the host
+queues work ahead of the device): ``steady_step_s`` and ``steady_mfu``, the "steady" column. The split into
 data (host -> device copy) / forward / backward / optimizer step comes from CUDA events (CPU: host
 clocks); ``opt_share`` is the optimizer step's share of the step (the engine's part after the
 last backward: clipping, the LAMB update, DeepSpeed's bookkeeping). MFU = ``model.flops.training_flops`` (3 x forward matmul FLOPs, the recompute of
@@ -235,14 +238,12 @@ class Measurement:
         self.totals: list[float] = []
         self.splits: list[list[float]] = []
         self.skipped = 0
+        self.steady_s: float | None = None  # `steady` (CUDA only)
 
     def step(self, i: int) -> tuple[float, list[float], bool]:
         """(seconds, [data, forward, backward, optimizer] seconds, skipped) of one step."""
         import torch
 
-        from pretrain.objective import model_inputs, pretraining_loss
-
-        engine = self.engine
         marks: list = []
 
         def mark() -> None:
@@ -254,6 +255,22 @@ class Measurement:
                 marks.append(time.perf_counter())
 
         start = time.perf_counter()
+        result = self._step(i, mark)
+        if self.cuda:
+            torch.cuda.synchronize()
+            gaps = [marks[j].elapsed_time(marks[j + 1]) / 1e3 for j in range(len(marks) - 1)]
+        else:
+            gaps = [marks[j + 1] - marks[j] for j in range(len(marks) - 1)]
+        # gaps: (data, forward, backward) per micro-batch, then the optimizer step
+        phases = [sum(gaps[k : len(gaps) - 1 : 3]) for k in range(3)] + [gaps[-1]]
+        return time.perf_counter() - start, phases, bool(result.skipped)
+
+    def _step(self, i: int, mark):
+        """One optimizer step (``accumulation`` micro-batches), ``mark()`` before and after
+        each phase; returns the engine's step result."""
+        from pretrain.objective import model_inputs, pretraining_loss
+
+        engine = self.engine
         for micro in range(self.accumulation):  # data, forward, backward marks per micro-batch
             cpu_batch = self.batches[(i * self.accumulation + micro) % len(self.batches)]
             mark()
@@ -265,14 +282,23 @@ class Measurement:
         mark()
         result = engine.step(defer=True)
         mark()
+        return result
+
+    def steady(self, first: int, n: int) -> None:
+        """``n`` steps back to back, one device synchronisation after the last, as the trainer
+        runs between logging steps: the host queues the next step's work while the device runs,
+        which the per-step timing above (a synchronisation after every step, events between
+        phases) does not let it do. ``steady_s``: seconds per step."""
+        import torch
+
         if self.cuda:
             torch.cuda.synchronize()
-            gaps = [marks[j].elapsed_time(marks[j + 1]) / 1e3 for j in range(len(marks) - 1)]
-        else:
-            gaps = [marks[j + 1] - marks[j] for j in range(len(marks) - 1)]
-        # gaps: (data, forward, backward) per micro-batch, then the optimizer step
-        phases = [sum(gaps[k : len(gaps) - 1 : 3]) for k in range(3)] + [gaps[-1]]
-        return time.perf_counter() - start, phases, bool(result.skipped)
+        start = time.perf_counter()
+        for i in range(first, first + n):
+            self._step(i, lambda: None)
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.steady_s = (time.perf_counter() - start) / n
 
     def record(self, i: int) -> None:
         seconds, phases, skipped = self.step(i)
@@ -316,6 +342,10 @@ class Measurement:
             "samples_per_s": self.batch * self.accumulation / step_s,
             "model_tflops_per_s": self.flops_per_step / step_s / 1e12,
             "mfu": mfu(self.flops_per_step / step_s, self.peak),
+            "steady_step_s": self.steady_s,
+            "steady_mfu": None
+            if self.steady_s is None
+            else mfu(self.flops_per_step / self.steady_s, self.peak),
             "skipped_steps": self.skipped,
             "sdpa_priority": self.args.sdpa_priority,
         }
@@ -340,6 +370,9 @@ def run_point(name: str, base: str, family: str, seq: int, batch: int, vocab: in
         torch.cuda.reset_peak_memory_stats()
     for i in range(args.steps):
         m.record(args.warmup + i)
+    steady = args.steady_steps if args.steady_steps is not None else (args.steps if m.cuda else 0)
+    if steady > 0:
+        m.steady(args.warmup + args.steps, steady)
     return m.row()  # the engine and batches go with `m` (run_group collects)
 
 
@@ -476,6 +509,13 @@ def main() -> None:
     parser.add_argument("--zero-stage", type=int, default=0, help="default: 0 (the recipes')")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--steady-steps",
+        type=int,
+        default=None,
+        help="steps timed back to back after the timed ones (the steady column); default: "
+        "--steps on CUDA, 0 on the CPU (where the host waits for every operator anyway)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=None, help="seconds per family")
     parser.add_argument(
@@ -574,18 +614,24 @@ def print_table(rows: list[dict], meta: dict) -> None:
     print(f"\n{where}, torch {meta['torch']}, DeepSpeed {meta['deepspeed']}{sdpa}\n")
     print(
         "| config | family | ZeRO | seq | batch | ckpt | step (s) median (min) | tokens/s | "
-        "samples/s | MFU | data / fwd / bwd / opt (ms) | opt share | peak mem (GB) |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "samples/s | MFU | steady step (s), MFU | data / fwd / bwd / opt (ms) | opt share | "
+        "peak mem (GB) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for r in rows:
         if "error" in r:
             print(f"| {r['name']} | {r['family']} | | {r['seq']} | {r['batch']} | | error: "
-                  f"{r['error'][:80]} | | | | | | |")  # fmt: skip
+                  f"{r['error'][:80]} | | | | | | | |")  # fmt: skip
             continue
         s = r["split_s"]
         split = " / ".join(f"{s[k] * 1e3:.1f}" for k in ("data", "forward", "backward", "step"))
         mem = r.get("peak_gb", r.get("max_rss_gb"))
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        steady = "-"
+        if r.get("steady_step_s") is not None:
+            steady = f"{r['steady_step_s']:.4f}" + (
+                "" if r.get("steady_mfu") is None else f", {100 * r['steady_mfu']:.1f}%"
+            )
         batch = f"{r['batch']}" + (
             f" x {r['accumulation']}" if r.get("accumulation", 1) > 1 else ""
         )
@@ -595,7 +641,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
             f"| {r['name']} | {r['family']} | {r['zero_stage']} | {r['seq']} | {batch} | "
             f"{'on' if r['activation_checkpointing'] else 'off'} | {r['step_s']:.4f} "
             f"({r['step_s_min']:.4f}) | "
-            f"{r['tokens_per_s']:,.0f} | {r['samples_per_s']:.1f} | {mfu} | {split} | "
+            f"{r['tokens_per_s']:,.0f} | {r['samples_per_s']:.1f} | {mfu} | {steady} | {split} | "
             f"{100 * r['opt_share']:.1f}% | {mem:.2f} |"
         )
 
