@@ -125,6 +125,23 @@ def autocast_for(args):
     return contextlib.nullcontext
 
 
+def tisa_mixing(backend: str, q, k, v, values, mask, dtype):
+    """TISA's attention output on one path: `flex` (f from its table), `flex_dense` (f from the
+    (H, N, N) bias, `tisa.flex_bias: dense`) or `sdpa` (the materialised bias + key padding)."""
+    from model.attention.tisa import flex_dense_bias, sdpa_bias, tisa_flex_attention
+
+    if backend == "flex":
+        return tisa_flex_attention(q, k, v, values, mask)
+    if backend == "flex_dense":
+        return tisa_flex_attention(q, k, v, values, mask, dense_bias_HNN=flex_dense_bias(values))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_bias(values, mask, dtype))
+
+
+def first_line(error: Exception) -> str:
+    """An exception's message, its first line (Inductor's run to many)."""
+    return str(error).strip().splitlines()[0]
+
+
 # ----------------------------------------------------------------------------- tisa
 
 
@@ -305,12 +322,8 @@ def gpu_verify(args) -> dict:
     from torch._dynamo.utils import counters
 
     from engine.engine import compile_encoder
-    from model.attention.base import key_padding_bias
     from model.attention.tisa import (
         PositionScorer,
-        flex_dense_bias,
-        tisa_flex_attention,
-        toeplitz_bias,
     )
     from model.norm import LayerNorm, apex_layer_norm_fn, layer_norm_backend
 
@@ -331,15 +344,7 @@ def gpu_verify(args) -> dict:
         mask[3, 17:] = False
         results = {}
         for backend in ("flex", "flex_dense", "sdpa"):
-            values = scorer.values(N)
-            if backend == "flex":
-                out = tisa_flex_attention(q, k, v, values, mask)
-            elif backend == "flex_dense":
-                dense = flex_dense_bias(values)
-                out = tisa_flex_attention(q, k, v, values, mask, dense_bias_HNN=dense)
-            else:
-                bias = toeplitz_bias(values).to(dtype) + key_padding_bias(mask, dtype)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+            out = tisa_mixing(backend, q, k, v, scorer.values(N), mask, dtype)
             real = mask[:, None, :, None].expand_as(out)
             loss = out[real].float().square().sum()
             grads = torch.autograd.grad(loss, [q, k, v, scorer.a, scorer.b, scorer.c])
@@ -1069,9 +1074,6 @@ def bench_tisa_backends(args) -> dict:
 
     from model.attention.tisa import (
         PositionScorer,
-        flex_dense_bias,
-        sdpa_bias,
-        tisa_flex_attention,
     )
 
     dev, dtype = "cuda", torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -1093,15 +1095,7 @@ def bench_tisa_backends(args) -> dict:
             m = mask if padded else None
 
             def run():
-                values = scorer.values(N)
-                if backend == "flex":
-                    out = tisa_flex_attention(q, k, v, values, m)
-                elif backend == "flex_dense":
-                    dense = flex_dense_bias(values)
-                    out = tisa_flex_attention(q, k, v, values, m, dense_bias_HNN=dense)
-                else:
-                    bias = sdpa_bias(values, m, dtype)
-                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+                out = tisa_mixing(backend, q, k, v, scorer.values(N), m, dtype)
                 return out, torch.autograd.grad(out, params, g)
 
             return run
@@ -1130,7 +1124,7 @@ def bench_tisa_backends(args) -> dict:
                 except torch.OutOfMemoryError:
                     row[key] = "out of memory"
                 except InductorError as error:  # a kernel that does not compile: on with the rest
-                    failed[flex] = str(error).strip().splitlines()[0]
+                    failed[flex] = first_line(error)
                     row[key] = None
                     print(f"{flex} does not compile at N = {N}: {failed[flex]}", flush=True)
                 torch.cuda.empty_cache()
@@ -1144,7 +1138,7 @@ def bench_tisa_backends(args) -> dict:
                 except torch.OutOfMemoryError:
                     pass
                 except InductorError as error:
-                    failed[backend] = str(error).strip().splitlines()[0]
+                    failed[backend] = first_line(error)
                 torch.cuda.empty_cache()
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -238,7 +238,7 @@ class Measurement:
         self.totals: list[float] = []
         self.splits: list[list[float]] = []
         self.skipped = 0
-        self.steady_s: float | None = None  # `steady` (CUDA only)
+        self.steady_s: float | None = None  # `steady`, when run
 
     def step(self, i: int) -> tuple[float, list[float], bool]:
         """(seconds, [data, forward, backward, optimizer] seconds, skipped) of one step."""
@@ -358,6 +358,14 @@ class Measurement:
         return row
 
 
+def steady_steps(m: Measurement, args) -> None:
+    """After the timed steps, ``--steady-steps`` back to back (default: ``--steps`` on CUDA,
+    none on the CPU)."""
+    n = args.steady_steps if args.steady_steps is not None else (args.steps if m.cuda else 0)
+    if n > 0:
+        m.steady(args.warmup + args.steps, n)
+
+
 def run_point(name: str, base: str, family: str, seq: int, batch: int, vocab: int, args, extra):
     """One measurement alone in this process; returns a result row (raises on failure)."""
     import torch
@@ -370,9 +378,7 @@ def run_point(name: str, base: str, family: str, seq: int, batch: int, vocab: in
         torch.cuda.reset_peak_memory_stats()
     for i in range(args.steps):
         m.record(args.warmup + i)
-    steady = args.steady_steps if args.steady_steps is not None else (args.steps if m.cuda else 0)
-    if steady > 0:
-        m.steady(args.warmup + args.steps, steady)
+    steady_steps(m, args)
     return m.row()  # the engine and batches go with `m` (run_group collects)
 
 
@@ -397,6 +403,7 @@ def run_interleaved(points: list[dict], args) -> None:
         for m in ms if i % 2 == 0 else ms[::-1]:
             m.record(args.warmup + i)
     for m in ms:
+        steady_steps(m, args)
         print("ROW " + json.dumps({**m.row(), "oom_batches": [], "interleaved": True}), flush=True)
 
 

@@ -230,12 +230,10 @@ def tisa_flex_attention(
     or from `dense_bias_HNN` when given (`tisa.flex_bias: dense`; made from the same table)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    kernel_options = None
     if dense_bias_HNN is not None:
-        score_mod = tisa_dense_score_mod(dense_bias_HNN)
-        kernel_options = dict(DENSE_FLEX_KERNEL_OPTIONS)
+        score_mod, kernel_options = tisa_dense_score_mod(dense_bias_HNN), DENSE_FLEX_KERNEL_OPTIONS
     else:
-        score_mod = tisa_score_mod(values_HM.to(q_BHNh.dtype))
+        score_mod, kernel_options = tisa_score_mod(values_HM.to(q_BHNh.dtype)), None
     if block_mask is None and mask_BN is not None:
         block_mask = key_padding_block_mask(mask_BN)
     if torch.compiler.is_compiling() or not q_BHNh.is_cuda:
@@ -339,11 +337,9 @@ class TISAKernel(ScoreKernel):
         mask_BN = ctx.mask_BN if ctx.padded else None
         if backend == "flex":
             block_mask = ctx.extras.get("tisa_block_mask")  # built once per forward by the state
-            dense = None
-            if self.cfg.tisa.flex_bias == "dense":  # shared scope: built once by the state
-                dense = ctx.extras.get("tisa_flex_bias")
-                if dense is None:
-                    dense = flex_dense_bias(values_PHM[scorer])
+            dense = ctx.extras.get("tisa_flex_bias")  # shared scope: built once by the state
+            if dense is None and self.cfg.tisa.flex_bias == "dense":  # per layer: its own scorer
+                dense = flex_dense_bias(values_PHM[scorer])
             out = tisa_flex_attention(
                 q_BHNh, k_BHNh, v_BHNh, values_PHM[scorer], mask_BN, block_mask, dense
             )
