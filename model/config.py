@@ -48,13 +48,18 @@ class TISAConfig:
     `zero_amplitude`: same, but a = 0 so adding TISA to a pretrained model leaves its outputs
     unchanged at step 0 (the paper's GLUE protocol on albert-base-v2)."""
 
-    backend: Literal["auto", "sdpa", "flex"] = "auto"
+    backend: Literal["auto", "sdpa", "flex", "split"] = "auto"
     """How the positional score reaches the softmax. `sdpa`: an (H, N, N) float bias built from
     the 2N-1 values of f per head (plus the key padding, when the batch is padded), passed to
     scaled_dot_product_attention. `flex`: FlexAttention with a score_mod adding f(j - i) and the
     key padding in a block mask (no N x N tensor in memory; CUDA, or CPU without gradients,
-    where eager flex still materialises the scores). `auto`: per sequence length, flex on CUDA
-    when attention dropout is off and N >= `flex_min_length`, else sdpa."""
+    where eager flex still materialises the scores). `split`: SDPA with the same bias but
+    detached, so that the flash / cuDNN kernels, which return no gradient for a bias, stay
+    eligible; the gradient of f's 2N-1 values comes from a Triton kernel of its own (summing the
+    scores' gradients along each diagonal in registers, no atomics; off CUDA a dense reference
+    computes it). No attention dropout (falls back to sdpa, with a warning). Its speed on a GPU
+    is not measured yet (`bench_fast_paths.py tisa-backends` times it). `auto`: per sequence
+    length, flex on CUDA when attention dropout is off and N >= `flex_min_length`, else sdpa."""
 
     flex_min_length: int = 2048
     """With `backend: auto` on CUDA: the shortest sequence length that uses FlexAttention; shorter
@@ -84,7 +89,7 @@ class TISAConfig:
         _check_positive("tisa.num_kernels", self.num_kernels)
         _check_choice("tisa.scope", self.scope, ("shared", "per_layer"))
         _check_choice("tisa.init", self.init, ("random", "zero_amplitude"))
-        _check_choice("tisa.backend", self.backend, ("auto", "sdpa", "flex"))
+        _check_choice("tisa.backend", self.backend, ("auto", "sdpa", "flex", "split"))
         _check_choice("tisa.flex_bias", self.flex_bias, ("table", "dense"))
         _check_positive("tisa.flex_min_length", self.flex_min_length)
 

@@ -45,6 +45,7 @@ from model.attention.base import (
 )
 from model.attention.hf_export import HFExport, family_code
 from model.attention.softmax import softmax_mixing_flops
+from model.attention.tisa_split import offset_index, split_attention
 from model.config import EncoderConfig
 
 
@@ -88,20 +89,19 @@ class PositionScorer(nn.Module):
 def toeplitz_bias(values_HM: Tensor) -> Tensor:
     """(H, 2N-1) values of f -> the (H, N, N) bias F_P[h, i, j] = f_h(j - i), by indexing."""
     N = (values_HM.size(-1) + 1) // 2
-    pos_N = torch.arange(N, device=values_HM.device)
-    index_NN = pos_N[None, :] - pos_N[:, None] + N - 1  # [i, j] -> (j - i) + N - 1
-    return values_HM[:, index_NN]
+    return values_HM[:, offset_index(N, values_HM.device)]  # [i, j] -> (j - i) + N - 1
 
 
 def select_backend(
     cfg: EncoderConfig, device: torch.device, dropout_active: bool, seq_len: int | None = None
 ) -> str:
-    """The backend one kernel call uses: "sdpa" or "flex" (see `TISAConfig.backend`).
+    """The backend one kernel call uses: "sdpa", "flex" or "split" (see `TISAConfig.backend`).
 
     `auto` takes flex on CUDA when attention dropout is off (flex has no dropout) and the
     sequence is at least `tisa.flex_min_length` long (None: long enough), else sdpa. An
-    explicit `flex` with active dropout falls back to sdpa (the kernel warns once); explicit
-    `flex` on CPU with gradients enabled raises, since FlexAttention has no CPU backward.
+    explicit `flex` or `split` with active dropout falls back to sdpa (the kernel warns once;
+    neither has a dropout of its own); explicit `flex` on CPU with gradients enabled raises,
+    since FlexAttention has no CPU backward.
     """
     backend = cfg.tisa.backend
     if backend == "auto":
@@ -115,6 +115,8 @@ def select_backend(
                 "or run under torch.no_grad()."
             )
         return "flex"
+    if backend == "split" and not dropout_active:
+        return "split"
     return "sdpa"
 
 
@@ -287,7 +289,7 @@ class TISAState(FamilyState):
         dense = self.cfg.tisa.flex_bias == "dense" and self.cfg.tisa.scope == "shared"
         if backend == "flex" and dense:  # the fp32 (H, N, N) F_P every layer reads
             extras["tisa_flex_bias"] = flex_dense_bias(values_PHM[0])
-        if self.cfg.tisa.scope == "shared" and backend == "sdpa":
+        if self.cfg.tisa.scope == "shared" and backend in ("sdpa", "split"):
             # The dtype the kernels' queries will have (autocast's, else the weights').
             device_type = x0_BND.device.type
             dtype = (
@@ -295,7 +297,8 @@ class TISAState(FamilyState):
                 if torch.is_autocast_enabled(device_type)
                 else x0_BND.dtype
             )
-            extras["tisa_bias"] = sdpa_bias(values_PHM[0], mask_BN if padded else None, dtype)
+            values_HM = values_PHM[0] if backend == "sdpa" else values_PHM[0].detach()
+            extras["tisa_bias"] = sdpa_bias(values_HM, mask_BN if padded else None, dtype)
         return extras, {}
 
 
@@ -316,7 +319,7 @@ class TISAKernel(ScoreKernel):
         self.cfg = cfg
         self.per_layer = cfg.tisa.scope == "per_layer"
         self.dropout_p = cfg.attention_probs_dropout_prob
-        self._warned_flex_dropout = False
+        self._warned_dropout = False
 
     def forward(
         self, q_BHNh: Tensor, k_BHNh: Tensor, v_BHNh: Tensor, ctx: LayerContext
@@ -326,13 +329,14 @@ class TISAKernel(ScoreKernel):
         assert scorer < values_PHM.size(0), "per_layer TISA needs one scorer per application"
         dropout_p = self.dropout_p if self.training else 0.0
         backend = select_backend(self.cfg, q_BHNh.device, dropout_p > 0, q_BHNh.size(-2))
-        if self.cfg.tisa.backend == "flex" and dropout_p > 0 and not self._warned_flex_dropout:
+        chosen = self.cfg.tisa.backend
+        if chosen in ("flex", "split") and dropout_p > 0 and not self._warned_dropout:
             warnings.warn(
-                "tisa.backend='flex' with attention_probs_dropout_prob > 0 in training: "
-                "FlexAttention has no dropout, falling back to sdpa",
+                f"tisa.backend={chosen!r} with attention_probs_dropout_prob > 0 in training: "
+                "it has no attention dropout, falling back to sdpa",
                 stacklevel=2,
             )
-            self._warned_flex_dropout = True
+            self._warned_dropout = True
 
         mask_BN = ctx.mask_BN if ctx.padded else None
         if backend == "flex":
@@ -347,7 +351,11 @@ class TISAKernel(ScoreKernel):
 
         bias = ctx.extras.get("tisa_bias")  # shared scope: built once per forward by the state
         if bias is None or bias.dtype != q_BHNh.dtype:
-            bias = sdpa_bias(values_PHM[scorer], mask_BN, q_BHNh.dtype)
+            values_HM = values_PHM[scorer] if backend == "sdpa" else values_PHM[scorer].detach()
+            bias = sdpa_bias(values_HM, mask_BN, q_BHNh.dtype)
+        if backend == "split":  # the bias without a gradient; f's gradient by its own kernel
+            out = split_attention(q_BHNh, k_BHNh, v_BHNh, values_PHM[scorer], bias, mask_BN)
+            return out, {}
         out = F.scaled_dot_product_attention(
             q_BHNh, k_BHNh, v_BHNh, attn_mask=bias, dropout_p=dropout_p
         )
