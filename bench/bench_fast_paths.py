@@ -127,14 +127,39 @@ def autocast_for(args):
 
 def tisa_mixing(backend: str, q, k, v, values, mask, dtype):
     """TISA's attention output on one path: `flex` (f from its table), `flex_dense` (f from the
-    (H, N, N) bias, `tisa.flex_bias: dense`) or `sdpa` (the materialised bias + key padding)."""
+    (H, N, N) bias, `tisa.flex_bias: dense`), `sdpa` (the materialised bias + key padding),
+    `split` (that bias detached, f's gradient by the Triton kernels; `split:BLOCK:WARPS:STAGES`
+    with other kernel options than `SPLIT_KERNEL_OPTIONS`), or `softmax` (no f at all: SDPA
+    with the key padding as a boolean mask, the peer the TISA target is measured against)."""
     from model.attention.tisa import flex_dense_bias, sdpa_bias, tisa_flex_attention
+    from model.attention.tisa_split import split_attention
 
     if backend == "flex":
         return tisa_flex_attention(q, k, v, values, mask)
     if backend == "flex_dense":
         return tisa_flex_attention(q, k, v, values, mask, dense_bias_HNN=flex_dense_bias(values))
+    if backend == "softmax":
+        keys = None if mask is None else mask[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keys)
+    if backend.startswith("split"):  # the kernel options: `split_kernel_options(backend)`
+        return split_attention(q, k, v, values, sdpa_bias(values.detach(), mask, dtype), mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_bias(values, mask, dtype))
+
+
+@contextlib.contextmanager
+def split_kernel_options(backend: str):
+    """`split:BLOCK:WARPS:STAGES` -> those `SPLIT_KERNEL_OPTIONS` while the block runs (run the
+    backward inside it too); any other backend name: the shipped options."""
+    from model.attention import tisa_split
+
+    shipped = dict(tisa_split.SPLIT_KERNEL_OPTIONS)
+    if backend.startswith("split:"):
+        block, warps, stages = (int(x) for x in backend.split(":")[1:])
+        tisa_split.SPLIT_KERNEL_OPTIONS.update(BLOCK=block, num_warps=warps, num_stages=stages)
+    try:
+        yield
+    finally:
+        tisa_split.SPLIT_KERNEL_OPTIONS.update(shipped)
 
 
 def first_line(error: Exception) -> str:
@@ -1062,9 +1087,12 @@ def bench_tisa_backends(args) -> dict:
     """TISA's mixing step alone, forward + backward (into q, k, v and the scorer's a, b, c), per
     sequence length: FlexAttention (score_mod + key-padding block mask) reading f from its
     table (`flex`, `tisa.flex_bias: table`) or from the (H, N, N) bias (`flex_dense`) vs SDPA
-    with the materialised bias, on a padded batch (a quarter of the rows half padding) and an
-    unpadded one (no mask). Checks that each flex variant agrees with SDPA at the real tokens,
-    gradients included, then times them (CUDA events, median). Reports `flex_min_length` (and
+    with the materialised bias, and the `split` backend (SDPA with that bias detached, f's
+    gradient by its Triton kernels; `--split-options` adds variants of their tile size and launch
+    options), on a padded batch (a quarter of the rows half padding) and an unpadded one (no
+    mask). Checks that each of these agrees with SDPA at the real tokens, gradients included,
+    then times them (median) beside softmax's SDPA without any bias (the TISA target's peer;
+    `*_over_softmax` in the rows). Reports `flex_min_length` (and
     `flex_dense_min_length`): the shortest length from which that flex variant is the faster
     on both batches at every longer length measured, the value for `tisa.flex_min_length`.
     SDPA running out of memory counts as flex faster. CUDA only (flex has no CPU backward)."""
@@ -1076,8 +1104,18 @@ def bench_tisa_backends(args) -> dict:
         PositionScorer,
     )
 
+    compile_errors: tuple[type[Exception], ...] = (InductorError,)
+    try:  # the split backend's Triton kernels: a compile error of theirs too
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources
+
+        compile_errors += (CompilationError, OutOfResources)
+    except ImportError:
+        pass
+
     dev, dtype = "cuda", torch.bfloat16 if args.dtype == "bf16" else torch.float32
     H, h, B = args.heads, args.hidden // args.heads, args.batch
+    splits = ["split", *(f"split:{o}" for o in args.split_options)]
     rows = []
     failed: dict[str, str] = {}  # variant -> the first line of its compile error
     for N in args.seq:
@@ -1095,16 +1133,18 @@ def bench_tisa_backends(args) -> dict:
             m = mask if padded else None
 
             def run():
-                out = tisa_mixing(backend, q, k, v, scorer.values(N), m, dtype)
-                return out, torch.autograd.grad(out, params, g)
+                with split_kernel_options(backend):
+                    out = tisa_mixing(backend, q, k, v, scorer.values(N), m, dtype)
+                    return out, torch.autograd.grad(out, params, g, allow_unused=True)
 
             return run
 
         row: dict = {"seq": N}
         for padded in (True, False):
             name = "padded" if padded else "unpadded"
-            for flex in ("flex", "flex_dense"):
-                key = f"agree_{name}" if flex == "flex" else f"agree_dense_{name}"
+            for flex in ("flex", "flex_dense", *splits):
+                key = {"flex": "agree_", "flex_dense": "agree_dense_"}.get(flex, f"agree_{flex}_")
+                key += name
                 if flex in failed:
                     row[key] = None
                     continue
@@ -1123,12 +1163,12 @@ def bench_tisa_backends(args) -> dict:
                     del o_f, g_f, o_s, g_s
                 except torch.OutOfMemoryError:
                     row[key] = "out of memory"
-                except InductorError as error:  # a kernel that does not compile: on with the rest
+                except compile_errors as error:  # a kernel that does not compile: on with the rest
                     failed[flex] = first_line(error)
                     row[key] = None
                     print(f"{flex} does not compile at N = {N}: {failed[flex]}", flush=True)
                 torch.cuda.empty_cache()
-            for backend in ("flex", "flex_dense", "sdpa"):
+            for backend in ("flex", "flex_dense", *splits, "sdpa", "softmax"):
                 row[f"{backend}_{name}_ms"] = None
                 if backend in failed:
                     continue
@@ -1137,7 +1177,7 @@ def bench_tisa_backends(args) -> dict:
                     row[f"{backend}_{name}_ms"] = 1000 * t[backend]
                 except torch.OutOfMemoryError:
                     pass
-                except InductorError as error:
+                except compile_errors as error:
                     failed[backend] = first_line(error)
                 torch.cuda.empty_cache()
         rows.append(row)
@@ -1150,6 +1190,11 @@ def bench_tisa_backends(args) -> dict:
             for n in ("padded", "unpadded")
         )
 
+    for row in rows:  # the ratios the TISA target is about: each path over softmax's SDPA
+        for backend in ("flex", "flex_dense", *splits, "sdpa"):
+            for n in ("padded", "unpadded"):
+                t, peer = row.get(f"{backend}_{n}_ms"), row.get(f"softmax_{n}_ms")
+                row[f"{backend}_{n}_over_softmax"] = t / peer if t and peer else None
     report = {"rows": rows, "device": torch.cuda.get_device_name(), "failed": failed}
     for flex in ("flex", "flex_dense"):
         threshold = None
@@ -1423,6 +1468,13 @@ def main() -> None:
         default=None,
         help="transject-experts: run one variant alone and report its peak memory (CPU: the "
         "process's peak RSS; CUDA: torch's peak allocation)",
+    )
+    p.add_argument(
+        "--split-options",
+        nargs="*",
+        default=[],
+        metavar="BLOCK:WARPS:STAGES",
+        help="tisa-backends: the split backend with these kernel options too (e.g. 128:8:2)",
     )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)

@@ -11,6 +11,10 @@
 # .whl/ made first here by bash bench/gpu_wheels.sh (a fresh checkout has none).
 # Passes, in this order (the targets of BENCHMARKS "Performance targets" each pass measures;
 # the passes of the previous list that ran are in BENCHMARKS, "GPU: the recipes compiled"):
+#  0 tisa_split: softmax and the TISA step on the split backend (SDPA with the bias detached, so
+#    cuDNN stays eligible; f's gradient by its own Triton kernels), compiled, unpadded: does it
+#    meet the 1.2x target? and tisasplit: its mixing step alone at the recipe's shape, with
+#    other tile sizes / launch options of the kernels (SPLIT_KERNEL_OPTIONS);
 #  1 tisa_flex_dense: softmax and the TISA step on FlexAttention reading the dense (H, N, N)
 #    bias (tisa.backend=flex, flex_bias=dense), compiled, unpadded: does it compile now that it
 #    asks for two pipeline stages, and does it meet the 1.2x target (SDPA with the bias: 1.40x)?
@@ -63,7 +67,9 @@ pass() { # pass NAME MIN_S LIMIT_S VAR=VALUE...: one run of the suite into $OUT/
 }
 
 # Only the first pass prints the environment (nvidia-smi, versions): ENV_PART= in the others.
-pass tisa_flex_dense 150 250 PARTS=pretrain COMPILE=recipe \
+pass tisa_split 150 250 PARTS="pretrain tisasplit" COMPILE=recipe EXTRA="model.tisa.backend=split" \
+  "PRETRAIN=--configs albert-base-512 --families softmax tisa --padding none --steps 6 --timeout 115"
+pass tisa_flex_dense 150 250 ENV_PART= PARTS=pretrain COMPILE=recipe \
   EXTRA="model.tisa.backend=flex model.tisa.flex_bias=dense" \
   "PRETRAIN=--configs albert-base-512 --families softmax tisa --padding none --steps 6 --timeout 115"
 pass transject_lamb 200 300 ENV_PART= PARTS=pretrain COMPILE=recipe LAMB=compiled \

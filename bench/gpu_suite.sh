@@ -63,8 +63,11 @@
 #             each operator's device time per step and the share of each kind of work (not in
 #             the default PARTS)                                        -> profile_gpu.json
 #   tisabackends  bench_fast_paths.py tisa-backends: TISA flex (f from its table, and from the
-#             dense (H, N, N) bias: tisa.flex_bias) vs SDPA bias per length, the length from
-#             which flex wins (tisa.flex_min_length)                 -> tisa_backends_gpu.json
+#             dense (H, N, N) bias: tisa.flex_bias) and split vs SDPA bias per length, softmax's
+#             SDPA beside, the length from which flex wins (tisa.flex_min_length)
+#                                                                     -> tisa_backends_gpu.json
+#   tisasplit the same at the recipe's shape (batch 64, 512 tokens), the split backend's Triton
+#             kernels with several tile sizes / launch options         -> tisa_split_gpu.json
 #   tisabiasgrad  bench_fast_paths.py tisa-bias-grad: the gradient of TISA's table through the
 #             indexing's scatter vs sums along the diagonals, eager and compiled
 #                                                                     -> tisa_bias_grad_gpu.json
@@ -85,7 +88,7 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 SMOKE=${SMOKE:-0}
-PARTS=${PARTS:-jit cayley tjexperts lamb model qkv scaling pretrain pretrain2 syncs depth loader tisa tisabackends tisabiasgrad orthocache fastpaths}
+PARTS=${PARTS:-jit cayley tjexperts lamb model qkv scaling pretrain pretrain2 syncs depth loader tisa tisabackends tisasplit tisabiasgrad orthocache fastpaths}
 # LAMB=auto: what a recipe picks by itself, the foreach LAMB (engine/lamb.py: per tensor on every
 # ZeRO stage 0-2, no host synchronisation, nothing to build). LAMB=torch: pytorch_optimizer.Lamb.
 # LAMB=deepspeed: DeepSpeed's FusedLamb, JIT-built by the `jit` part first (ZeRO-0 only: the
@@ -230,6 +233,11 @@ else
   part tisabackends 120 python3 bench/bench_fast_paths.py tisa-backends --device cuda --dtype bf16 \
     --hidden 768 --heads 12 --batch 8 --seq 512 1024 2048 4096 --warmup 3 --repeats 5 \
     --out "$OUT/tisa_backends_gpu.json"
+  # TISA's split backend at the recipe's shape (micro-batch 64, 512 tokens) beside SDPA with the
+  # bias and softmax's SDPA, with other tile sizes / launch options of its Triton kernels.
+  part tisasplit 120 python3 bench/bench_fast_paths.py tisa-backends --device cuda --dtype bf16 \
+    --hidden 768 --heads 12 --batch 64 --seq 512 --warmup 3 --repeats 10 \
+    --split-options 128:8:2 64:8:2 64:4:3 32:4:2 --out "$OUT/tisa_split_gpu.json"
   # TISA's table gradient: the indexing's scatter (the model's) vs sums along the diagonals.
   part tisabiasgrad 60 python3 bench/bench_fast_paths.py tisa-bias-grad --device cuda --heads 12 \
     --seq 512 1024 2048 --warmup 3 --repeats 10 --out "$OUT/tisa_bias_grad_gpu.json"
