@@ -74,23 +74,26 @@ def diagonal_grad(
     acc = tl.zeros([BLOCK, BLOCK], tl.float32)
     first = tl.maximum(0, -shift)
     last = tl.minimum(NB, NB - shift)
-    for b in range(part, B, SLICES):
-        for bi in range(first, last):
-            offs_i = bi * BLOCK + r
-            offs_j = offs_i + shift * BLOCK
-            q = load_rows(Q + b * sqb + h * sqh, offs_i, offs_d, sqn, N, HEAD, UPCAST)
-            kt = load_rows(K + b * skb + h * skh, offs_j, offs_d, skn, N, HEAD, UPCAST)
-            do = load_rows(DO + b * sdb + h * sdh, offs_i, offs_d, sdn, N, HEAD, UPCAST)
-            vt = load_rows(V + b * svb + h * svh, offs_j, offs_d, svn, N, HEAD, UPCAST)
-            lse = tl.load(LSE + (b * H + h) * N + offs_i, mask=offs_i < N, other=0.0)
-            delta = tl.load(DELTA + (b * H + h) * N + offs_i, mask=offs_i < N, other=0.0)
-            real = offs_j < N
-            if HAS_MASK:
-                real = real & (tl.load(VALID + b * s_valid + offs_j, mask=offs_j < N, other=0) != 0)
-            real = (offs_i < N)[:, None] & real[None, :]
-            s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale + bias
-            p = tl.where(real, tl.exp(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(vt), input_precision=PRECISION)
-            acc += p * (dp - delta[:, None])
+    tiles = last - first  # tiles of this diagonal per sample
+    samples = (B - part + SLICES - 1) // SLICES  # samples part, part + SLICES, ...
+    for t in range(0, samples * tiles):  # one loop, so that Triton pipelines its loads
+        b = part + (t // tiles) * SLICES
+        bi = first + t % tiles
+        offs_i = bi * BLOCK + r
+        offs_j = offs_i + shift * BLOCK
+        q = load_rows(Q + b * sqb + h * sqh, offs_i, offs_d, sqn, N, HEAD, UPCAST)
+        kt = load_rows(K + b * skb + h * skh, offs_j, offs_d, skn, N, HEAD, UPCAST)
+        do = load_rows(DO + b * sdb + h * sdh, offs_i, offs_d, sdn, N, HEAD, UPCAST)
+        vt = load_rows(V + b * svb + h * svh, offs_j, offs_d, svn, N, HEAD, UPCAST)
+        lse = tl.load(LSE + (b * H + h) * N + offs_i, mask=offs_i < N, other=0.0)
+        delta = tl.load(DELTA + (b * H + h) * N + offs_i, mask=offs_i < N, other=0.0)
+        real = offs_j < N
+        if HAS_MASK:
+            real = real & (tl.load(VALID + b * s_valid + offs_j, mask=offs_j < N, other=0) != 0)
+        real = (offs_i < N)[:, None] & real[None, :]
+        s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale + bias
+        p = tl.where(real, tl.exp(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(vt), input_precision=PRECISION)
+        acc += p * (dp - delta[:, None])
     base = ((part * H + h) * (2 * NB - 1) + diag) * BLOCK * BLOCK
     tl.store(PART + base + r[:, None] * BLOCK + r[None, :], acc)
