@@ -1099,10 +1099,9 @@ def bench_tisa_backends(args) -> dict:
     if args.device != "cuda":
         raise SystemExit("tisa-backends needs CUDA (FlexAttention has no CPU backward)")
     from torch._inductor.exc import InductorError
+    from torch.nn.attention import SDPBackend
 
-    from model.attention.tisa import (
-        PositionScorer,
-    )
+    from model.attention.tisa import PositionScorer, sdpa_bias
 
     compile_errors: tuple[type[Exception], ...] = (InductorError,)
     try:  # the split backend's Triton kernels: a compile error of theirs too
@@ -1142,6 +1141,13 @@ def bench_tisa_backends(args) -> dict:
         row: dict = {"seq": N}
         for padded in (True, False):
             name = "padded" if padded else "unpadded"
+            # The kernel SDPA's dispatcher picks with the bias as `sdpa` passes it (it needs a
+            # gradient) and as `split` does (detached).
+            bias = sdpa_bias(scorer.values(N), mask if padded else None, dtype)
+            for path, attn_mask in (("sdpa", bias), ("split", bias.detach())):
+                choice = torch._fused_sdp_choice(q, k, v, attn_mask=attn_mask)
+                row[f"{path}_kernel_{name}"] = SDPBackend(choice).name
+            del bias
             for flex in ("flex", "flex_dense", *splits):
                 key = {"flex": "agree_", "flex_dense": "agree_dense_"}.get(flex, f"agree_{flex}_")
                 key += name
