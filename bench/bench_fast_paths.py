@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import platform
 import statistics
 import sys
 import time
@@ -1092,12 +1093,12 @@ def bench_tisa_backends(args) -> dict:
     options), on a padded batch (a quarter of the rows half padding) and an unpadded one (no
     mask). Checks that each of these agrees with SDPA at the real tokens, gradients included,
     then times them (median) beside softmax's SDPA without any bias (the TISA target's peer;
-    `*_over_softmax` in the rows). Reports `flex_min_length` (and
+    `*_over_softmax` in the rows). On the CPU (a smoke run: no flex variant, FlexAttention has
+    no CPU backward; split's gradient is the dense reference there) the rest runs. Reports
+    `flex_min_length` (and
     `flex_dense_min_length`): the shortest length from which that flex variant is the faster
     on both batches at every longer length measured, the value for `tisa.flex_min_length`.
     SDPA running out of memory counts as flex faster. CUDA only (flex has no CPU backward)."""
-    if args.device != "cuda":
-        raise SystemExit("tisa-backends needs CUDA (FlexAttention has no CPU backward)")
     from torch._inductor.exc import InductorError
     from torch.nn.attention import SDPBackend
 
@@ -1112,11 +1113,13 @@ def bench_tisa_backends(args) -> dict:
     except ImportError:
         pass
 
-    dev, dtype = "cuda", torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    dev, dtype = args.device, torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    failed: dict[str, str] = {}  # variant -> the first line of its compile error
+    if dev != "cuda":
+        failed.update(flex="no CPU backward", flex_dense="no CPU backward")
     H, h, B = args.heads, args.hidden // args.heads, args.batch
     splits = ["split", *(f"split:{o}" for o in args.split_options)]
     rows = []
-    failed: dict[str, str] = {}  # variant -> the first line of its compile error
     for N in args.seq:
         torch.manual_seed(0)
         scorer = PositionScorer(5, H).to(dev)
@@ -1201,7 +1204,8 @@ def bench_tisa_backends(args) -> dict:
             for n in ("padded", "unpadded"):
                 t, peer = row.get(f"{backend}_{n}_ms"), row.get(f"softmax_{n}_ms")
                 row[f"{backend}_{n}_over_softmax"] = t / peer if t and peer else None
-    report = {"rows": rows, "device": torch.cuda.get_device_name(), "failed": failed}
+    device = torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu"
+    report = {"rows": rows, "device": device, "failed": failed}
     for flex in ("flex", "flex_dense"):
         threshold = None
         for row in reversed(rows):
