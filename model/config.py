@@ -277,6 +277,15 @@ class EncoderConfig:
     `cayley` (default: accurate in fp32, about 1e-6 at d=768, and the cheapest), `matrix_exp` (run in
     fp64, 2.5x slower on CPU), `householder`."""
 
+    cayley_leaf_inverse: Literal["lu", "gauss_jordan"] = "lu"
+    """How the Cayley map's block inverse inverts its leaf blocks (at most 128 x 128: 96 x 96 at
+    d = 768). `lu`: torch's batched LU inverse (`linalg.inv_ex`). `gauss_jordan`: on CUDA one
+    Triton kernel per leaf batch, Gauss-Jordan without pivoting in registers (the leaves have
+    symmetric parts >= I, so no pivot is small); off CUDA it is `lu`. A batched LU of such small
+    matrices is some twenty latency-bound kernels on a GPU: on an H100 the leaves took 5.3 ms of
+    TransJect's albert-base step. Gauss-Jordan's error is within 3x of LU's (both about 1e-7 at
+    96 x 96; docs/methods.md); its GPU speed is not measured yet, hence not the default."""
+
     tisa: TISAConfig = field(default_factory=TISAConfig)
     """Settings of the `tisa` family (ignored by the others)."""
 
@@ -320,6 +329,7 @@ class EncoderConfig:
         _check_choice(
             "orthogonal_map", self.orthogonal_map, ("matrix_exp", "cayley", "householder")
         )
+        _check_choice("cayley_leaf_inverse", self.cayley_leaf_inverse, ("lu", "gauss_jordan"))
         # Imported lazily: the registry imports the families, which import this module.
         from model.attention import ATTENTION_REGISTRY
 

@@ -259,6 +259,10 @@ class _AddStepGradient(torch.autograd.Function):
 class FP32Orthogonal(_Orthogonal):
     """torch's orthogonal map, evaluated in fp32 (autocast off); returns an fp32 matrix."""
 
+    leaf_inverse: str = "lu"
+    """How the Cayley map inverts the leaves of its block inverse (`block_inverse`):
+    `EncoderConfig.cayley_leaf_inverse`, set by `make_orthogonal`."""
+
     _inference: tuple[torch.Tensor, torch.Tensor] | None = None
     """(copy of the free parameters, the matrix) of the last inference evaluation; not state."""
 
@@ -307,7 +311,7 @@ class FP32Orthogonal(_Orthogonal):
         with torch.autocast(device_type=X.device.type, enabled=False):
             X = X.to(dtype)
             if self.orthogonal_map == _OrthMaps.cayley:
-                return cayley(X).float()
+                return cayley(X, leaf_inverse=self.leaf_inverse).float()
             return super().forward(X).float()
 
     @torch.no_grad()
@@ -345,13 +349,49 @@ are split in two (`block_inverse`). 128 was the fastest of 32 / 64 / 128 on the 
 d = 768 (the blocks are then 96 x 96)."""
 
 
-def _base_inverse(M: torch.Tensor) -> torch.Tensor:
-    """M^-1 of small blocks by LU (`inv_ex`: no status check, no host sync); one call per
-    matrix on the CPU, where oneMKL's batched factorisation fails (see `_solve`)."""
+LEAF_INVERSES = ("lu", "gauss_jordan")
+"""How `block_inverse` inverts its leaves (`EncoderConfig.cayley_leaf_inverse`)."""
+
+
+def check_leaf_inverse(leaf_inverse: str) -> str:
+    if leaf_inverse not in LEAF_INVERSES:
+        raise ValueError(
+            f"unknown Cayley leaf inverse {leaf_inverse!r}; choose one of {', '.join(LEAF_INVERSES)}"
+        )
+    return leaf_inverse
+
+
+def _base_inverse(M: torch.Tensor, leaf_inverse: str = "lu") -> torch.Tensor:
+    """M^-1 of small blocks: by LU (`inv_ex`: no status check, no host sync; one call per
+    matrix on the CPU, where oneMKL's batched factorisation fails, see `_solve`), or with
+    `gauss_jordan` on CUDA by `gauss_jordan_inverse` (off CUDA: LU)."""
+    if leaf_inverse == "gauss_jordan" and M.is_cuda:
+        return gauss_jordan_inverse(M)
     return _batched_on_device(lambda m: torch.linalg.inv_ex(m)[0], M)
 
 
-def block_inverse(M: torch.Tensor, base: int | None = None) -> torch.Tensor:
+def gauss_jordan_inverse(M: torch.Tensor) -> torch.Tensor:
+    """M^-1 (any batch of fp32 matrices up to 128 x 128) by ONE Triton kernel, a program per
+    matrix doing Gauss-Jordan without pivoting in registers (`orthogonal_kernels`): for the
+    leaves of `block_inverse`, whose symmetric parts are >= I. On a GPU, where a batched LU
+    inverse of such small matrices is some twenty latency-bound kernels, this is one launch.
+    Runs on CPU tensors only in Triton's interpreter (TRITON_INTERPRET=1; the tests)."""
+    from model.orthogonal_kernels import gauss_jordan_inverse as kernel
+
+    n = M.size(-1)
+    if M.dtype != torch.float32 or n > 128 or M.size(-2) != n:
+        raise ValueError(f"gauss_jordan_inverse takes fp32 matrices up to 128 x 128, got {M.shape}")
+    flat = M.reshape(-1, n, n).contiguous()
+    out = torch.empty_like(flat)
+    if flat.size(0):
+        NP = max(16, 1 << (n - 1).bit_length())
+        kernel[(flat.size(0),)](flat, out, n, flat.stride(0), flat.stride(1), NP=NP, num_warps=8)
+    return out.reshape(M.shape)
+
+
+def block_inverse(
+    M: torch.Tensor, base: int | None = None, leaf_inverse: str = "lu"
+) -> torch.Tensor:
     """M^-1 (any batch) for a matrix whose symmetric part is positive definite, such as
     I - A/2 with A skew-symmetric (the Cayley map's), by recursive 2 x 2 blocks:
 
@@ -365,18 +405,20 @@ def block_inverse(M: torch.Tensor, base: int | None = None) -> torch.Tensor:
     on the way down again has a symmetric part >= I and singular values >= 1: no small pivot
     (the argument for LU without pivoting on such matrices). Accuracy, measured: closer to the
     fp64 map than the LU solve (docs/methods.md).
-    `base`: None is `BLOCK_INVERSE_BASE`.
+    `base`: None is `BLOCK_INVERSE_BASE`. `leaf_inverse`: how blocks up to `base` are inverted
+    (`_base_inverse`: `lu`, or `gauss_jordan` on CUDA; the same argument shows that Gauss-Jordan
+    needs no pivoting on them).
     """
     base = BLOCK_INVERSE_BASE if base is None else base
     n = M.size(-1)
     if n <= base:
-        return _base_inverse(M)
+        return _base_inverse(M, leaf_inverse)
     h = n // 2
     P, Q = M[..., :h, :h], M[..., :h, h:]
     R, S = M[..., h:, :h], M[..., h:, h:]
-    P_inv = block_inverse(P, base)
+    P_inv = block_inverse(P, base, leaf_inverse)
     P_inv_Q = P_inv @ Q
-    T_inv = block_inverse(S - R @ P_inv_Q, base)
+    T_inv = block_inverse(S - R @ P_inv_Q, base, leaf_inverse)
     lower = -(T_inv @ (R @ P_inv))  # -T^-1 R P^-1
     upper = P_inv - P_inv_Q @ lower
     right = -(P_inv_Q @ T_inv)
@@ -409,24 +451,25 @@ class _CayleyOfSkew(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(A: torch.Tensor) -> torch.Tensor:
+    def forward(A: torch.Tensor, leaf_inverse: str = "lu") -> torch.Tensor:
         Id = torch.eye(A.size(-1), dtype=A.dtype, device=A.device)
         with ieee_fp32_matmuls():
-            return 2 * block_inverse(torch.add(Id, A, alpha=-0.5)) - Id
+            M_inv = block_inverse(torch.add(Id, A, alpha=-0.5), leaf_inverse=leaf_inverse)
+            return 2 * M_inv - Id
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor, str], output: torch.Tensor) -> None:
         ctx.save_for_backward(output)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (Q,) = ctx.saved_tensors
         W = Q.mT + torch.eye(Q.size(-1), dtype=Q.dtype, device=Q.device)  # 2 M^-T
         with ieee_fp32_matmuls():
-            return (W @ grad @ W) * 0.25
+            return (W @ grad @ W) * 0.25, None
 
 
-def cayley(X: torch.Tensor, method: str | None = None) -> torch.Tensor:
+def cayley(X: torch.Tensor, method: str | None = None, leaf_inverse: str = "lu") -> torch.Tensor:
     """torch's Cayley map (`torch.nn.utils.parametrizations.orthogonal`, use_trivialization=False)
     of free parameters X (..., n, k), any batch: the same map, computed by products of matrices.
 
@@ -440,6 +483,7 @@ def cayley(X: torch.Tensor, method: str | None = None) -> torch.Tensor:
     training engine evaluates the maps eagerly before a compiled encoder runs, so this applies
     only where a compiled graph maps them itself (`engine.orthogonal_step_cache=false`, or an
     inference forward). `method`: "block" or "lu" to choose (benchmarks, tests); None: as above.
+    `leaf_inverse`: how the block inverse inverts its leaves (`block_inverse`).
     """
     if method is None:
         method = "lu" if torch.compiler.is_compiling() else "block"
@@ -458,7 +502,7 @@ def cayley(X: torch.Tensor, method: str | None = None) -> torch.Tensor:
         Id = torch.eye(n, dtype=A.dtype, device=A.device)
         Q = _solve(torch.add(Id, A, alpha=-0.5), torch.add(Id, A, alpha=0.5))
     else:
-        Q = _CayleyOfSkew.apply(A)
+        Q = _CayleyOfSkew.apply(A, leaf_inverse)
     if n != k:
         Q = Q[..., :k]
     return Q.mT if transposed else Q
@@ -523,7 +567,7 @@ def _evaluate_grouped_counted(
     docstring) when given; also returns how many matrices this rank mapped."""
     groups: dict[tuple, list[tuple[FP32Orthogonal, torch.Tensor]]] = {}
     for orth, X in pairs:
-        key = (orth.orthogonal_map, tuple(X.shape[-2:]), X.dtype, X.device)
+        key = (orth.orthogonal_map, orth.leaf_inverse, tuple(X.shape[-2:]), X.dtype, X.device)
         groups.setdefault(key, []).append((orth, X))
     out: dict[int, torch.Tensor] = {}
     evaluated = 0
@@ -552,9 +596,13 @@ def _evaluate_grouped_counted(
 
 
 def make_orthogonal(
-    module: nn.Module, name: str = "weight", orthogonal_map: str = "cayley"
+    module: nn.Module,
+    name: str = "weight",
+    orthogonal_map: str = "cayley",
+    leaf_inverse: str = "lu",
 ) -> nn.Module:
     """Registers an fp32 orthogonal parametrization on `module.<name>` (matrices or batches of them).
+    `leaf_inverse`: how the Cayley map inverts its leaf blocks (`EncoderConfig.cayley_leaf_inverse`).
 
     The starting point is a random orthogonal matrix: householder projects an orthogonal init;
     matrix_exp and cayley map unit-variance free parameters.
@@ -565,6 +613,7 @@ def make_orthogonal(
             f"orthogonal parametrization needs a matrix, got shape {tuple(weight.shape)}"
         )
     orth = FP32Orthogonal(weight, getattr(_OrthMaps, orthogonal_map), use_trivialization=False)
+    orth.leaf_inverse = check_leaf_inverse(leaf_inverse)
     if orthogonal_map == "householder":
         with torch.no_grad():
             nn.init.orthogonal_(weight)

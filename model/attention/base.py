@@ -125,7 +125,7 @@ def make_linear(cfg: EncoderConfig, d_in: int, d_out: int, bias: bool = True) ->
     """A Linear; orthogonally parameterised when `cfg.orthogonal` and the map is square."""
     layer = Linear(d_in, d_out, bias=bias)
     if cfg.orthogonal and d_in == d_out:
-        make_orthogonal(layer, "weight", cfg.orthogonal_map)
+        make_orthogonal(layer, "weight", cfg.orthogonal_map, cfg.cayley_leaf_inverse)
     return layer
 
 

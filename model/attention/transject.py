@@ -156,7 +156,9 @@ class TransJectEmbeddings(nn.Module):
         self.orthogonal = mode == "orthogonal" or (mode == "auto" and cfg.vocab_size <= self.half)
         self.word_embeddings = nn.Embedding(cfg.vocab_size, self.half)
         if self.orthogonal:
-            make_orthogonal(self.word_embeddings, "weight", cfg.orthogonal_map)
+            make_orthogonal(
+                self.word_embeddings, "weight", cfg.orthogonal_map, cfg.cayley_leaf_inverse
+            )
         self.scale = math.sqrt(self.half)
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
 
@@ -301,7 +303,7 @@ class EigenState(FamilyState):
         self.reconstruction = cfg.transject.reconstruction
         if self.mode == "approx":
             self.eigenbasis = nn.Parameter(torch.empty(d, d))
-            make_orthogonal(self, "eigenbasis", cfg.orthogonal_map)
+            make_orthogonal(self, "eigenbasis", cfg.orthogonal_map, cfg.cayley_leaf_inverse)
         else:
             self.eigenvalues = nn.Parameter(torch.rand(d))
 
@@ -461,8 +463,8 @@ class TransJectAttention(Attention):
         self.gate_input = cfg.transject.gate_input
         self.expert_u = nn.Parameter(torch.empty(E, d, d))
         self.expert_v = nn.Parameter(torch.empty(E, d, d))
-        make_orthogonal(self, "expert_u", cfg.orthogonal_map)
-        make_orthogonal(self, "expert_v", cfg.orthogonal_map)
+        make_orthogonal(self, "expert_u", cfg.orthogonal_map, cfg.cayley_leaf_inverse)
+        make_orthogonal(self, "expert_v", cfg.orthogonal_map, cfg.cayley_leaf_inverse)
         bias = cfg.transject.bias
         self.expert_u_bias = ExpertBias(E, d) if bias != "none" else None
         self.expert_v_bias = ExpertBias(E, d) if bias == "authors" else None
@@ -577,8 +579,12 @@ class TransJectLayer(nn.Module):
         self.num_applications = cfg.num_layer_applications
         self.attention = TransJectAttention(cfg)
         bias = cfg.transject.bias != "none"
-        self.ffn_in = make_orthogonal(Linear(d, d, bias=bias), "weight", cfg.orthogonal_map)
-        self.ffn_out = make_orthogonal(Linear(d, d, bias=bias), "weight", cfg.orthogonal_map)
+        self.ffn_in = make_orthogonal(
+            Linear(d, d, bias=bias), "weight", cfg.orthogonal_map, cfg.cayley_leaf_inverse
+        )
+        self.ffn_out = make_orthogonal(
+            Linear(d, d, bias=bias), "weight", cfg.orthogonal_map, cfg.cayley_leaf_inverse
+        )
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
 
     def init_parameters(self) -> None:
