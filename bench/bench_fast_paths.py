@@ -502,7 +502,10 @@ def bench_cayley(args) -> dict:
        each method's largest error against the fp64 map and from orthogonality;
     2. a TransJect pretraining step (`--layers` distinct layers, as the recipes, `--hidden`,
        `--seq`, `--batch`, `--dtype`) with its maps by block inverse vs by LU, same model,
-       interleaved.
+       interleaved;
+    on CUDA also the block inverse with Gauss-Jordan leaves (`cayley_leaf_inverse:
+    gauss_jordan`, "block_gj") in both, and 3. the leaves alone: the batch of maps' leaf-sized
+    blocks inverted by LU (`inv_ex`) vs the Gauss-Jordan kernel.
     """
     from torch.nn.utils.parametrizations import _OrthMaps, _Orthogonal
 
@@ -518,6 +521,9 @@ def bench_cayley(args) -> dict:
         "lu": lambda: orthogonal_module.cayley(X, method="lu"),
         "torch_parametrization": lambda: reference(X),
     }
+    gauss_jordan = dev == "cuda"  # off CUDA the option is LU
+    if gauss_jordan:
+        methods["block_gj"] = lambda: orthogonal_module.cayley(X, leaf_inverse="gauss_jordan")
     exact = orthogonal_module.cayley(X.detach().double(), method="lu")
     eye = torch.eye(d, device=dev)
     errors = {}
@@ -545,6 +551,8 @@ def bench_cayley(args) -> dict:
         "torch_over_block": t["torch_parametrization"] / t["block"],
         "errors": errors,
     }
+    if gauss_jordan:
+        maps["block_over_block_gj"] = t["block"] / t["block_gj"]
     print("Cayley maps fwd+bwd:", json.dumps(maps), flush=True)
 
     N = args.seq[0]
@@ -556,9 +564,11 @@ def bench_cayley(args) -> dict:
     step = pretraining_step(tj, ids, mask, autocast_for(args))
     block_map = orthogonal_module.cayley
 
-    def with_method(method):
+    def with_method(method, leaf_inverse="lu"):
         def run():
-            orthogonal_module.cayley = lambda X: block_map(X, method=method)
+            orthogonal_module.cayley = lambda X, **_: block_map(
+                X, method=method, leaf_inverse=leaf_inverse
+            )
             try:
                 step()
             finally:
@@ -566,9 +576,10 @@ def bench_cayley(args) -> dict:
 
         return run
 
-    t = time_steps(
-        {"block": with_method("block"), "lu": with_method("lu")}, args.warmup, args.repeats, dev
-    )
+    variants = {"block": with_method("block"), "lu": with_method("lu")}
+    if gauss_jordan:
+        variants["block_gj"] = with_method("block", "gauss_jordan")
+    t = time_steps(variants, args.warmup, args.repeats, dev)
     matrices = orthogonal_matrix_count(tj)
     steps = {
         "layers": args.layers,
@@ -578,8 +589,38 @@ def bench_cayley(args) -> dict:
         **{f"{k}_ms": 1000 * v for k, v in t.items()},
         "lu_over_block": t["lu"] / t["block"],
     }
+    if gauss_jordan:
+        steps["block_over_block_gj"] = t["block"] / t["block_gj"]
     print("TransJect training step:", json.dumps(steps), flush=True)
-    return {"maps": maps, "transject_step": steps}
+    report = {"maps": maps, "transject_step": steps}
+    if gauss_jordan:  # 3. the leaves alone, as one leaf call of the block inverse sees them
+        leaf = d
+        while leaf > orthogonal_module.BLOCK_INVERSE_BASE:
+            leaf //= 2
+        Id = torch.eye(leaf, device=dev)
+        M = Id - 0.5 * (X.detach()[:, :leaf, :leaf].tril() - X.detach()[:, :leaf, :leaf].tril().mT)
+        t = time_steps(
+            {
+                "lu": lambda: orthogonal_module._base_inverse(M, "lu"),
+                "gauss_jordan": lambda: orthogonal_module.gauss_jordan_inverse(M),
+            },
+            args.warmup,
+            args.repeats,
+            dev,
+        )
+        ref = torch.linalg.inv(M.double())
+        report["leaves"] = {
+            "shape": list(M.shape),
+            **{f"{k}_ms": 1000 * v for k, v in t.items()},
+            "lu_over_gauss_jordan": t["lu"] / t["gauss_jordan"],
+            "lu_error": (torch.linalg.inv(M).double() - ref).abs().max().item(),
+            "gauss_jordan_error": (orthogonal_module.gauss_jordan_inverse(M).double() - ref)
+            .abs()
+            .max()
+            .item(),
+        }
+        print("Cayley leaves:", json.dumps(report["leaves"]), flush=True)
+    return report
 
 
 def broadcast_experts(self, x_BND, ctx):
