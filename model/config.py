@@ -283,7 +283,7 @@ class EncoderConfig:
     Triton kernel per leaf batch, Gauss-Jordan without pivoting in registers (the leaves have
     symmetric parts >= I, so no pivot is small); off CUDA it is `lu`. A batched LU of such small
     matrices is some twenty latency-bound kernels on a GPU: on an H100 the leaves took 5.3 ms of
-    TransJect's albert-base step. Gauss-Jordan's error is within 3x of LU's (both about 1e-7 at
+    TransJect's albert-base step. Gauss-Jordan's error is within 3x of LU's (both a few 1e-7 at
     96 x 96; docs/methods.md); its GPU speed is not measured yet, hence not the default."""
 
     tisa: TISAConfig = field(default_factory=TISAConfig)

@@ -137,7 +137,7 @@ import model.orthogonal as orthogonal
 from model.orthogonal import cayley, gauss_jordan_inverse
 
 g = torch.Generator().manual_seed(0)
-for n, batch, scale in ((5, 3, 1.0), (96, 4, 0.1), (96, 2, 2.0), (128, 2, 0.5)):
+for n, batch, scale in ((5, 3, 1.0), (96, 2, 0.1), (96, 1, 2.0), (128, 1, 0.5)):
     X = torch.randn(batch, n, n, generator=g, dtype=torch.float64).tril() * scale
     M = torch.eye(n, dtype=torch.float64) - (X - X.mT) / 2
     ref = torch.linalg.inv(M)
@@ -157,7 +157,7 @@ for name, Q in (("lu", Q_lu), ("gauss_jordan", Q_gj)):
     print(name, (Q.double() - Q_ref).abs().max().item(), gram.abs().max().item())
 err_gj = (Q_gj.double() - Q_ref).abs().max().item()
 err_lu = (Q_lu.double() - Q_ref).abs().max().item()
-assert err_gj <= max(3 * err_lu, 2e-6), (err_gj, err_lu)
+assert err_gj <= max(4 * err_lu, 2e-6), (err_gj, err_lu)
 print("ok")
 """
 
@@ -165,8 +165,8 @@ print("ok")
 def test_gauss_jordan_leaves_in_the_interpreter():
     """`cayley_leaf_inverse: gauss_jordan`'s Triton kernel, run by Triton's interpreter on CPU
     tensors: each leaf within 4x of LU's error against fp64 (Cayley-type matrices of small and
-    large skew parts, 5 to 128 wide), and the whole d = 768 map with those leaves within 3x of
-    the LU leaves' error."""
+    large skew parts, 5 to 128 wide), and the whole d = 768 map with those leaves within 4x of
+    the LU leaves' error (or 2e-6)."""
     import importlib.util
     import os
     import subprocess
