@@ -370,6 +370,14 @@ def _base_inverse(M: torch.Tensor, leaf_inverse: str = "lu") -> torch.Tensor:
     return _batched_on_device(lambda m: torch.linalg.inv_ex(m)[0], M)
 
 
+GAUSS_JORDAN_WARPS = 16
+"""Warps of a `gauss_jordan_inverse` program (its 128 x 128 tile over 512 threads: 32 fp32
+values each). Chosen by compiling for the GPUs without one (`python bench/check_triton_kernels.py
+--variants`): with 16 warps the 128-wide kernel spills 64 bytes a thread on an H100 and none on
+an A100, with 8 warps 120 and none, with 4 warps 300 and 1852. Not timed on a GPU yet
+(`bench_fast_paths.py cayley`)."""
+
+
 def gauss_jordan_inverse(M: torch.Tensor) -> torch.Tensor:
     """M^-1 (any batch of fp32 matrices up to 128 x 128) by ONE Triton kernel, a program per
     matrix doing Gauss-Jordan without pivoting in registers (`orthogonal_kernels`): for the
@@ -385,7 +393,10 @@ def gauss_jordan_inverse(M: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(flat)
     if flat.size(0):
         NP = max(16, 1 << (n - 1).bit_length())
-        kernel[(flat.size(0),)](flat, out, n, flat.stride(0), flat.stride(1), NP=NP, num_warps=8)
+        grid = (flat.size(0),)
+        kernel[grid](
+            flat, out, n, flat.stride(0), flat.stride(1), NP=NP, num_warps=GAUSS_JORDAN_WARPS
+        )
     return out.reshape(M.shape)
 
 

@@ -15,8 +15,10 @@ def gauss_jordan_inverse(M, OUT, n, stride_b, stride_r, NP: tl.constexpr):
     registers as an NP x NP tile (NP a power of two >= n, the rest of it the identity), by n
     in-place Gauss-Jordan sweeps without pivoting: for pivot k, p = a_kk, every a_ij (i, j != k)
     loses a_ik a_kj / p, row k is divided by p, column k by -p, and a_kk becomes 1 / p. After
-    the n sweeps the tile holds the inverse. Needs no pivoting where every leading block has a
-    symmetric part >= I (`orthogonal.block_inverse` explains why its blocks do)."""
+    the n sweeps the tile holds the inverse. Row and column k are written as such, not folded
+    into the rank-one update (as a -= x y^T with x = (a[:, k] - e_k) / p, y = a[k, :] + e_k they
+    would lose digits to cancellation when p is large). Needs no pivoting where every leading
+    block has a symmetric part >= I (`orthogonal.block_inverse` explains why its blocks do)."""
     b = tl.program_id(0)
     r = tl.arange(0, NP)
     rows = r[:, None]
@@ -29,8 +31,11 @@ def gauss_jordan_inverse(M, OUT, n, stride_b, stride_r, NP: tl.constexpr):
         col_k = tl.sum(tl.where(cols == k, a, 0.0), axis=1)  # a[:, k]
         inv_p = 1.0 / tl.sum(tl.where(r == k, row_k, 0.0), axis=0)
         row_k = row_k * inv_p
-        a = a - col_k[:, None] * row_k[None, :]
-        a = tl.where(rows == k, row_k[None, :], a)
-        a = tl.where(cols == k, -col_k[:, None] * inv_p, a)
-        a = tl.where((rows == k) & (cols == k), inv_p, a)
+        new_row = tl.where(r == k, inv_p, row_k)  # row k: a[k, j] / p, and 1 / p at (k, k)
+        new_col = -col_k * inv_p  # column k: -a[i, k] / p
+        a = tl.where(
+            rows == k,
+            new_row[None, :],
+            tl.where(cols == k, new_col[:, None], a - col_k[:, None] * row_k[None, :]),
+        )
     tl.store(OUT + b * stride_b + rows * stride_r + cols, a, mask=inside)

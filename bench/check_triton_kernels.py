@@ -1,0 +1,168 @@
+"""Compile the project's Triton kernels for NVIDIA GPUs without one: shared memory, registers,
+spills.
+
+Triton compiles to a cubin for a named target with no GPU present (its wheel brings ptxas and
+and ptxas), so a CPU machine can check what a launch on an H100 (sm_90) or an A100 (sm_80)
+would need: a kernel that does not compile, asks for more shared memory than a block may have,
+or spills registers to local memory is found here rather than in a GPU session.
+
+    python bench/check_triton_kernels.py                       # shipped options, sm_90 and sm_80
+    python bench/check_triton_kernels.py --variants            # + the benchmarks' variants
+    python bench/check_triton_kernels.py --out triton_kernels.json
+
+Kernels: TISA's split backend (`row_lse`, `diagonal_grad`; bf16 inputs, padded and unpadded,
+head width 64) and the Cayley map's Gauss-Jordan leaves (`gauss_jordan_inverse`, 96 and 128
+wide). Exit status 1 when a kernel fails to compile or needs more shared memory than the target
+allows per block. Spills are reported, not failed (a spilling kernel runs, slower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
+"""Shared memory one block may use (opt-in maximum): H100 227 KB, A100 163 KB."""
+
+
+def split_configs(variants: bool) -> list[dict]:
+    """The split backend's kernels at albert-base's head width (64), bf16, with the shipped
+    options (and with --variants those `bench_fast_paths.py tisa-backends --split-options`
+    times in the GPU suite)."""
+    from model.attention.tisa_split import SPLIT_KERNEL_OPTIONS
+
+    options = [dict(SPLIT_KERNEL_OPTIONS)]
+    if variants:
+        for block, warps, stages in ((64, 4, 2), (128, 8, 2), (64, 8, 3), (32, 4, 2)):
+            options.append({"BLOCK": block, "num_warps": warps, "num_stages": stages})
+    configs = []
+    for opt in options:
+        for has_mask in (False, True):
+            flags = {
+                "HAS_MASK": has_mask,
+                "BLOCK": opt["BLOCK"],
+                "D": 64,
+                "HEAD": 64,
+                "UPCAST": False,
+                "PRECISION": None,
+            }
+            launch = {"num_warps": opt["num_warps"], "num_stages": opt["num_stages"]}
+            for kernel in ("row_lse", "diagonal_grad"):
+                configs.append({"kernel": kernel, "constexprs": flags, "launch": launch})
+    return configs
+
+
+def gauss_jordan_configs(variants: bool) -> list[dict]:
+    from model.orthogonal import GAUSS_JORDAN_WARPS
+
+    warps = sorted({GAUSS_JORDAN_WARPS, 4, 8, 16}) if variants else [GAUSS_JORDAN_WARPS]
+    return [
+        {"kernel": "gauss_jordan_inverse", "constexprs": {"NP": NP}, "launch": {"num_warps": w}}
+        for NP in (128, 64)
+        for w in warps
+    ]
+
+
+def signature(kernel: str, fn) -> dict[str, str]:
+    """Triton's signature of a kernel: bf16 tensors for the attention inputs, fp32 for the
+    rest, int8 for the key mask, i32 integers, fp32 scalars, constexprs by name."""
+    types = {}
+    for name in fn.arg_names:
+        if fn.params[fn.arg_names.index(name)].is_constexpr:
+            types[name] = "constexpr"
+        elif kernel == "gauss_jordan_inverse":
+            types[name] = "*fp32" if name in ("M", "OUT") else "i32"
+        elif name in ("Q", "K", "V", "DO"):
+            types[name] = "*bf16"
+        elif name == "VALID":
+            types[name] = "*i8"
+        elif name in ("VALS", "LSE", "DELTA", "PART"):
+            types[name] = "*fp32"
+        elif name == "scale":
+            types[name] = "fp32"
+        else:
+            types[name] = "i32"
+    return types
+
+
+def resources(ptx: str, arch: int) -> dict[str, int]:
+    """Registers per thread and spilled bytes per thread of a kernel's PTX, by `ptxas -v` from
+    Triton's wheel (the one that reads its PTX version)."""
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    tool = next(p for p in (bin_dir / "ptxas-blackwell", bin_dir / "ptxas") if p.exists())
+    suffix = "a" if arch >= 90 else ""
+    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
+        f.write(ptx)
+        f.flush()
+        out = subprocess.run(
+            [str(tool), f"-arch=sm_{arch}{suffix}", "-v", f.name, "-o", "/dev/null"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    registers = int(re.search(r"Used (\d+) registers", out).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", out))
+    return {"registers": registers, "spill_bytes": spills}
+
+
+def check(config: dict, arch: int) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from model import orthogonal_kernels
+    from model.attention import tisa_split_kernels
+
+    module = (
+        orthogonal_kernels if config["kernel"] == "gauss_jordan_inverse" else tisa_split_kernels
+    )
+    fn = getattr(module, config["kernel"])
+    row = {"kernel": config["kernel"], "arch": f"sm_{arch}", **config["constexprs"]}
+    row.update(config["launch"])
+    try:
+        source = ASTSource(
+            fn=fn, signature=signature(config["kernel"], fn), constexprs=config["constexprs"]
+        )
+        compiled = triton.compile(
+            source, target=GPUTarget("cuda", arch, 32), options=dict(config["launch"])
+        )
+    except Exception as error:  # a compile error is this check's finding
+        row["error"] = str(error).strip().splitlines()[-1][:300]
+        return row
+    row["shared_bytes"] = compiled.metadata.shared
+    row.update(resources(compiled.asm["ptx"], arch))
+    row["fits"] = compiled.metadata.shared <= SHARED_LIMIT[arch]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--variants", action="store_true", help="the benchmarks' variants too")
+    p.add_argument("--arch", type=int, nargs="+", default=[90, 80], choices=sorted(SHARED_LIMIT))
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    configs = split_configs(args.variants) + gauss_jordan_configs(args.variants)
+    rows = [check(config, arch) for arch in args.arch for config in configs]
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    bad = [r for r in rows if "error" in r or not r.get("fits", False)]
+    spills = [r for r in rows if r.get("spill_bytes", 0) > 0]
+    print(f"{len(rows)} kernels: {len(bad)} failed or over the shared-memory limit, "
+          f"{len(spills)} spill registers")  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+        print("wrote", args.out)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
