@@ -599,15 +599,22 @@ def bench_cayley(args) -> dict:
             leaf //= 2
         Id = torch.eye(leaf, device=dev)
         M = Id - 0.5 * (X.detach()[:, :leaf, :leaf].tril() - X.detach()[:, :leaf, :leaf].tril().mT)
-        t = time_steps(
-            {
-                "lu": lambda: orthogonal_module._base_inverse(M, "lu"),
-                "gauss_jordan": lambda: orthogonal_module.gauss_jordan_inverse(M),
-            },
-            args.warmup,
-            args.repeats,
-            dev,
-        )
+        shipped_warps = orthogonal_module.GAUSS_JORDAN_WARPS
+
+        def gauss_jordan(warps):
+            def run():
+                orthogonal_module.GAUSS_JORDAN_WARPS = warps
+                try:
+                    orthogonal_module.gauss_jordan_inverse(M)
+                finally:
+                    orthogonal_module.GAUSS_JORDAN_WARPS = shipped_warps
+
+            return run
+
+        variants = {"lu": lambda: orthogonal_module._base_inverse(M, "lu")}
+        variants["gauss_jordan"] = gauss_jordan(shipped_warps)
+        variants.update({f"gauss_jordan_w{w}": gauss_jordan(w) for w in (4, 8, 16)})
+        t = time_steps(variants, args.warmup, args.repeats, dev)
         ref = torch.linalg.inv(M.double())
         report["leaves"] = {
             "shape": list(M.shape),

@@ -92,6 +92,27 @@ def signature(kernel: str, fn) -> dict[str, str]:
     return types
 
 
+LAUNCH_VALUES = {
+    # A launch at the recipe's shape (B 64, H 12, N 512, head width 64, q / k / v views of the
+    # fused (B, N, 3, H, h) projection, dO contiguous), for the specialisation a real launch
+    # gets: Triton marks pointers and integers that are multiples of 16 as such.
+    "sqb": 512 * 3 * 768, "sqh": 64, "sqn": 3 * 768, "skb": 512 * 3 * 768, "skh": 64,
+    "skn": 3 * 768, "svb": 512 * 3 * 768, "svh": 64, "svn": 3 * 768, "sdb": 12 * 512 * 64,
+    "sdh": 512 * 64, "sdn": 64, "s_vals": 2 * 512 - 1, "s_valid": 512, "N": 512, "H": 12,
+    "B": 64, "NB": 8, "SLICES": 8, "n": 96, "stride_b": 96 * 96, "stride_r": 96,
+}  # fmt: skip
+
+
+def specialisation(fn, types: dict[str, str]) -> dict[tuple[int], list]:
+    """The divisibility attributes Triton's launcher would give these arguments."""
+    attrs = {}
+    for i, name in enumerate(fn.arg_names):
+        kind = types[name]
+        if kind.startswith("*") or (kind == "i32" and LAUNCH_VALUES.get(name, 1) % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
 def resources(ptx: str, arch: int) -> dict[str, int]:
     """Registers per thread and spilled bytes per thread of a kernel's PTX, by `ptxas -v` from
     Triton's wheel (the one that reads its PTX version)."""
@@ -129,8 +150,12 @@ def check(config: dict, arch: int) -> dict:
     row = {"kernel": config["kernel"], "arch": f"sm_{arch}", **config["constexprs"]}
     row.update(config["launch"])
     try:
+        types = signature(config["kernel"], fn)
         source = ASTSource(
-            fn=fn, signature=signature(config["kernel"], fn), constexprs=config["constexprs"]
+            fn=fn,
+            signature=types,
+            constexprs=config["constexprs"],
+            attrs=specialisation(fn, types),
         )
         compiled = triton.compile(
             source, target=GPUTarget("cuda", arch, 32), options=dict(config["launch"])
@@ -139,6 +164,8 @@ def check(config: dict, arch: int) -> dict:
         row["error"] = str(error).strip().splitlines()[-1][:300]
         return row
     row["shared_bytes"] = compiled.metadata.shared
+    # Loads Triton pipelined (async copies into shared memory, `num_stages` deep).
+    row["async_copies"] = compiled.asm["ttgir"].count("async_copy_global_to_local")
     row.update(resources(compiled.asm["ptx"], arch))
     row["fits"] = compiled.metadata.shared <= SHARED_LIMIT[arch]
     return row

@@ -370,12 +370,12 @@ def _base_inverse(M: torch.Tensor, leaf_inverse: str = "lu") -> torch.Tensor:
     return _batched_on_device(lambda m: torch.linalg.inv_ex(m)[0], M)
 
 
-GAUSS_JORDAN_WARPS = 16
-"""Warps of a `gauss_jordan_inverse` program (its 128 x 128 tile over 512 threads: 32 fp32
-values each). Chosen by compiling for the GPUs without one (`python bench/check_triton_kernels.py
---variants`): with 16 warps the 128-wide kernel spills 64 bytes a thread on an H100 and none on
-an A100, with 8 warps 120 and none, with 4 warps 300 and 1852. Not timed on a GPU yet
-(`bench_fast_paths.py cayley`)."""
+GAUSS_JORDAN_WARPS = 8
+"""Warps of a `gauss_jordan_inverse` program (its 128 x 128 tile over 256 threads: 64 fp32
+values each). Compiled for the GPUs without one (`python bench/check_triton_kernels.py
+--variants`), the 128-wide kernel needs 202 registers a thread on an H100 and 171 on an A100
+with 8 warps, 104-108 with 16, and spills none with either (4 warps: 255 and 12 bytes of
+spills on an H100). Not timed on a GPU yet (`bench_fast_paths.py cayley` times 4, 8 and 16)."""
 
 
 def gauss_jordan_inverse(M: torch.Tensor) -> torch.Tensor:

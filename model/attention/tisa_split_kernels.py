@@ -9,9 +9,16 @@ import triton.language as tl
 
 
 @triton.jit
-def load_rows(ptr, offs_n, offs_d, stride_n, N, HEAD: tl.constexpr, UPCAST: tl.constexpr):
-    """Rows offs_n of an (N, h) head, zero outside, widths padded to the power of two D."""
-    mask = (offs_n[:, None] < N) & (offs_d[None, :] < HEAD)
+def load_rows(
+    ptr, offs_n, offs_d, stride_n, N, HEAD: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr
+):
+    """Rows offs_n of an (N, h) head, zero outside, widths padded to the power of two D. The
+    width is masked only when it is padded (HEAD < D): a mask that varies along the contiguous
+    dimension stops Triton from vectorising the load and from pipelining it (async copies)."""
+    if HEAD < D:
+        mask = (offs_n[:, None] < N) & (offs_d[None, :] < HEAD)
+    else:
+        mask = offs_n[:, None] < N
     x = tl.load(ptr + offs_n[:, None] * stride_n + offs_d[None, :], mask=mask, other=0.0)
     if UPCAST:
         x = x.to(tl.float32)
@@ -32,12 +39,12 @@ def row_lse(
     h = bh % H
     offs_i = pid_i * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, D)
-    q = load_rows(Q + b * sqb + h * sqh, offs_i, offs_d, sqn, N, HEAD, UPCAST)
+    q = load_rows(Q + b * sqb + h * sqh, offs_i, offs_d, sqn, N, HEAD, D, UPCAST)
     m = tl.full([BLOCK], -1.0e30, tl.float32)
     acc = tl.zeros([BLOCK], tl.float32)
     for j0 in range(0, N, BLOCK):
         offs_j = j0 + tl.arange(0, BLOCK)
-        kt = load_rows(K + b * skb + h * skh, offs_j, offs_d, skn, N, HEAD, UPCAST)
+        kt = load_rows(K + b * skb + h * skh, offs_j, offs_d, skn, N, HEAD, D, UPCAST)
         index = offs_j[None, :] - offs_i[:, None] + N - 1
         bias = tl.load(
             VALS + h * s_vals + index, mask=(index >= 0) & (index < 2 * N - 1), other=0.0
@@ -81,10 +88,10 @@ def diagonal_grad(
         bi = first + t % tiles
         offs_i = bi * BLOCK + r
         offs_j = offs_i + shift * BLOCK
-        q = load_rows(Q + b * sqb + h * sqh, offs_i, offs_d, sqn, N, HEAD, UPCAST)
-        kt = load_rows(K + b * skb + h * skh, offs_j, offs_d, skn, N, HEAD, UPCAST)
-        do = load_rows(DO + b * sdb + h * sdh, offs_i, offs_d, sdn, N, HEAD, UPCAST)
-        vt = load_rows(V + b * svb + h * svh, offs_j, offs_d, svn, N, HEAD, UPCAST)
+        q = load_rows(Q + b * sqb + h * sqh, offs_i, offs_d, sqn, N, HEAD, D, UPCAST)
+        kt = load_rows(K + b * skb + h * skh, offs_j, offs_d, skn, N, HEAD, D, UPCAST)
+        do = load_rows(DO + b * sdb + h * sdh, offs_i, offs_d, sdn, N, HEAD, D, UPCAST)
+        vt = load_rows(V + b * svb + h * svh, offs_j, offs_d, svn, N, HEAD, D, UPCAST)
         lse = tl.load(LSE + (b * H + h) * N + offs_i, mask=offs_i < N, other=0.0)
         delta = tl.load(DELTA + (b * H + h) * N + offs_i, mask=offs_i < N, other=0.0)
         real = offs_j < N
