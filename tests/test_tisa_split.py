@@ -221,8 +221,8 @@ def test_triton_kernels_equal_the_reference_in_the_interpreter():
 def test_kernels_compile_for_an_h100_within_its_shared_memory():
     """The shipped options of the split backend's kernels and of the Cayley map's Gauss-Jordan
     leaves compile for sm_90 (Triton's compiler and ptxas run without a GPU), fit the H100's
-    shared memory per block, and the split gradient kernel spills no register
-    (bench/check_triton_kernels.py)."""
+    shared memory per block, and the split kernels spill no register and have their loads
+    pipelined (bench/check_triton_kernels.py)."""
     sys.path.insert(0, str(REPO / "bench"))
     import check_triton_kernels as check
 
@@ -230,4 +230,8 @@ def test_kernels_compile_for_an_h100_within_its_shared_memory():
     rows = [check.check(config, 90) for config in configs]
     assert all("error" not in row and row["fits"] for row in rows), rows
     assert {row["kernel"] for row in rows} == {"row_lse", "diagonal_grad", "gauss_jordan_inverse"}
-    assert all(row["spill_bytes"] == 0 for row in rows if row["kernel"] != "gauss_jordan_inverse")
+    split = [row for row in rows if row["kernel"] != "gauss_jordan_inverse"]
+    assert all(row["spill_bytes"] == 0 for row in split), split
+    # Every load of Q, K, V, dO is pipelined (async copies): 4 a stage in the gradient kernel.
+    assert all(row["async_copies"] >= 2 for row in split), split
+    assert max(row["async_copies"] for row in split) >= 8, split
