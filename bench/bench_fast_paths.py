@@ -1165,6 +1165,8 @@ def bench_tisa_backends(args) -> dict:
     failed: dict[str, str] = {}  # variant -> the first line of its compile error
     if dev != "cuda":
         failed.update(flex="no CPU backward", flex_dense="no CPU backward")
+    elif args.no_flex:
+        failed.update(flex="--no-flex", flex_dense="--no-flex")
     H, h, B = args.heads, args.hidden // args.heads, args.batch
     splits = ["split", *(f"split:{o}" for o in args.split_options)]
     rows = []
@@ -1526,6 +1528,11 @@ def main() -> None:
         default=None,
         help="transject-experts: run one variant alone and report its peak memory (CPU: the "
         "process's peak RSS; CUDA: torch's peak allocation)",
+    )
+    p.add_argument(
+        "--no-flex",
+        action="store_true",
+        help="tisa-backends: without the FlexAttention variants (no compile: split, sdpa, softmax)",
     )
     p.add_argument(
         "--split-options",

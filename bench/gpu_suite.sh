@@ -236,7 +236,7 @@ else
   # TISA's split backend at the recipe's shape (micro-batch 64, 512 tokens) beside SDPA with the
   # bias and softmax's SDPA, with other tile sizes / launch options of its Triton kernels.
   part tisasplit 120 python3 bench/bench_fast_paths.py tisa-backends --device cuda --dtype bf16 \
-    --hidden 768 --heads 12 --batch 64 --seq 512 --warmup 3 --repeats 10 \
+    --hidden 768 --heads 12 --batch 64 --seq 512 --warmup 3 --repeats 10 --no-flex \
     --split-options 64:4:2 128:8:2 64:8:3 32:4:2 --out "$OUT/tisa_split_gpu.json"
   # TISA's table gradient: the indexing's scatter (the model's) vs sums along the diagonals.
   part tisabiasgrad 60 python3 bench/bench_fast_paths.py tisa-bias-grad --device cuda --heads 12 \
