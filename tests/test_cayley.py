@@ -6,6 +6,7 @@ import pytest
 import torch
 from op_log import OpLog
 from torch.nn.utils.parametrizations import _OrthMaps, _Orthogonal
+from triton_support import run_in_triton_interpreter
 
 import model.orthogonal as orthogonal_module
 from model.orthogonal import block_inverse, cayley
@@ -167,27 +168,7 @@ def test_gauss_jordan_leaves_in_the_interpreter():
     tensors: each leaf within 4x of LU's error against fp64 (Cayley-type matrices of small and
     large skew parts, 5 to 128 wide), and the whole d = 768 map with those leaves within 4x of
     the LU leaves' error (or 2e-6)."""
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    assert importlib.util.find_spec("triton"), (
-        "triton is in the test extras: pip install -e .[test]"
-    )
-    repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo)}
-    result = subprocess.run(
-        [sys.executable, "-c", GAUSS_JORDAN_CHECK],
-        cwd=repo,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.rstrip().endswith("ok"), result.stdout
+    assert run_in_triton_interpreter(GAUSS_JORDAN_CHECK).rstrip().endswith("ok")
 
 
 def test_leaf_inverse_option_reaches_every_map_and_is_checked():

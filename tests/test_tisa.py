@@ -216,9 +216,10 @@ def test_values_computed_once_per_forward_and_gradients_reach_a_b_c(scope, monke
             assert p.grad.abs().sum() > 0
 
 
-def test_shared_bias_works_with_activation_checkpointing():
+@pytest.mark.parametrize("backend", ["sdpa", "split"])
+def test_shared_bias_works_with_activation_checkpointing(backend):
     torch.manual_seed(0)
-    model = Encoder(tisa_config(num_hidden_layers=3, tisa={"backend": "sdpa"}))
+    model = Encoder(tisa_config(num_hidden_layers=3, tisa={"backend": backend}))
     ids, mask = batch()
     grads = []
     for checkpointing in (False, True):
