@@ -6,7 +6,6 @@ import pytest
 import torch
 from op_log import OpLog
 from torch.nn.utils.parametrizations import _OrthMaps, _Orthogonal
-from triton_support import run_in_triton_interpreter
 
 import model.orthogonal as orthogonal_module
 from model.orthogonal import block_inverse, cayley
@@ -130,45 +129,6 @@ def test_compiled_graph_maps_by_lu_with_the_same_result():
     torch.testing.assert_close(grad_compiled, grad_eager, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="unknown Cayley method 'qr'"):
         cayley(X, method="qr")
-
-
-GAUSS_JORDAN_CHECK = """
-import torch
-import model.orthogonal as orthogonal
-from model.orthogonal import cayley, gauss_jordan_inverse
-
-g = torch.Generator().manual_seed(0)
-for n, batch, scale in ((5, 3, 1.0), (96, 2, 0.1), (96, 1, 2.0), (128, 1, 0.5)):
-    X = torch.randn(batch, n, n, generator=g, dtype=torch.float64).tril() * scale
-    M = torch.eye(n, dtype=torch.float64) - (X - X.mT) / 2
-    ref = torch.linalg.inv(M)
-    err = (gauss_jordan_inverse(M.float()).double() - ref).abs().max().item()
-    lu = (torch.linalg.inv(M.float()).double() - ref).abs().max().item()
-    assert err <= max(4 * lu, 1e-6), (n, scale, err, lu)
-    print("leaf", n, scale, err, lu)
-
-# The whole map at d = 768 with Gauss-Jordan leaves (96 x 96): routed here by hand, since on the
-# CPU the model's `gauss_jordan` falls back to LU.
-X = torch.randn(768, 768, generator=g) * 3.1416 / (2 * 768**0.5)
-Q_lu, Q_ref = cayley(X), cayley(X.double())
-orthogonal._base_inverse = lambda M, leaf_inverse="lu": gauss_jordan_inverse(M)
-Q_gj = cayley(X)
-for name, Q in (("lu", Q_lu), ("gauss_jordan", Q_gj)):
-    gram = Q.double().mT @ Q.double() - torch.eye(768, dtype=torch.float64)
-    print(name, (Q.double() - Q_ref).abs().max().item(), gram.abs().max().item())
-err_gj = (Q_gj.double() - Q_ref).abs().max().item()
-err_lu = (Q_lu.double() - Q_ref).abs().max().item()
-assert err_gj <= max(4 * err_lu, 2e-6), (err_gj, err_lu)
-print("ok")
-"""
-
-
-def test_gauss_jordan_leaves_in_the_interpreter():
-    """`cayley_leaf_inverse: gauss_jordan`'s Triton kernel, run by Triton's interpreter on CPU
-    tensors: each leaf within 4x of LU's error against fp64 (Cayley-type matrices of small and
-    large skew parts, 5 to 128 wide), and the whole d = 768 map with those leaves within 4x of
-    the LU leaves' error (or 2e-6)."""
-    assert run_in_triton_interpreter(GAUSS_JORDAN_CHECK).rstrip().endswith("ok")
 
 
 def test_leaf_inverse_option_reaches_every_map_and_is_checked():
