@@ -18,7 +18,9 @@ block mask (`key_padding_block_mask`: key blocks of padding only are skipped, th
 only in blocks that mix real keys and padding), and an unpadded batch has no mask at all.
 With `tisa.flex_bias: dense` the `score_mod` reads an fp32 (H, N, N) bias made from that table
 instead (no batch dimension), which spreads the backward's atomic adds over N^2 entries per head
-instead of 2N - 1. `tisa.backend: auto` picks the backend per sequence length (`select_backend`).
+instead of 2N - 1. `tisa.backend: split` runs SDPA with F_P detached and takes the gradient of
+f's values from kernels of its own (tisa_split.py). `tisa.backend: auto` picks the backend per
+sequence length (`select_backend`).
 
 Decision (docs/methods.md): we use the paper's convention F_P[i, j] = f(j - i). The authors' code
 indexes f(i - j - 1), which is only a reparameterisation (c -> -c - 1), but plots of f here are
