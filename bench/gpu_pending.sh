@@ -39,7 +39,8 @@
 #  8 large_transject_compiled: TransJect albert-large compiled, finite? its peak at batch 64;
 #  9 h100_suite: the eager pretraining table on an H100, every family, albert-base 128 / 512 and
 #    albert-large 512, and ZeRO-2.
-# A first call runs the first three or four; a second one goes on (ONLY="compile_check ...").
+# A first call (BUDGET 540) runs tisa_split and transject_gj; a second one goes on
+# (ONLY="tisa_flex_dense transject_lamb tisa_backends ...").
 # What the budget leaves out is named in pending.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
