@@ -13,7 +13,7 @@ keep working.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from model.typed_config import (
     _check_choice,
@@ -27,6 +27,7 @@ from model.typed_config import (
 ResidualStyle = Literal["post_ln", "pre_ln", "rezero"]
 PositionEmbedding = Literal["absolute", "none"]
 OrthogonalMap = Literal["matrix_exp", "cayley", "householder"]
+CayleyLeafInverse = Literal["lu", "gauss_jordan"]
 
 _ACTIVATIONS = ("gelu_new", "gelu", "relu", "silu")
 
@@ -277,7 +278,7 @@ class EncoderConfig:
     `cayley` (default: accurate in fp32, about 1e-6 at d=768, and the cheapest), `matrix_exp` (run in
     fp64, 2.5x slower on CPU), `householder`."""
 
-    cayley_leaf_inverse: Literal["lu", "gauss_jordan"] = "lu"
+    cayley_leaf_inverse: CayleyLeafInverse = "lu"
     """How the Cayley map's block inverse inverts its leaf blocks (at most 128 x 128: 96 x 96 at
     d = 768). `lu`: torch's batched LU inverse (`linalg.inv_ex`). `gauss_jordan`: on CUDA one
     Triton kernel per leaf batch, Gauss-Jordan without pivoting in registers (the leaves have
@@ -329,7 +330,7 @@ class EncoderConfig:
         _check_choice(
             "orthogonal_map", self.orthogonal_map, ("matrix_exp", "cayley", "householder")
         )
-        _check_choice("cayley_leaf_inverse", self.cayley_leaf_inverse, ("lu", "gauss_jordan"))
+        _check_choice("cayley_leaf_inverse", self.cayley_leaf_inverse, get_args(CayleyLeafInverse))
         # Imported lazily: the registry imports the families, which import this module.
         from model.attention import ATTENTION_REGISTRY
 

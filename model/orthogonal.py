@@ -68,13 +68,15 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import _OrthMaps, _Orthogonal
+
+from model.config import CayleyLeafInverse
 
 _STACK: list[dict[int, Any]] = []
 """Active caches, innermost last (see the module docstring for why not a ContextVar)."""
@@ -349,14 +351,12 @@ are split in two (`block_inverse`). 128 was the fastest of 32 / 64 / 128 on the 
 d = 768 (the blocks are then 96 x 96)."""
 
 
-LEAF_INVERSES = ("lu", "gauss_jordan")
-"""How `block_inverse` inverts its leaves (`EncoderConfig.cayley_leaf_inverse`)."""
-
-
 def check_leaf_inverse(leaf_inverse: str) -> str:
-    if leaf_inverse not in LEAF_INVERSES:
+    """`leaf_inverse` if it is one of `EncoderConfig.cayley_leaf_inverse`'s values."""
+    choices = get_args(CayleyLeafInverse)
+    if leaf_inverse not in choices:
         raise ValueError(
-            f"unknown Cayley leaf inverse {leaf_inverse!r}; choose one of {', '.join(LEAF_INVERSES)}"
+            f"unknown Cayley leaf inverse {leaf_inverse!r}; choose one of {', '.join(choices)}"
         )
     return leaf_inverse
 

@@ -299,8 +299,7 @@ class TISAState(FamilyState):
                 if torch.is_autocast_enabled(device_type)
                 else x0_BND.dtype
             )
-            values_HM = values_PHM[0] if backend == "sdpa" else values_PHM[0].detach()
-            extras["tisa_bias"] = sdpa_bias(values_HM, mask_BN if padded else None, dtype)
+            extras["tisa_bias"] = sdpa_bias(values_PHM[0], mask_BN if padded else None, dtype)
         return extras, {}
 
 
@@ -353,8 +352,7 @@ class TISAKernel(ScoreKernel):
 
         bias = ctx.extras.get("tisa_bias")  # shared scope: built once per forward by the state
         if bias is None or bias.dtype != q_BHNh.dtype:
-            values_HM = values_PHM[scorer] if backend == "sdpa" else values_PHM[scorer].detach()
-            bias = sdpa_bias(values_HM, mask_BN, q_BHNh.dtype)
+            bias = sdpa_bias(values_PHM[scorer], mask_BN, q_BHNh.dtype)
         if backend == "split":  # the bias without a gradient; f's gradient by its own kernel
             out = split_attention(q_BHNh, k_BHNh, v_BHNh, values_PHM[scorer], bias, mask_BN)
             return out, {}

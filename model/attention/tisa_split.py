@@ -130,8 +130,7 @@ def triton_values_grad(
     D = max(16, 1 << (hd - 1).bit_length())
     # fp32 inputs: IEEE fp32 products (not TF32); off CUDA (Triton's interpreter) fp32 products
     # too, whose dots of bf16 tiles are not right.
-    fp32 = q.dtype == torch.float32
-    upcast = fp32 or not q.is_cuda
+    upcast = q.dtype == torch.float32 or not q.is_cuda
     q, k, v, do = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, do))
     scale = hd**-0.5
     vals = values.detach().float().contiguous()
