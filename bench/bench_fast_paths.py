@@ -521,8 +521,8 @@ def bench_cayley(args) -> dict:
         "lu": lambda: orthogonal_module.cayley(X, method="lu"),
         "torch_parametrization": lambda: reference(X),
     }
-    gauss_jordan = dev == "cuda"  # off CUDA the option is LU
-    if gauss_jordan:
+    with_gj = dev == "cuda"  # off CUDA the Gauss-Jordan option is LU
+    if with_gj:
         methods["block_gj"] = lambda: orthogonal_module.cayley(X, leaf_inverse="gauss_jordan")
     exact = orthogonal_module.cayley(X.detach().double(), method="lu")
     eye = torch.eye(d, device=dev)
@@ -551,7 +551,7 @@ def bench_cayley(args) -> dict:
         "torch_over_block": t["torch_parametrization"] / t["block"],
         "errors": errors,
     }
-    if gauss_jordan:
+    if with_gj:
         maps["block_over_block_gj"] = t["block"] / t["block_gj"]
     print("Cayley maps fwd+bwd:", json.dumps(maps), flush=True)
 
@@ -577,7 +577,7 @@ def bench_cayley(args) -> dict:
         return run
 
     variants = {"block": with_method("block"), "lu": with_method("lu")}
-    if gauss_jordan:
+    if with_gj:
         variants["block_gj"] = with_method("block", "gauss_jordan")
     t = time_steps(variants, args.warmup, args.repeats, dev)
     matrices = orthogonal_matrix_count(tj)
@@ -589,11 +589,11 @@ def bench_cayley(args) -> dict:
         **{f"{k}_ms": 1000 * v for k, v in t.items()},
         "lu_over_block": t["lu"] / t["block"],
     }
-    if gauss_jordan:
+    if with_gj:
         steps["block_over_block_gj"] = t["block"] / t["block_gj"]
     print("TransJect training step:", json.dumps(steps), flush=True)
     report = {"maps": maps, "transject_step": steps}
-    if gauss_jordan:  # 3. the leaves alone, as one leaf call of the block inverse sees them
+    if with_gj:  # 3. the leaves alone, as one leaf call of the block inverse sees them
         leaf = d
         while leaf > orthogonal_module.BLOCK_INVERSE_BASE:
             leaf //= 2
@@ -601,7 +601,7 @@ def bench_cayley(args) -> dict:
         M = Id - 0.5 * (X.detach()[:, :leaf, :leaf].tril() - X.detach()[:, :leaf, :leaf].tril().mT)
         shipped_warps = orthogonal_module.GAUSS_JORDAN_WARPS
 
-        def gauss_jordan(warps):
+        def gauss_jordan_with(warps):
             def run():
                 orthogonal_module.GAUSS_JORDAN_WARPS = warps
                 try:
@@ -612,14 +612,14 @@ def bench_cayley(args) -> dict:
             return run
 
         variants = {"lu": lambda: orthogonal_module._base_inverse(M, "lu")}
-        variants["gauss_jordan"] = gauss_jordan(shipped_warps)
-        variants.update({f"gauss_jordan_w{w}": gauss_jordan(w) for w in (4, 8, 16)})
+        variants.update({f"gauss_jordan_w{w}": gauss_jordan_with(w) for w in (4, 8, 16)})
         t = time_steps(variants, args.warmup, args.repeats, dev)
         ref = torch.linalg.inv(M.double())
         report["leaves"] = {
             "shape": list(M.shape),
             **{f"{k}_ms": 1000 * v for k, v in t.items()},
-            "lu_over_gauss_jordan": t["lu"] / t["gauss_jordan"],
+            "shipped_warps": shipped_warps,
+            "lu_over_gauss_jordan": t["lu"] / t[f"gauss_jordan_w{shipped_warps}"],
             "lu_error": (torch.linalg.inv(M).double() - ref).abs().max().item(),
             "gauss_jordan_error": (orthogonal_module.gauss_jordan_inverse(M).double() - ref)
             .abs()
