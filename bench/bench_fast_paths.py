@@ -18,6 +18,7 @@ untimed ones (CUDA: synchronised). Ratios compare two paths in the same process.
     python bench/bench_fast_paths.py tisa-backends --device cuda --dtype bf16 --seq 256 512 1024 2048 4096
     python bench/bench_fast_paths.py attention-checks      # CUDA: masks, bf16 kernel, maps; asserts
     python bench/bench_fast_paths.py tisa-bias-grad --heads 12 --seq 512 1024  # the bias's gradient
+    python bench/bench_fast_paths.py objective --batch 16 --vocab 30000   # the loss terms compiled
 
 `gpu-verify` checks on CUDA (and fails loudly otherwise): TISA flex == SDPA bias in forward and
 in every gradient (fp32 and bf16 autocast) and that training steps do not recompile; the
@@ -1132,6 +1133,75 @@ def bench_tisa_bias_grad(args) -> dict:
     return {"rows": rows, "where": f"{args.device}, torch {torch.__version__}"}
 
 
+def bench_objective(args) -> dict:
+    """The pretraining objective's loss terms (`pretrain.objective.objective_terms`: MLM and SOP
+    cross-entropies and the accuracy counts) on bf16 logits (batch, slots, vocab), forward +
+    backward, eager vs compiled as the trainer compiles them beside the encoder
+    (`Engine.compile_beside`), timed, and the bytes each moves counted (eager: every operator's
+    inputs and outputs; compiled: Inductor's kernels, as `bench/traffic_per_token.py` counts
+    them). Losses, counts and gradients checked equal."""
+    from traffic_per_token import InductorTraffic, counts_of, eager_traffic
+
+    from engine.engine import compile_function
+    from pretrain.objective import IGNORE, objective_terms, pretraining_loss
+
+    b, k, v = args.batch, args.slots, args.vocab
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(b, k, v, generator=g).to(args.device, torch.bfloat16)
+    sop_logits = torch.randn(b, 2, generator=g).to(args.device)
+    labels = torch.randint(0, v, (b, args.max_seq_length), generator=g)
+    labels[:, k - 2 :] = IGNORE  # each row: k - 2 masked tokens, 2 padding slots
+    batch = {
+        "mlm_labels": labels.to(args.device),
+        "sop_labels": torch.tensor([0, 1] * (b // 2) + [0] * (b % 2), device=args.device),
+    }
+
+    def step(terms):
+        x = logits.detach().requires_grad_()
+        output = type("Out", (), {"logits": x, "sop_logits": sop_logits, "aux_losses": {}})
+        loss = pretraining_loss(output, batch, terms)
+        loss.total.backward()
+        return loss, x.grad
+
+    torch._dynamo.reset()
+    compiled = compile_function(objective_terms, backend=args.compile_backend)
+    with InductorTraffic("loss terms") as inductor:  # its graphs are generated in here
+        fused, fused_grad = step(compiled)
+    eager_counter = eager_traffic()
+    with eager_counter:
+        eager, eager_grad = step(objective_terms)
+    torch.testing.assert_close(fused.parts["mlm"], eager.parts["mlm"], rtol=1e-5, atol=1e-5)
+    assert all(float(fused.counts[c]) == float(eager.counts[c]) for c in eager.counts)
+    torch.testing.assert_close(fused_grad.float(), eager_grad.float(), rtol=1e-2, atol=1e-6)
+    times = time_steps(
+        {"eager": lambda: step(objective_terms), "compiled": lambda: step(compiled)},
+        args.warmup,
+        args.repeats,
+        args.device,
+    )
+    counted = {"eager": counts_of(eager_counter), "compiled": counts_of(inductor)}
+    row = {
+        "batch": b,
+        "slots": k,
+        "vocab": v,
+        **{f"{name}_ms": t * 1e3 for name, t in times.items()},
+        "speedup": times["eager"] / times["compiled"],
+        **{f"{name}_gb": sum(c["bytes"].values()) / 1e9 for name, c in counted.items()},
+        **{f"{name}_kernels": sum(c["ops"].values()) for name, c in counted.items()},
+    }
+    print(json.dumps(row))
+    print(f"\nLoss terms, forward + backward, {args.device}, bf16 logits {b} x {k} x {v}")
+    print("| | ms | speed-up | GB moved | operators / kernels |")
+    print("|---|---|---|---|---|")
+    for name in ("eager", "compiled"):
+        print(
+            f"| {name} | {row[name + '_ms']:.1f} | "
+            f"{(row['speedup'] if name == 'compiled' else 1.0):.2f}x | "
+            f"{row[name + '_gb']:.2f} | {row[name + '_kernels']} |"
+        )
+    return {"rows": [row], "by_op": counted, "where": f"{args.device}, torch {torch.__version__}"}
+
+
 def bench_tisa_backends(args) -> dict:
     """TISA's mixing step alone, forward + backward (into q, k, v and the scorer's a, b, c), per
     sequence length: FlexAttention (score_mod + key-padding block mask) reading f from its
@@ -1487,7 +1557,7 @@ def main() -> None:
         choices=[
             "tisa", "compile", "grouping", "pretrain-padding", "orthogonal-cache", "gpu-verify",
             "tisa-backends", "attention-checks", "orthogonal-step", "orthogonal-shard", "cayley",
-            "transject-experts", "tisa-bias-grad",
+            "transject-experts", "tisa-bias-grad", "objective",
         ],
     )  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -1505,6 +1575,9 @@ def main() -> None:
         action="store_true",
         help="orthogonal-step / orthogonal-shard: both engines with engine.compile; "
         "transject-experts: the encoder compiled as the engine does (its compiled variants)",
+    )
+    p.add_argument(
+        "--slots", type=int, default=77, help="objective: the MLM head's slots per row (K)"
     )
     p.add_argument("--examples", type=int, default=1024, help="grouping: training examples")
     p.add_argument("--documents", type=int, default=2000, help="pretrain-padding: documents")
@@ -1564,6 +1637,7 @@ def main() -> None:
         "cayley": bench_cayley,
         "transject-experts": bench_transject_experts,
         "tisa-bias-grad": bench_tisa_bias_grad,
+        "objective": bench_objective,
     }[args.what]
     result = {"what": args.what, "args": {k: str(v) for k, v in vars(args).items()}}
     result.update(run(args))

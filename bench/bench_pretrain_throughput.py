@@ -202,6 +202,7 @@ class Measurement:
         from engine.metrics import peak_flops
         from model.flops import training_flops
         from model.heads import EncoderForPretraining
+        from pretrain.objective import objective_terms
 
         self.name, self.base, self.family, self.seq, self.batch = name, base, family, seq, batch
         self.args = args
@@ -219,6 +220,7 @@ class Measurement:
         self.base_gb = torch.cuda.memory_allocated() / 2**30 if self.cuda else None
         cfg = self.cfg
         self.engine = Engine(model, cfg.engine, cfg.optimizer, cfg.schedule, detect())
+        self.objective_terms = self.engine.compile_beside(objective_terms)  # as the trainer
         self.static_gb = torch.cuda.memory_allocated() / 2**30 if self.cuda else None
         batches = synthetic_batches(4, batch, seq, vocab, padded=args.padding != "none")
         # The MLM head's slots per row: the most masked tokens of any row (the trainer uses the
@@ -276,7 +278,8 @@ class Measurement:
             mark()
             b = engine.to_device(cpu_batch)
             mark()
-            loss = pretraining_loss(engine.forward(**model_inputs(b, self.max_masked)), b)
+            out = engine.forward(**model_inputs(b, self.max_masked))
+            loss = pretraining_loss(out, b, self.objective_terms)
             mark()
             engine.backward(loss.total, defer=True)
         mark()

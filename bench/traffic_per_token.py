@@ -260,7 +260,8 @@ class InductorTraffic:
 def count_compiled_step(model, batch, max_masked: int, forward_only: bool = False) -> dict:
     """`count_step` for the step compiled by Inductor (what the recipes run on a GPU): the
     model's forward and loss compiled as one function (the engine compiles the encoder and
-    leaves the heads eager; here the heads are compiled too, the same for every family), its
+    the loss terms and leaves the heads eager; here the heads are compiled too, the same for
+    every family), its
     forward and backward graphs each counted from Inductor's scheduler as it generates them.
     Each fused kernel counts the bytes Inductor's scheduler estimates it reads and writes
     (`get_read_write_buffers_sizes`: each buffer once, at most its size); an extern kernel (a

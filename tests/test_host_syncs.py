@@ -242,3 +242,51 @@ def test_fixed_shape_mlm_equals_the_masked_only_objective(family):
     empty = {**batch, "mlm_labels": torch.full_like(ids, IGNORE)}
     none = pretraining_loss(model(**model_inputs(empty, max_masked=k)), empty)
     assert none.parts["mlm"] == 0 and none.counts["mlm_total"] == 0
+
+
+@pytest.mark.parametrize(
+    "backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.integration)]
+)
+def test_compiled_objective_terms_equal_eager(backend):
+    """The loss terms as the trainer runs them when the encoder is compiled
+    (``Engine.compile_beside``: ``compile_function(objective_terms)``) equal the eager ones:
+    losses, counts and the gradients of the bf16 logits, with padding slots, a row without
+    masked tokens, a dropped token and an ignored SOP label; and a micro-batch without any
+    masked token still gives 0."""
+    from engine.engine import compile_function
+    from pretrain.objective import objective_terms
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    b, n, k, v = 4, 16, 5, 97
+    labels = torch.full((b, n), IGNORE)
+    for row, count in enumerate([3, 0, 6, 5]):  # row 2: one more than the K = 5 slots
+        positions = torch.randperm(n)[:count]
+        labels[row, positions] = torch.randint(0, v, (count,))
+    batch = {"mlm_labels": labels, "sop_labels": torch.tensor([0, 1, IGNORE, 1])}
+
+    def loss(terms, batch):
+        logits = torch.randn(b, k, v, generator=torch.Generator().manual_seed(1))
+        logits = logits.to(torch.bfloat16).requires_grad_()
+        sop = torch.randn(b, 2, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        aux = {"extra": torch.tensor(0.25)}
+        output = type("Out", (), {"logits": logits, "sop_logits": sop, "aux_losses": aux})
+        result = pretraining_loss(output, batch, terms)
+        result.total.backward()
+        return result, logits.grad, sop.grad
+
+    compiled = compile_function(objective_terms, backend=backend)
+    for case in (batch, {**batch, "mlm_labels": torch.full((b, n), IGNORE)}):
+        eager, eager_grad, eager_sop_grad = loss(objective_terms, case)
+        fused, fused_grad, fused_sop_grad = loss(compiled, case)
+        for key in ("mlm", "sop", "aux/extra"):
+            torch.testing.assert_close(fused.parts[key], eager.parts[key], rtol=1e-6, atol=1e-6)
+        assert {key: float(c) for key, c in fused.counts.items()} == {
+            key: float(c) for key, c in eager.counts.items()
+        }
+        torch.testing.assert_close(fused_grad, eager_grad, rtol=1e-2, atol=1e-6)  # bf16
+        torch.testing.assert_close(fused_sop_grad, eager_sop_grad)
+    assert eager.parts["mlm"] == 0 and eager.counts["mlm_total"] == 0
+    first, _, _ = loss(objective_terms, batch)
+    assert first.counts["mlm_total"] == 3 + 5 + 5 and first.counts["mlm_dropped"] == 1
+    torch._dynamo.reset()
