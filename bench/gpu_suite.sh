@@ -71,6 +71,9 @@
 #   tisabiasgrad  bench_fast_paths.py tisa-bias-grad: the gradient of TISA's table through the
 #             indexing's scatter vs sums along the diagonals, eager and compiled
 #                                                                     -> tisa_bias_grad_gpu.json
+#   objective bench_fast_paths.py objective: the pretraining loss terms on the MLM logits of
+#             albert-base at seq 512 (64 x 77 slots x 30000), eager vs compiled as the trainer
+#             compiles them beside the encoder, and the bytes each moves -> objective_gpu.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu}
@@ -88,7 +91,7 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 SMOKE=${SMOKE:-0}
-PARTS=${PARTS:-jit cayley tjexperts lamb model qkv scaling pretrain pretrain2 syncs depth loader tisa tisabackends tisasplit tisabiasgrad orthocache fastpaths}
+PARTS=${PARTS:-jit cayley tjexperts lamb model qkv scaling pretrain pretrain2 syncs depth loader tisa tisabackends tisasplit tisabiasgrad objective orthocache fastpaths}
 # LAMB=auto: what a recipe picks by itself, the foreach LAMB (engine/lamb.py: per tensor on every
 # ZeRO stage 0-2, no host synchronisation, nothing to build). LAMB=torch: pytorch_optimizer.Lamb.
 # LAMB=deepspeed: DeepSpeed's FusedLamb, JIT-built by the `jit` part first (ZeRO-0 only: the
@@ -241,6 +244,9 @@ else
   # TISA's table gradient: the indexing's scatter (the model's) vs sums along the diagonals.
   part tisabiasgrad 60 python3 bench/bench_fast_paths.py tisa-bias-grad --device cuda --heads 12 \
     --seq 512 1024 2048 --warmup 3 --repeats 10 --out "$OUT/tisa_bias_grad_gpu.json"
+  # The pretraining loss terms, eager vs compiled (what engine.compile adds beside the encoder).
+  part objective 60 python3 bench/bench_fast_paths.py objective --device cuda --batch 64 \
+    --vocab 30000 --warmup 3 --repeats 10 --out "$OUT/objective_gpu.json"
   # TransJect inference with its orthogonal maps kept across forwards vs evaluated every time.
   part orthocache 40 python3 bench/bench_fast_paths.py orthogonal-cache --device cuda --dtype bf16 \
     --hidden 768 --heads 12 --layers 1 --batch 8 --seq 256 4096 16384 --warmup 2 --repeats 10 \

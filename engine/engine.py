@@ -167,7 +167,7 @@ class EngineConfig:
     (``pretrain.objective.objective_terms``, ``Engine.compile_beside``: fused, they read the
     bf16 MLM logits a few times where the eager terms upcast them and pass over them in fp32
     operator by operator: 1.18 instead of 7.10 GB at ALBERT-base's 64 x 77 slots x 30000
-    tokens, 3.96x faster on the CPU); the heads stay eager and state-dict keys do not change.
+    tokens, 3.97x faster on the CPU); the heads stay eager and state-dict keys do not change.
     Every attention family compiles without graph breaks, with activation checkpointing too.
     Shapes: batches padded to a fixed length (the pretraining loader's ``static_shapes``, on
     with ``data.masking.static_masked_positions``) compile once; batches padded to their longest
