@@ -19,6 +19,7 @@ untimed ones (CUDA: synchronised). Ratios compare two paths in the same process.
     python bench/bench_fast_paths.py attention-checks      # CUDA: masks, bf16 kernel, maps; asserts
     python bench/bench_fast_paths.py tisa-bias-grad --heads 12 --seq 512 1024  # the bias's gradient
     python bench/bench_fast_paths.py objective --batch 16 --vocab 30000   # the loss terms compiled
+    python bench/bench_fast_paths.py eigen-products --hidden 768 --heads 12 --batch 4 --seq 512
 
 `gpu-verify` checks on CUDA (and fails loudly otherwise): TISA flex == SDPA bias in forward and
 in every gradient (fp32 and bf16 autocast) and that training steps do not recompile; the
@@ -1202,6 +1203,111 @@ def bench_objective(args) -> dict:
     return {"rows": [row], "by_op": counted, "where": f"{args.device}, torch {torch.__version__}"}
 
 
+def bench_eigen_products(args) -> dict:
+    """TransJect's eigen-state with its two products in fp32 vs by three bf16 products
+    (`transject.eigen_products=bf16x3`), and one bf16 product for scale, each against the same
+    state in fp64: the normalised eigenvalues, the reconstruction loss, the eigenbasis error and
+    the gradients of the embeddings and of the basis, on the embeddings of the recipe's model
+    (`--hidden`, ALBERT-base's 768 by default here) for random tokens, one row padded; then the
+    forward + backward time of each (CUDA: the bf16 products on tensor cores; on a CPU the
+    three products cost three fp32 products, so time it on a GPU)."""
+    import model.attention.transject as tj
+
+    cfg = EncoderConfig.preset(
+        "albert-base",
+        attention="transject",
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=1,
+    )
+    torch.manual_seed(0)
+    model = EncoderForPretraining(cfg)
+    b, n = args.batch, args.seq[0]
+    ids = torch.randint(5, cfg.vocab_size, (b, n))
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[min(1, b - 1), n // 2 :] = False  # one row half padding
+    with torch.no_grad():
+        x0 = model.encoder.embeddings(ids, None).float()
+        if args.anisotropy:  # one direction shared by every token, its norm that many times
+            shared = torch.randn(x0.size(-1), generator=torch.Generator().manual_seed(2))
+            x0 = x0 + args.anisotropy * x0.norm(dim=-1).mean() * shared / shared.norm()
+        x0 = x0.to(args.device)
+        basis = model.encoder.family_state.eigenbasis.detach().float().to(args.device)
+    mask = mask.to(args.device)
+    weights = torch.randn(b, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+
+    def one_product(a, c):
+        return (a.to(torch.bfloat16).float() @ c.to(torch.bfloat16).float()).float()
+
+    def state(products: str, dtype=torch.float32):
+        x = x0.to(dtype).clone().requires_grad_()
+        u = basis.to(dtype).clone().requires_grad_()
+        xm = x * mask.unsqueeze(-1).to(dtype)
+        if products == "bf16x1":  # one bf16 product each, fp32 accumulation (scale only)
+            xu = one_product(xm.reshape(b * n, -1), u).view(b, n, -1)
+            lam_raw = (xu * xu).sum(-2)
+            g = one_product(xm, xm.mT) if n < cfg.hidden_size else one_product(xm.mT, xm)
+            energy = (g * g).sum((-2, -1))
+        elif dtype == torch.float64:
+            lam_raw, energy = tj._basis_diagonal(xm, u), tj._gram_energy(xm)
+        else:
+            lam_raw = tj._basis_diagonal(xm, u, products)
+            energy = tj._gram_energy(xm, products)
+        lam, recon = tj._lambda_and_reconstruction(lam_raw, energy, "scale_free")
+        error = tj._eigenbasis_error(lam_raw, energy)
+        loss = recon.sum() + (lam * weights.to(lam)).sum()
+        loss.backward()
+        return {
+            "lambda": lam.detach().double(),
+            "reconstruction": recon.detach().double(),
+            "eigenbasis_error": error.detach().double(),
+            "grad_embeddings": x.grad.double(),
+            "grad_basis": u.grad.double(),
+        }
+
+    reference = state("fp32", torch.float64)
+    rows = []
+    for products in ("fp32", "bf16x3", "bf16x1"):
+        got = state(products)
+        row = {"products": products}
+        for key, ref in reference.items():
+            row[key] = float((got[key] - ref).norm() / ref.norm())
+        # the worst eigenvalue, relative to itself (the small ones are what fp32 is kept for)
+        lam_ref = reference["lambda"]
+        row["lambda_worst"] = float(((got["lambda"] - lam_ref).abs() / lam_ref.abs()).max())
+        rows.append(row)
+        print(json.dumps(row))
+    times = time_steps(
+        {p: (lambda p=p: state(p)) for p in ("fp32", "bf16x3")},
+        args.warmup,
+        args.repeats,
+        args.device,
+    )
+    for row in rows:
+        if row["products"] in times:
+            row["ms"] = times[row["products"]] * 1e3
+    print(
+        f"\nEigen-state, {b} x {n} x {cfg.hidden_size}, anisotropy {args.anisotropy}, "
+        f"{args.device}: relative error against fp64 (norm of the difference / norm of fp64's; "
+        "worst eigenvalue: the largest error of one eigenvalue relative to itself); "
+        f"|lambda| from {float(reference['lambda'].abs().min()):.1e} to 1"
+    )
+    print(
+        "| products | lambda | worst eigenvalue | reconstruction | eigenbasis error "
+        "| grad embeddings | grad basis | ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ms = f"{r['ms']:.1f}" if "ms" in r else ""
+        print(
+            f"| {r['products']} | {r['lambda']:.1e} | {r['lambda_worst']:.1e} | "
+            f"{r['reconstruction']:.1e} | "
+            f"{r['eigenbasis_error']:.1e} | {r['grad_embeddings']:.1e} | {r['grad_basis']:.1e} | {ms} |"
+        )
+    return {"rows": rows, "where": f"{args.device}, torch {torch.__version__}"}
+
+
 def bench_tisa_backends(args) -> dict:
     """TISA's mixing step alone, forward + backward (into q, k, v and the scorer's a, b, c), per
     sequence length: FlexAttention (score_mod + key-padding block mask) reading f from its
@@ -1557,7 +1663,7 @@ def main() -> None:
         choices=[
             "tisa", "compile", "grouping", "pretrain-padding", "orthogonal-cache", "gpu-verify",
             "tisa-backends", "attention-checks", "orthogonal-step", "orthogonal-shard", "cayley",
-            "transject-experts", "tisa-bias-grad", "objective",
+            "transject-experts", "tisa-bias-grad", "objective", "eigen-products",
         ],
     )  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -1578,6 +1684,13 @@ def main() -> None:
     )
     p.add_argument(
         "--slots", type=int, default=77, help="objective: the MLM head's slots per row (K)"
+    )
+    p.add_argument(
+        "--anisotropy",
+        type=float,
+        default=0.0,
+        help="eigen-products: add to every embedding one shared direction of this many times "
+        "the tokens' mean norm (a wide spectrum, as trained embeddings tend to have)",
     )
     p.add_argument("--examples", type=int, default=1024, help="grouping: training examples")
     p.add_argument("--documents", type=int, default=2000, help="pretrain-padding: documents")
@@ -1638,6 +1751,7 @@ def main() -> None:
         "transject-experts": bench_transject_experts,
         "tisa-bias-grad": bench_tisa_bias_grad,
         "objective": bench_objective,
+        "eigen-products": bench_eigen_products,
     }[args.what]
     result = {"what": args.what, "args": {k: str(v) for k, v in vars(args).items()}}
     result.update(run(args))

@@ -203,26 +203,88 @@ def _real_tokens(x0_BND: Tensor, mask_BN: Tensor) -> Tensor:
     return x0_BND.float() * mask_BN.unsqueeze(-1).float()
 
 
-def _gram_energy(x_BND: Tensor) -> Tensor:
+def _bf16_halves(a: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 a as hi + lo, both bf16: hi = a rounded to bf16, lo = the rest rounded to bf16
+    (together about 16 significant bits of a's 24)."""
+    hi = a.to(torch.bfloat16)
+    return hi, (a - hi.float()).to(torch.bfloat16)
+
+
+def _bf16_product(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b of bf16 operands with fp32 accumulation and an fp32 result: on CUDA one tensor-core
+    product (``out_dtype``); elsewhere the fp32 product of the upcast operands, the same values
+    up to the order of the sums (products of bf16 numbers are exact in fp32)."""
+    if a.is_cuda:
+        product = torch.bmm if a.dim() == 3 else torch.mm
+        return product(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def _bf16x3(a: Tensor, b: Tensor) -> Tensor:
+    """fp32 a @ b (2-D, or 3-D batched alike) from three bf16 products with fp32 accumulation:
+    hi_a hi_b + (hi_a lo_b + lo_a hi_b); lo_a lo_b, about 2^-16 of the rest, is left out."""
+    a_hi, a_lo = _bf16_halves(a)
+    b_hi, b_lo = _bf16_halves(b)
+    return _bf16_product(a_hi, b_hi) + (_bf16_product(a_hi, b_lo) + _bf16_product(a_lo, b_hi))
+
+
+class Bf16x3Product(torch.autograd.Function):
+    """a @ b for fp32 a and b (both 2-D, or both 3-D with the same batch) by `_bf16x3`, forward
+    and backward (grad_a = grad @ b^T and grad_b = a^T @ grad, each by `_bf16x3` too), so the
+    gradient is as accurate as the value (`TransJectConfig.eigen_products`)."""
+
+    @staticmethod
+    def forward(a: Tensor, b: Tensor) -> Tensor:
+        return _bf16x3(a, b)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        a, b = ctx.saved_tensors
+        grad_a = _bf16x3(grad, b.mT) if ctx.needs_input_grad[0] else None
+        grad_b = _bf16x3(a.mT, grad) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b
+
+
+def _eigen_product(a: Tensor, b: Tensor, products: str) -> Tensor:
+    """a @ b in fp32 (`products="fp32"`) or by three bf16 products (`"bf16x3"`: `Bf16x3Product`)."""
+    if products == "bf16x3":
+        return Bf16x3Product.apply(a, b)
+    return a @ b
+
+
+def _gram_energy(x_BND: Tensor, products: str = "fp32") -> Tensor:
     """(B,) ||M||_F^2 for M = X^T X, through whichever Gram matrix is smaller: X^T X (d x d)
     or X X^T (N x N), whose Frobenius norms are equal."""
     tokens, width = x_BND.shape[-2:]
-    G = x_BND @ x_BND.mT if tokens < width else x_BND.mT @ x_BND
+    if tokens < width:
+        G = _eigen_product(x_BND, x_BND.mT, products)
+    else:
+        G = _eigen_product(x_BND.mT, x_BND, products)
     return (G * G).sum(dim=(-2, -1))
 
 
-def _basis_diagonal(x_BND: Tensor, U: Tensor) -> Tensor:
+def _basis_diagonal(x_BND: Tensor, U: Tensor, products: str = "fp32") -> Tensor:
     """(B, d) diag(U^T M U)_k = u_k^T X^T X u_k = sum_n (x_n . u_k)^2: one product X U, not M."""
-    xu_BND = x_BND @ U
+    B, N, d = x_BND.shape
+    xu_BND = _eigen_product(x_BND.reshape(B * N, d), U, products).view(B, N, -1)
     return (xu_BND * xu_BND).sum(dim=-2)
 
 
-def _eigen_terms(x0_BND: Tensor, mask_BN: Tensor, U_dd: Tensor) -> tuple[Tensor, Tensor]:
+def _eigen_terms(
+    x0_BND: Tensor, mask_BN: Tensor, U_dd: Tensor, products: str = "fp32"
+) -> tuple[Tensor, Tensor]:
     """(lam_raw_Bd, energy_B): diag(U^T M U) and ||M||_F^2 for M = X0^T X0 over the real
-    tokens, fp32 with autocast off; everything the eigen-state needs (`approximate_eigenvalues`)."""
+    tokens, fp32 with autocast off (its two products in fp32 or by `Bf16x3Product`:
+    `TransJectConfig.eigen_products`); everything the eigen-state needs
+    (`approximate_eigenvalues`)."""
     with torch.autocast(device_type=x0_BND.device.type, enabled=False):
         x_BND = _real_tokens(x0_BND, mask_BN)
-        return _basis_diagonal(x_BND, U_dd.float()), _gram_energy(x_BND)
+        lam_raw_Bd = _basis_diagonal(x_BND, U_dd.float(), products)
+        return lam_raw_Bd, _gram_energy(x_BND, products)
 
 
 def _lambda_and_reconstruction(
@@ -245,7 +307,11 @@ def _eigenbasis_error(lam_raw_Bd: Tensor, energy_B: Tensor) -> Tensor:
 
 
 def approximate_eigenvalues(
-    x0_BND: Tensor, mask_BN: Tensor, U_dd: Tensor, reconstruction: str = "scale_free"
+    x0_BND: Tensor,
+    mask_BN: Tensor,
+    U_dd: Tensor,
+    reconstruction: str = "scale_free",
+    products: str = "fp32",
 ) -> tuple[Tensor, Tensor]:
     """Approximate eigenvalues of M = X0^T X0 in the basis U, normalised; and the reconstruction loss.
 
@@ -255,7 +321,8 @@ def approximate_eigenvalues(
         lam      = lam_raw / s,              s = max_k |lam_raw_k|
         recon    = mean_{ij} ( M/s - U diag(lam) U^T )^2_{ij}    reconstruction="scale_free"
                    mean_{ij} ( M - U diag(lam) U^T )^2_{ij}      reconstruction="authors"
-    Everything in fp32 with autocast off.
+    Everything in fp32 with autocast off; `products` (`TransJectConfig.eigen_products`): the two
+    matrix products in fp32, or each from three bf16 products with fp32 accumulation.
 
     Computed without forming U^T M U or U diag(lam) U^T (d x d per sample): U is orthogonal, so
     ||M - U D U^T||_F^2 = ||M||_F^2 - 2 sum_k D_k lam_raw_k + sum_k D_k^2 for a diagonal D, and
@@ -267,7 +334,8 @@ def approximate_eigenvalues(
     sample (docs/methods.md, "Computation"). The difference of the first two terms loses about
     1e-7 of ||M||_F^2 to rounding, so the loss is floored at 0 where U diagonalises M exactly.
     """
-    return _lambda_and_reconstruction(*_eigen_terms(x0_BND, mask_BN, U_dd), reconstruction)
+    terms = _eigen_terms(x0_BND, mask_BN, U_dd, products)
+    return _lambda_and_reconstruction(*terms, reconstruction)
 
 
 @torch.no_grad()
@@ -301,6 +369,7 @@ class EigenState(FamilyState):
         self.mode = cfg.transject.eigenvalues
         self.reconstruction_weight = cfg.transject.reconstruction_weight
         self.reconstruction = cfg.transject.reconstruction
+        self.products = cfg.transject.eigen_products
         if self.mode == "approx":
             self.eigenbasis = nn.Parameter(torch.empty(d, d))
             make_orthogonal(self, "eigenbasis", cfg.orthogonal_map, cfg.cayley_leaf_inverse)
@@ -312,7 +381,7 @@ class EigenState(FamilyState):
             lam_1d, _ = _normalise(self.eigenvalues.float()[None, :])
             return {LAMBDA_KEY: lam_1d}, {}
         lam_Bd, recon_B = approximate_eigenvalues(
-            x0_BND, mask_BN, self.eigenbasis, self.reconstruction
+            x0_BND, mask_BN, self.eigenbasis, self.reconstruction, self.products
         )
         return {LAMBDA_KEY: lam_Bd}, {
             RECONSTRUCTION_KEY: self.reconstruction_weight * recon_B.mean()
