@@ -19,8 +19,10 @@
 #    softmax's step here against the 54.6 ms of the last H100 run is their gain, MFU included);
 #  0b transject_gj: softmax and TransJect compiled with the Cayley map's leaves by the
 #    Gauss-Jordan kernel (model.cayley_leaf_inverse=gauss_jordan; the LU leaves took 5.3 ms of
-#    the step, the target lacks 0.7 ms), and the cayley part: the maps and the leaves alone,
-#    LU vs Gauss-Jordan;
+#    the step, the target lacks 0.7 ms) and the eigen-state's products by three bf16 products
+#    each (model.transject.eigen_products=bf16x3; its fp32 products took 7.6 ms), and the
+#    cayley and eigenproducts parts: the maps and the leaves alone, LU vs Gauss-Jordan, and the
+#    eigen-state alone, fp32 vs bf16x3 (with its errors against fp64);
 #  1 tisa_flex_dense: softmax and the TISA step on FlexAttention reading the dense (H, N, N)
 #    bias (tisa.backend=flex, flex_bias=dense), compiled, unpadded: does it compile now that it
 #    asks for two pipeline stages, and does it meet the 1.2x target (SDPA with the bias: 1.40x)?
@@ -76,8 +78,8 @@ pass() { # pass NAME MIN_S LIMIT_S VAR=VALUE...: one run of the suite into $OUT/
 # Only the first pass prints the environment (nvidia-smi, versions): ENV_PART= in the others.
 pass tisa_split 150 250 PARTS="pretrain tisasplit objective" COMPILE=recipe EXTRA="model.tisa.backend=split" \
   "PRETRAIN=--configs albert-base-512 --families softmax tisa --padding none --steps 6 --timeout 115"
-pass transject_gj 200 300 ENV_PART= PARTS="pretrain cayley" COMPILE=recipe \
-  EXTRA="model.cayley_leaf_inverse=gauss_jordan" \
+pass transject_gj 200 300 ENV_PART= PARTS="pretrain cayley eigenproducts" COMPILE=recipe \
+  EXTRA="model.cayley_leaf_inverse=gauss_jordan model.transject.eigen_products=bf16x3" \
   "PRETRAIN=--configs albert-base-512 --families softmax transject --padding none --steps 6 --timeout 170"
 pass tisa_flex_dense 150 250 ENV_PART= PARTS=pretrain COMPILE=recipe \
   EXTRA="model.tisa.backend=flex model.tisa.flex_bias=dense" \

@@ -66,7 +66,10 @@ Project readings where the paper is silent:
   to the unscaled (orthonormal) rows. A plain embedding is initialised N(0, 1/P) so both variants
   give the same scale.
 * The eigen-state (M, lambda, the loss) is computed in fp32 with autocast off, like the
-  orthogonal maps: M sums N outer products and bf16 would lose the small eigenvalues.
+  orthogonal maps: M sums N outer products and bf16 would lose the small eigenvalues. Its two
+  products may run as three bf16 products each with fp32 accumulation
+  (`transject.eigen_products=bf16x3`, `Bf16x3Product`: tensor cores on a GPU; within about
+  1e-5 of fp32, docs/methods.md).
 """
 
 from __future__ import annotations
