@@ -545,10 +545,21 @@ def bench_cayley(args) -> dict:
         return run
 
     t = time_steps({k: fwd_bwd(f) for k, f in methods.items()}, args.warmup, args.repeats, dev)
+    # What the block path moves outside its products, forward + backward (eager bytes of every
+    # other operator, `bench/traffic_per_token.py`'s count): its element-wise passes.
+    from traffic_per_token import counts_of, eager_traffic
+
+    counter = eager_traffic()
+    with counter:
+        torch.autograd.backward(orthogonal_module.cayley(X), G)
+    X.grad = None
+    moved = counts_of(counter)["bytes"]
     maps = {
         "matrices": args.maps,
         "width": d,
         **{f"{k}_ms": 1000 * v for k, v in t.items()},
+        "block_memory_gb": moved.get("memory", 0) / 1e9,
+        "block_products_gb": moved.get("compute", 0) / 1e9,
         "lu_over_block": t["lu"] / t["block"],
         "torch_over_block": t["torch_parametrization"] / t["block"],
         "errors": errors,
@@ -1732,6 +1743,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    if args.threads and args.what == "cayley" and args.device == "cpu":
+        # torch's parametrization solves the maps in one batched call, which oneMKL (torch
+        # 2.13's CPU build) leaves hanging once set_num_threads has been called
+        p.error("cayley on the CPU: leave out --threads (a batched solve hangs after it)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.what == "gpu-verify":

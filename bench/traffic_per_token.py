@@ -92,10 +92,11 @@ COMPUTE = ("mm", "bmm", "addmm", "baddbmm", "linear", "matmul", "_scaled_mm")
 
 
 def kind_of(name: str) -> str | None:
-    """ "compute", "memory", or None for an operator that moves no data."""
+    """ "compute", "memory", or None for an operator that moves no data. An in-place product
+    (`baddbmm_`) is a product."""
     if name in VIEWS:
         return None
-    return "compute" if name in COMPUTE or "attention" in name else "memory"
+    return "compute" if name.rstrip("_") in COMPUTE or "attention" in name else "memory"
 
 
 def step_output(model, batch, max_masked: int, forward_only: bool):

@@ -419,21 +419,42 @@ def block_inverse(
     `base`: None is `BLOCK_INVERSE_BASE`. `leaf_inverse`: how blocks up to `base` are inverted
     (`_base_inverse`: `lu`, or `gauss_jordan` on CUDA; the same argument shows that Gauss-Jordan
     needs no pivoting on them).
+
+    Each block of the result is written in place into one output tensor, and the subtractions
+    and signs ride on the products (`baddbmm`'s alpha and beta): no concatenation of the four
+    blocks at every level, no separate pass to subtract or negate a product (`_inverse_into`).
+    Not differentiable itself (the Cayley map's Function has its own backward).
     """
     base = BLOCK_INVERSE_BASE if base is None else base
     n = M.size(-1)
     if n <= base:
         return _base_inverse(M, leaf_inverse)
+    flat = M.reshape(-1, n, n)
+    out = torch.empty_like(flat)
+    _inverse_into(flat, out, base, leaf_inverse)
+    return out.view(M.shape)
+
+
+def _inverse_into(M: torch.Tensor, out: torch.Tensor, base: int, leaf_inverse: str) -> None:
+    """`block_inverse` of a (b, n, n) batch M into `out` (a (b, n, n) tensor or view of one):
+    P^-1 is made in the upper-left block of `out` and updated there into the upper-left block
+    of M^-1 once the lower-left one, -T^-1 R P^-1, is in place."""
+    n = M.size(-1)
+    if n <= base:
+        out.copy_(_base_inverse(M, leaf_inverse))
+        return
     h = n // 2
-    P, Q = M[..., :h, :h], M[..., :h, h:]
-    R, S = M[..., h:, :h], M[..., h:, h:]
-    P_inv = block_inverse(P, base, leaf_inverse)
-    P_inv_Q = P_inv @ Q
-    T_inv = block_inverse(S - R @ P_inv_Q, base, leaf_inverse)
-    lower = -(T_inv @ (R @ P_inv))  # -T^-1 R P^-1
-    upper = P_inv - P_inv_Q @ lower
-    right = -(P_inv_Q @ T_inv)
-    return torch.cat([torch.cat([upper, right], -1), torch.cat([lower, T_inv], -1)], -2)
+    P, Q = M[:, :h, :h], M[:, :h, h:]
+    R, S = M[:, h:, :h], M[:, h:, h:]
+    upper_left, upper_right = out[:, :h, :h], out[:, :h, h:]
+    lower_left, lower_right = out[:, h:, :h], out[:, h:, h:]
+    _inverse_into(P, upper_left, base, leaf_inverse)  # P^-1, for now
+    P_inv_Q = torch.bmm(upper_left, Q)
+    _inverse_into(torch.baddbmm(S, R, P_inv_Q, alpha=-1), lower_right, base, leaf_inverse)  # T^-1
+    R_P_inv = torch.bmm(R, upper_left)
+    torch.baddbmm(lower_left, lower_right, R_P_inv, beta=0, alpha=-1, out=lower_left)
+    upper_left.baddbmm_(P_inv_Q, lower_left, alpha=-1)  # P^-1 - P^-1 Q (-T^-1 R P^-1)
+    torch.baddbmm(upper_right, P_inv_Q, lower_right, beta=0, alpha=-1, out=upper_right)
 
 
 @contextlib.contextmanager
@@ -457,16 +478,18 @@ class _CayleyOfSkew(torch.autograd.Function):
     """Q = (I - A/2)^-1 (I + A/2) = 2 (I - A/2)^-1 - I for A skew-symmetric (any batch).
 
     Forward: one `block_inverse`. Backward, from dQ = M^-1 dA M^-1 (M = I - A/2, and
-    M^-1 = (Q + I) / 2): dL/dA = M^-T G M^-T = (Q + I)^T G (Q + I)^T / 4, two products; only Q
-    is kept for it. (I + A/2 = 2I - M gives the first identity.)
+    M^-1 = (Q + I) / 2): dL/dA = M^-T G M^-T = (Q + I)^T G (Q + I)^T / 4, two products whose
+    epilogues add the identity's terms and the quarter; only Q is kept for it. (I + A/2 =
+    2I - M gives the first identity.)
     """
 
     @staticmethod
     def forward(A: torch.Tensor, leaf_inverse: str = "lu") -> torch.Tensor:
         Id = torch.eye(A.size(-1), dtype=A.dtype, device=A.device)
         with ieee_fp32_matmuls():
-            M_inv = block_inverse(torch.add(Id, A, alpha=-0.5), leaf_inverse=leaf_inverse)
-            return 2 * M_inv - Id
+            Q = block_inverse(torch.add(Id, A, alpha=-0.5), leaf_inverse=leaf_inverse)
+        Q.mul_(2).diagonal(dim1=-2, dim2=-1).sub_(1)  # 2 M^-1 - I, in place (a fresh tensor)
+        return Q
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[torch.Tensor, str], output: torch.Tensor) -> None:
@@ -475,9 +498,14 @@ class _CayleyOfSkew(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (Q,) = ctx.saved_tensors
-        W = Q.mT + torch.eye(Q.size(-1), dtype=Q.dtype, device=Q.device)  # 2 M^-T
+        n = Q.size(-1)
+        Qt, G = Q.reshape(-1, n, n).mT, grad.reshape(-1, n, n)
         with ieee_fp32_matmuls():
-            return (W @ grad @ W) * 0.25, None
+            # W G W / 4 with W = Q^T + I = 2 M^-T, never formed: W G = Q^T G + G, then
+            # (W G) W / 4 = (W G Q^T + W G) / 4, each sum and the quarter carried by the product
+            WG = torch.baddbmm(G, Qt, G)
+            out = torch.baddbmm(WG, WG, Qt, beta=0.25, alpha=0.25)
+        return out.view(grad.shape), None
 
 
 def cayley(X: torch.Tensor, method: str | None = None, leaf_inverse: str = "lu") -> torch.Tensor:

@@ -72,7 +72,7 @@ def test_closer_to_fp64_than_the_lu_solve_at_width_256():
     assert (block.mT @ block - Id).abs().max().item() < 2e-6
 
 
-PRODUCTS = ("mm", "bmm", "matmul")
+PRODUCTS = ("mm", "bmm", "matmul", "baddbmm", "baddbmm_")
 """The products whose fp32 precision the map guards."""
 
 
@@ -147,3 +147,30 @@ def test_leaf_inverse_option_reaches_every_map_and_is_checked():
         EncoderConfig.preset("debug", cayley_leaf_inverse="cholesky")
     with pytest.raises(ValueError, match="up to 128 x 128"):
         gauss_jordan_inverse(torch.eye(200))
+
+
+def test_block_inverse_and_backward_make_no_extra_passes():
+    """The block inverse writes each block of its result in place: no concatenation of the
+    blocks, no subtraction or negation of a product as a pass of its own (the products' alpha
+    and beta carry them); the map's backward forms no (Q + I) and scales by no separate pass.
+    Counted with the operators' log; the values are the inverse's (fp64)."""
+    n, base = 300, orthogonal_module.BLOCK_INVERSE_BASE  # 300 = 150 + 150, then 75s: two levels
+    M = torch.eye(n, dtype=torch.float64) - skew(2, n) / 2
+    with OpLog() as log:
+        inv = block_inverse(M, base=base)
+    torch.testing.assert_close(inv, torch.linalg.inv(M), rtol=1e-10, atol=1e-12)
+    names = log.counts()
+    assert not {"cat", "sub", "neg", "rsub", "mul", "add"} & set(names), names
+    X = torch.randn(2, n, n, dtype=torch.float64, requires_grad=True)
+    Q = cayley(X)
+    grad = torch.randn_like(Q)
+    with OpLog() as log:
+        Q.backward(grad)
+    full = [
+        op.name
+        for op in log.ops
+        if not op.is_view and op.name != "detach" and max(op.output_numels, default=0) >= n * n
+    ]
+    # the two products, then what autograd does for A = tril(X) - tril(X)^T (the negation, the
+    # sum, the tril) and nothing else of the matrices' size
+    assert sorted(full) == sorted(["baddbmm", "baddbmm", "neg", "add", "tril"]), full
