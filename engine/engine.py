@@ -163,11 +163,12 @@ class EngineConfig:
     activations. Works with shared layers and ZeRO-3."""
     compile: bool | Literal["auto"] = False
     """``torch.compile`` the model's encoder (``model.encoder``; the model itself when it has
-    none) in place, before training, and the pretraining objective's loss terms beside it
-    (``pretrain.objective.objective_terms``, ``Engine.compile_beside``: fused, they read the
-    bf16 MLM logits a few times where the eager terms upcast them and pass over them in fp32
-    operator by operator: 1.18 instead of 7.10 GB at ALBERT-base's 64 x 77 slots x 30000
-    tokens, 3.97x faster on the CPU); the heads stay eager and state-dict keys do not change.
+    none) in place, before training, and in pretraining the objective's loss terms beside it
+    (``pretrain.objective.objective_terms``, through ``Engine.compile_beside``: fused, they
+    read the bf16 MLM logits a few times where the eager terms upcast them and pass over them
+    in fp32 operator by operator: 1.18 instead of 7.10 GB at ALBERT-base's 64 x 77 slots x
+    30000 tokens, 3.97x faster on the CPU); the heads stay eager and state-dict keys do not
+    change.
     Every attention family compiles without graph breaks, with activation checkpointing too.
     Shapes: batches padded to a fixed length (the pretraining loader's ``static_shapes``, on
     with ``data.masking.static_masked_positions``) compile once; batches padded to their longest

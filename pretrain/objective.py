@@ -88,7 +88,7 @@ def objective_terms(
     logits: Tensor, labels: Tensor, all_labels: Tensor, sop_logits: Tensor, sop_labels: Tensor
 ) -> dict[str, Tensor]:
     """The objective's tensor work, a function of tensors only, so that the engine can compile
-    it with the encoder (``Engine.compile_function``; the trainer does so whenever the encoder
+    it with the encoder (``Engine.compile_beside``; the trainer does so whenever the encoder
     is compiled): the MLM and SOP cross-entropies and the counts for the accuracies.
 
     ``logits`` (R, V) are the decoded rows (the head's B x K slots, or the M masked positions),
@@ -131,7 +131,7 @@ def pretraining_loss(output, batch: dict[str, Tensor], terms=objective_terms) ->
     same K slots per row, recomputed here exactly as ``model_inputs`` did, or the batch's
     ``masked_labels``), or (M, V) when the caller decoded a boolean mask (the labels are then
     the masked ones in row-major order; dynamic shapes). ``terms``: :func:`objective_terms`,
-    or the engine's compiled version of it (``Engine.compile_function``)."""
+    or the engine's compiled version of it (``Engine.compile_beside``)."""
     all_labels = batch["mlm_labels"]
     logits = output.logits
     if logits.dim() == 3:

@@ -930,7 +930,7 @@ def test_bf16x3_product_calls_on_cuda_are_well_formed():
             )
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.integration)])
 def test_eigen_products_option_trains_like_fp32(compiled):
     """A TransJect pretraining step with `transject.eigen_products=bf16x3` against the fp32
     default: the eigenvalues, the losses and every parameter's gradient within 1e-4 relative
