@@ -29,8 +29,8 @@ calls = {"n": 0}
 original_loss = train_module.pretraining_loss
 
 
-def poisoned_loss(output, batch):
-    loss = original_loss(output, batch)
+def poisoned_loss(output, batch, *terms):
+    loss = original_loss(output, batch, *terms)
     calls["n"] += 1  # one micro-batch per step: call n is step n
     step, rank = calls["n"], torch.distributed.get_rank()
     if (step in (3, 4) and rank == 1) or step >= 7:
