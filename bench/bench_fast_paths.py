@@ -1255,16 +1255,9 @@ def bench_eigen_products(args) -> dict:
         x = x0.to(dtype).clone().requires_grad_()
         u = basis.to(dtype).clone().requires_grad_()
         xm = x * mask.unsqueeze(-1).to(dtype)
-        if products == "bf16x1":  # one bf16 product each, fp32 accumulation (scale only)
-            xu = one_product(xm.reshape(b * n, -1), u).view(b, n, -1)
-            lam_raw = (xu * xu).sum(-2)
-            g = one_product(xm, xm.mT) if n < cfg.hidden_size else one_product(xm.mT, xm)
-            energy = (g * g).sum((-2, -1))
-        elif dtype == torch.float64:
-            lam_raw, energy = tj._basis_diagonal(xm, u), tj._gram_energy(xm)
-        else:
-            lam_raw = tj._basis_diagonal(xm, u, products)
-            energy = tj._gram_energy(xm, products)
+        # bf16x1: one bf16 product each, fp32 accumulation (for scale only)
+        product = one_product if products == "bf16x1" else tj.EIGEN_PRODUCTS[products]
+        lam_raw, energy = tj._basis_diagonal(xm, u, product), tj._gram_energy(xm, product)
         lam, recon = tj._lambda_and_reconstruction(lam_raw, energy, "scale_free")
         error = tj._eigenbasis_error(lam_raw, energy)
         loss = recon.sum() + (lam * weights.to(lam)).sum()

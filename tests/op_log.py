@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-MATMULS = ("mm", "bmm", "matmul", "addmm", "baddbmm")
-"""The matrix products."""
+MATMULS = ("mm", "bmm", "matmul", "addmm", "baddbmm", "baddbmm_")
+"""The matrix products (in place too)."""
 
 COPIES = ("clone", "copy_", "_to_copy", "contiguous")
 """The operators that copy a tensor (a cast included)."""

@@ -72,10 +72,6 @@ def test_closer_to_fp64_than_the_lu_solve_at_width_256():
     assert (block.mT @ block - Id).abs().max().item() < 2e-6
 
 
-PRODUCTS = ("mm", "bmm", "matmul", "baddbmm", "baddbmm_")
-"""The products whose fp32 precision the map guards."""
-
-
 def test_full_fp32_whatever_the_matmul_precision():
     """After `torch.set_float32_matmul_precision("high")` (TF32 on CUDA) or `"medium"` (bf16 on
     a CPU that has it) every product of the map, forward and backward, runs at "highest", and
@@ -94,10 +90,10 @@ def test_full_fp32_whatever_the_matmul_precision():
         finally:
             torch.set_float32_matmul_precision(previous)
         # 256 = 128 + 128: one split, six products; the backward's two
-        seen = [op.matmul_precision for op in recorder.named(PRODUCTS)]
+        seen = [op.matmul_precision for op in recorder.matmuls()]
         assert seen == ["highest"] * 8, seen
         # what the guard is there for
-        assert {op.matmul_precision for op in unguarded.named(PRODUCTS)} == {setting}
+        assert {op.matmul_precision for op in unguarded.matmuls()} == {setting}
 
 
 def test_no_factorisation_of_a_full_size_matrix(monkeypatch):

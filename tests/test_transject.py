@@ -913,14 +913,14 @@ def test_bf16x3_product_calls_on_cuda_are_well_formed():
     are a GPU's: `bench/bench_fast_paths.py eigen-products --device cuda`."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from model.attention.transject import _bf16x3
+    from model.attention.transject import _bf16_halves, _bf16x3
 
     with FakeTensorMode():
         x = torch.empty(2 * 7, 5, device="cuda")
         u = torch.empty(5, 5, device="cuda")
         xs = torch.empty(2, 7, 5, device="cuda")
         for a, b in ((x, u), (x.mT, x), (xs, xs.mT), (xs.mT, xs)):
-            out = _bf16x3(a, b)
+            out = _bf16x3(_bf16_halves(a), _bf16_halves(b))
             assert out.is_cuda and out.dtype == torch.float32
             assert (
                 out.shape
@@ -942,10 +942,9 @@ def test_eigen_products_option_trains_like_fp32(compiled):
     for products in ("fp32", "bf16x3"):
         torch.manual_seed(0)
         model = EncoderForPretraining(debug_cfg(transject={"eigen_products": products}))
-        step = lambda m=model: pretraining_loss(m, ids, mask)  # noqa: E731
         if compiled and products == "bf16x3":
             model.encoder.compile(backend="aot_eager", fullgraph=True)
-        loss = step()
+        loss = pretraining_loss(model, ids, mask)
         loss.backward()
         runs[products] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
     assert model.encoder.family_state.products == "bf16x3"

@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -223,12 +224,16 @@ def _bf16_product(a: Tensor, b: Tensor) -> Tensor:
     return a.float() @ b.float()
 
 
-def _bf16x3(a: Tensor, b: Tensor) -> Tensor:
-    """fp32 a @ b (2-D, or 3-D batched alike) from three bf16 products with fp32 accumulation:
-    hi_a hi_b + (hi_a lo_b + lo_a hi_b); lo_a lo_b, about 2^-16 of the rest, is left out."""
-    a_hi, a_lo = _bf16_halves(a)
-    b_hi, b_lo = _bf16_halves(b)
+def _bf16x3(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> Tensor:
+    """fp32 a @ b (2-D, or 3-D batched alike) from the bf16 halves of a and b (`_bf16_halves`)
+    by three bf16 products with fp32 accumulation: hi_a hi_b + (hi_a lo_b + lo_a hi_b);
+    lo_a lo_b, about 2^-16 of the rest, is left out."""
+    (a_hi, a_lo), (b_hi, b_lo) = a, b
     return _bf16_product(a_hi, b_hi) + (_bf16_product(a_hi, b_lo) + _bf16_product(a_lo, b_hi))
+
+
+def _transposed(halves: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    return halves[0].mT, halves[1].mT
 
 
 class Bf16x3Product(torch.autograd.Function):
@@ -238,7 +243,7 @@ class Bf16x3Product(torch.autograd.Function):
 
     @staticmethod
     def forward(a: Tensor, b: Tensor) -> Tensor:
-        return _bf16x3(a, b)
+        return _bf16x3(_bf16_halves(a), _bf16_halves(b))
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
@@ -247,33 +252,31 @@ class Bf16x3Product(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
         a, b = ctx.saved_tensors
-        grad_a = _bf16x3(grad, b.mT) if ctx.needs_input_grad[0] else None
-        grad_b = _bf16x3(a.mT, grad) if ctx.needs_input_grad[1] else None
+        g = _bf16_halves(grad)  # once for both gradients
+        grad_a = _bf16x3(g, _transposed(_bf16_halves(b))) if ctx.needs_input_grad[0] else None
+        grad_b = _bf16x3(_transposed(_bf16_halves(a)), g) if ctx.needs_input_grad[1] else None
         return grad_a, grad_b
 
 
-def _eigen_product(a: Tensor, b: Tensor, products: str) -> Tensor:
-    """a @ b in fp32 (`products="fp32"`) or by three bf16 products (`"bf16x3"`: `Bf16x3Product`)."""
-    if products == "bf16x3":
-        return Bf16x3Product.apply(a, b)
-    return a @ b
+EIGEN_PRODUCTS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "fp32": torch.matmul,
+    "bf16x3": Bf16x3Product.apply,
+}
+"""The eigen-state's matrix product per `TransJectConfig.eigen_products`."""
 
 
-def _gram_energy(x_BND: Tensor, products: str = "fp32") -> Tensor:
+def _gram_energy(x_BND: Tensor, product: Callable = torch.matmul) -> Tensor:
     """(B,) ||M||_F^2 for M = X^T X, through whichever Gram matrix is smaller: X^T X (d x d)
-    or X X^T (N x N), whose Frobenius norms are equal."""
+    or X X^T (N x N), whose Frobenius norms are equal. `product`: `EIGEN_PRODUCTS`'."""
     tokens, width = x_BND.shape[-2:]
-    if tokens < width:
-        G = _eigen_product(x_BND, x_BND.mT, products)
-    else:
-        G = _eigen_product(x_BND.mT, x_BND, products)
+    G = product(x_BND, x_BND.mT) if tokens < width else product(x_BND.mT, x_BND)
     return (G * G).sum(dim=(-2, -1))
 
 
-def _basis_diagonal(x_BND: Tensor, U: Tensor, products: str = "fp32") -> Tensor:
+def _basis_diagonal(x_BND: Tensor, U: Tensor, product: Callable = torch.matmul) -> Tensor:
     """(B, d) diag(U^T M U)_k = u_k^T X^T X u_k = sum_n (x_n . u_k)^2: one product X U, not M."""
     B, N, d = x_BND.shape
-    xu_BND = _eigen_product(x_BND.reshape(B * N, d), U, products).view(B, N, -1)
+    xu_BND = product(x_BND.reshape(B * N, d), U).view(B, N, -1)
     return (xu_BND * xu_BND).sum(dim=-2)
 
 
@@ -284,10 +287,10 @@ def _eigen_terms(
     tokens, fp32 with autocast off (its two products in fp32 or by `Bf16x3Product`:
     `TransJectConfig.eigen_products`); everything the eigen-state needs
     (`approximate_eigenvalues`)."""
+    product = EIGEN_PRODUCTS[products]
     with torch.autocast(device_type=x0_BND.device.type, enabled=False):
         x_BND = _real_tokens(x0_BND, mask_BN)
-        lam_raw_Bd = _basis_diagonal(x_BND, U_dd.float(), products)
-        return lam_raw_Bd, _gram_energy(x_BND, products)
+        return _basis_diagonal(x_BND, U_dd.float(), product), _gram_energy(x_BND, product)
 
 
 def _lambda_and_reconstruction(
