@@ -20,6 +20,7 @@ untimed ones (CUDA: synchronised). Ratios compare two paths in the same process.
     python bench/bench_fast_paths.py tisa-bias-grad --heads 12 --seq 512 1024  # the bias's gradient
     python bench/bench_fast_paths.py objective --batch 16 --vocab 30000   # the loss terms compiled
     python bench/bench_fast_paths.py eigen-products --hidden 768 --heads 12 --batch 4 --seq 512
+    python bench/bench_fast_paths.py norm-output --families softmax --seq 128 --compiled  # LN's dtype
 
 `gpu-verify` checks on CUDA (and fails loudly otherwise): TISA flex == SDPA bias in forward and
 in every gradient (fp32 and bf16 autocast) and that training steps do not recompile; the
@@ -428,7 +429,7 @@ def gpu_verify(args) -> dict:
     # 4. apex LayerNorm == torch's (if NVIDIA apex is importable), and timings.
     if apex_layer_norm_fn() is not None:
         assert layer_norm_backend("cuda", False) == "apex"
-        ln = LayerNorm(768, eps=1e-12).to(dev)
+        ln = LayerNorm(768, eps=1e-12, autocast_output="fp32").to(dev)  # as nn.LayerNorm
         torch.nn.init.normal_(ln.weight)
         torch.nn.init.normal_(ln.bias)
         x = torch.randn(32 * 512, 768, device=dev, requires_grad=True)
@@ -1214,6 +1215,67 @@ def bench_objective(args) -> dict:
     return {"rows": [row], "by_op": counted, "where": f"{args.device}, torch {torch.__version__}"}
 
 
+def bench_norm_output(args) -> dict:
+    """The LayerNorms' output under bf16 autocast (`model.norm_output`): `compute` (bf16, the
+    default) vs `fp32` (torch's CUDA autocast rule), a pretraining forward + backward of the
+    same weights per family, eager or compiled (`--compiled`, as the engine compiles the
+    encoder); the logits checked equal to bf16 rounding. On a GPU at the recipe's shape:
+    `--hidden 768 --heads 12 --layers 12 --batch 64 --seq 512 --vocab 30000 --compiled`."""
+    from engine.engine import compile_encoder
+
+    N = args.seq[0]
+    ids, mask = make_batch(args, N, args.device, padded=False)
+    rows = []
+    for family in args.families:
+        torch._dynamo.reset()
+        models = {}
+        for output in ("compute", "fp32"):
+            torch.manual_seed(0)
+            models[output] = EncoderForPretraining(
+                model_config(family, args, norm_output=output)
+            ).to(args.device)
+            if output != "compute":
+                models[output].load_state_dict(models["compute"].state_dict())
+            if args.compiled:
+                compile_encoder(models[output], args.compile_backend)
+        autocast = lambda: torch.autocast(args.device, dtype=torch.bfloat16)  # noqa: E731
+        with torch.no_grad(), autocast():
+            logits = {o: m(ids, mask).logits.float() for o, m in models.items()}
+        scale = logits["fp32"].abs().max().item()
+        error = (logits["compute"] - logits["fp32"]).abs().max().item() / scale
+        assert error < 0.05, (family, error)
+        times = time_steps(
+            {o: pretraining_step(m, ids, mask, autocast) for o, m in models.items()},
+            args.warmup,
+            args.repeats,
+            args.device,
+        )
+        row = {
+            "family": family,
+            "compiled": args.compiled,
+            "batch": args.batch,
+            "seq": N,
+            "compute_ms": times["compute"] * 1e3,
+            "fp32_ms": times["fp32"] * 1e3,
+            "speedup": times["fp32"] / times["compute"],
+            "logits_rel_diff": error,
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(
+        f"\nLayerNorm output under bf16 autocast, forward + backward, {args.device}, "
+        f"{'compiled' if args.compiled else 'eager'}, {args.batch} x {N}, d = {args.hidden}"
+    )
+    print("| family | fp32 ms | compute (bf16) ms | speed-up | logits, relative difference |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['family']} | {r['fp32_ms']:.1f} | {r['compute_ms']:.1f} | "
+            f"{r['speedup']:.3f}x | {r['logits_rel_diff']:.1e} |"
+        )
+    return {"rows": rows, "where": f"{args.device}, torch {torch.__version__}"}
+
+
 def bench_eigen_products(args) -> dict:
     """TransJect's eigen-state with its two products in fp32 vs by three bf16 products
     (`transject.eigen_products=bf16x3`), and one bf16 product for scale, each against the same
@@ -1667,7 +1729,7 @@ def main() -> None:
         choices=[
             "tisa", "compile", "grouping", "pretrain-padding", "orthogonal-cache", "gpu-verify",
             "tisa-backends", "attention-checks", "orthogonal-step", "orthogonal-shard", "cayley",
-            "transject-experts", "tisa-bias-grad", "objective", "eigen-products",
+            "transject-experts", "tisa-bias-grad", "objective", "eigen-products", "norm-output",
         ],
     )  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -1684,7 +1746,7 @@ def main() -> None:
         "--compiled",
         action="store_true",
         help="orthogonal-step / orthogonal-shard: both engines with engine.compile; "
-        "transject-experts: the encoder compiled as the engine does (its compiled variants)",
+        "transject-experts, norm-output: the encoder compiled as the engine does",
     )
     p.add_argument(
         "--slots", type=int, default=77, help="objective: the MLM head's slots per row (K)"
@@ -1760,6 +1822,7 @@ def main() -> None:
         "tisa-bias-grad": bench_tisa_bias_grad,
         "objective": bench_objective,
         "eigen-products": bench_eigen_products,
+        "norm-output": bench_norm_output,
     }[args.what]
     result = {"what": args.what, "args": {k: str(v) for k, v in vars(args).items()}}
     result.update(run(args))

@@ -23,6 +23,10 @@
 #    each (model.transject.eigen_products=bf16x3; its fp32 products took 7.6 ms), and the
 #    cayley and eigenproducts parts: the maps and the leaves alone, LU vs Gauss-Jordan, and the
 #    eigen-state alone, fp32 vs bf16x3 (with its errors against fp64);
+#  0c norm_output: softmax's albert-base forward + backward compiled, the LayerNorms returning
+#    bf16 (model.norm_output: compute, the default since the last GPU run) vs fp32 (what every
+#    GPU figure so far ran: torch's autocast rule; 11.9 GB more per step, counted on the CPU);
+#    tisa_split's softmax step against the last run's 54.6 ms has both this and the loss terms;
 #  1 tisa_flex_dense: softmax and the TISA step on FlexAttention reading the dense (H, N, N)
 #    bias (tisa.backend=flex, flex_bias=dense), compiled, unpadded: does it compile now that it
 #    asks for two pipeline stages, and does it meet the 1.2x target (SDPA with the bias: 1.40x)?
@@ -43,8 +47,8 @@
 #  8 large_transject_compiled: TransJect albert-large compiled, finite? its peak at batch 64;
 #  9 h100_suite: the eager pretraining table on an H100, every family, albert-base 128 / 512 and
 #    albert-large 512, and ZeRO-2.
-# A first call (BUDGET 540) runs tisa_split and transject_gj; a second one goes on
-# (ONLY="tisa_flex_dense transject_lamb tisa_backends ...").
+# A first call (BUDGET 540) runs tisa_split, transject_gj and, if time is left, norm_output; a
+# second one goes on (ONLY="norm_output tisa_flex_dense transject_lamb tisa_backends ...").
 # What the budget leaves out is named in pending.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -81,6 +85,7 @@ pass tisa_split 150 250 PARTS="pretrain tisasplit objective" COMPILE=recipe EXTR
 pass transject_gj 200 300 ENV_PART= PARTS="pretrain cayley eigenproducts" COMPILE=recipe \
   EXTRA="model.cayley_leaf_inverse=gauss_jordan model.transject.eigen_products=bf16x3" \
   "PRETRAIN=--configs albert-base-512 --families softmax transject --padding none --steps 6 --timeout 170"
+pass norm_output 120 160 ENV_PART= PARTS=normoutput
 pass tisa_flex_dense 150 250 ENV_PART= PARTS=pretrain COMPILE=recipe \
   EXTRA="model.tisa.backend=flex model.tisa.flex_bias=dense" \
   "PRETRAIN=--configs albert-base-512 --families softmax tisa --padding none --steps 6 --timeout 115"

@@ -74,6 +74,9 @@
 #   objective bench_fast_paths.py objective: the pretraining loss terms on the MLM logits of
 #             albert-base at seq 512 (64 x 77 slots x 30000), eager vs compiled as the trainer
 #             compiles them beside the encoder, and the bytes each moves -> objective_gpu.json
+#   normoutput  bench_fast_paths.py norm-output: softmax's albert-base forward + backward at the
+#             recipe's shape, compiled, the LayerNorms returning bf16 (model.norm_output: compute,
+#             the default) vs fp32 (torch's autocast rule)              -> norm_output_gpu.json
 #   eigenproducts  bench_fast_paths.py eigen-products: TransJect's eigen-state at the recipe's
 #             shape (64 x 512, d = 768), its products in fp32 vs three bf16 products each
 #             (transject.eigen_products), errors against fp64 and times -> eigen_products_gpu.json
@@ -94,7 +97,7 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 SMOKE=${SMOKE:-0}
-PARTS=${PARTS:-jit cayley tjexperts lamb model qkv scaling pretrain pretrain2 syncs depth loader tisa tisabackends tisasplit tisabiasgrad objective eigenproducts orthocache fastpaths}
+PARTS=${PARTS:-jit cayley tjexperts lamb model qkv scaling pretrain pretrain2 syncs depth loader tisa tisabackends tisasplit tisabiasgrad objective normoutput eigenproducts orthocache fastpaths}
 # LAMB=auto: what a recipe picks by itself, the foreach LAMB (engine/lamb.py: per tensor on every
 # ZeRO stage 0-2, no host synchronisation, nothing to build). LAMB=torch: pytorch_optimizer.Lamb.
 # LAMB=deepspeed: DeepSpeed's FusedLamb, JIT-built by the `jit` part first (ZeRO-0 only: the
@@ -250,6 +253,10 @@ else
   # The pretraining loss terms, eager vs compiled (what engine.compile adds beside the encoder).
   part objective 60 python3 bench/bench_fast_paths.py objective --device cuda --batch 64 \
     --vocab 30000 --warmup 3 --repeats 10 --out "$OUT/objective_gpu.json"
+  # The LayerNorms' output under autocast: bf16 (the default) vs fp32, softmax compiled.
+  part normoutput 150 python3 bench/bench_fast_paths.py norm-output --device cuda --families softmax \
+    --hidden 768 --heads 12 --layers 12 --batch 64 --seq 512 --vocab 30000 --compiled \
+    --warmup 3 --repeats 10 --out "$OUT/norm_output_gpu.json"
   # TransJect's eigen-state: fp32 products vs three bf16 products each (tensor cores), errors too.
   part eigenproducts 60 python3 bench/bench_fast_paths.py eigen-products --device cuda --hidden 768 \
     --heads 12 --batch 64 --seq 512 --warmup 3 --repeats 10 --out "$OUT/eigen_products_gpu.json"

@@ -60,7 +60,9 @@ class MLMHead(nn.Module):
         super().__init__()
         self.dense = Linear(cfg.hidden_size, embedding_width)
         self.act = ACTIVATIONS[cfg.hidden_act]
-        self.norm = LayerNorm(embedding_width, eps=cfg.layer_norm_eps)
+        self.norm = LayerNorm(
+            embedding_width, eps=cfg.layer_norm_eps, autocast_output=cfg.norm_output
+        )
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
 
     def forward(self, hidden_BND: Tensor, token_embedding_VE: Tensor) -> Tensor:

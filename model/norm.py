@@ -12,8 +12,15 @@ is built (models are built on CPU and moved to the GPU by the engine):
 * `torch.nn.functional.layer_norm` otherwise (CPU, no apex, compiled).
 
 The PyPI package called `apex` is an unrelated web toolkit: it has no `apex.normalization`, so it
-is never mistaken for NVIDIA apex. Under autocast the apex path keeps torch's autocast semantics
-for layer_norm (computed and returned in fp32), so switching kernels changes no dtype downstream.
+is never mistaken for NVIDIA apex.
+
+Under autocast (`engine.precision: bf16-mixed`) a LayerNorm computes in fp32 on every device and
+kernel, and returns what `EncoderConfig.norm_output` says: `compute` (the default) rounds its
+result to the autocast dtype, so the post-LN residual stream between layers, and the gradient
+flowing back along it, are bf16 (Megatron-LM's default, `fp32_residual_connection: false`);
+`fp32` returns fp32, torch's autocast rule for layer_norm on CUDA (on the CPU torch's autocast
+leaves layer_norm in its input's dtype; both options apply their rule there too, so a CPU run
+counts and computes what a GPU run does). Outside autocast it runs in its input's dtype.
 """
 
 from __future__ import annotations
@@ -21,10 +28,16 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from model.config import NormOutput
+
+AUTOCAST_OUTPUTS = get_args(NormOutput)
+"""What a LayerNorm may return under autocast: the autocast dtype, or fp32."""
 
 
 @functools.cache
@@ -49,26 +62,44 @@ def layer_norm_backend(device_type: str, compiling: bool) -> str:
 
 
 class LayerNorm(nn.LayerNorm):
-    """`nn.LayerNorm` that runs NVIDIA apex's fused kernel on CUDA when apex is importable."""
+    """`nn.LayerNorm` that runs NVIDIA apex's fused kernel on CUDA when apex is importable, and
+    under autocast returns fp32 or the autocast dtype (`autocast_output`, from
+    `EncoderConfig.norm_output`; module docstring)."""
+
+    def __init__(self, *args, autocast_output: str = "compute", **kwargs):
+        super().__init__(*args, **kwargs)
+        if autocast_output not in AUTOCAST_OUTPUTS:
+            raise ValueError(
+                f"autocast_output={autocast_output!r}: expected one of {AUTOCAST_OUTPUTS}"
+            )
+        self.autocast_output = autocast_output
 
     def forward(self, x: Tensor) -> Tensor:
+        device_type = x.device.type
+        if not torch.is_autocast_enabled(device_type):
+            return self._layer_norm(x, self.weight, self.bias)
+        # fp32 in (the upcast fuses into the kernel when compiled), fp32 statistics and affine
+        with torch.autocast(device_type, enabled=False):
+            y = self._layer_norm(
+                x.float(),
+                None if self.weight is None else self.weight.float(),
+                None if self.bias is None else self.bias.float(),
+            )
+        if self.autocast_output == "compute":
+            y = y.to(torch.get_autocast_dtype(device_type))
+        return y
+
+    def _layer_norm(self, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+        """apex's fused kernel when it applies (`layer_norm_backend`; affine, one dtype for
+        input and parameters, which apex wants), else torch's."""
         if (
-            self.weight is None
-            or self.bias is None
+            weight is None
+            or bias is None
+            or weight.dtype != x.dtype
             or layer_norm_backend(x.device.type, torch.compiler.is_compiling()) == "torch"
-            or (self.weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type))
-        ):  # (apex's kernel wants one dtype: mixed input/parameters go to torch's)
-            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
-        fused = apex_layer_norm_fn()
-        if torch.is_autocast_enabled(x.device.type):
-            # torch's autocast runs layer_norm in fp32 and returns fp32; apex would cast input
-            # and parameters to the autocast dtype instead. Keep torch's semantics.
-            with torch.autocast(x.device.type, enabled=False):
-                return fused(
-                    x.float(), self.weight.float(), self.bias.float(), self.normalized_shape,
-                    self.eps,
-                )  # fmt: skip
-        return fused(x, self.weight, self.bias, self.normalized_shape, self.eps)
+        ):
+            return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+        return apex_layer_norm_fn()(x, weight, bias, self.normalized_shape, self.eps)
 
 
-__all__ = ["LayerNorm", "apex_layer_norm_fn", "layer_norm_backend"]
+__all__ = ["AUTOCAST_OUTPUTS", "LayerNorm", "apex_layer_norm_fn", "layer_norm_backend"]

@@ -446,9 +446,10 @@ def test_layer_norm_backend_choice(monkeypatch, fresh_apex_lookup):
     assert layer_norm_backend("cuda", compiling=True) == "torch"
     assert layer_norm_backend("cpu", compiling=False) == "torch"
 
-    # The module's apex path (forced on CPU): same result; under autocast fp32 in and out,
-    # CUDA autocast's policy for layer_norm (apex only runs on CUDA).
-    ln = LayerNorm(8, eps=1e-5)
+    # The module's apex path (forced on CPU): same result; under autocast apex computes in
+    # fp32 (input and parameters upcast, autocast off), and the module returns what its
+    # autocast_output says (apex only runs on CUDA).
+    ln = LayerNorm(8, eps=1e-5, autocast_output="fp32")
     nn.init.normal_(ln.weight)
     nn.init.normal_(ln.bias)
     x = torch.randn(3, 8)
@@ -459,10 +460,92 @@ def test_layer_norm_backend_choice(monkeypatch, fresh_apex_lookup):
         got = ln(x.bfloat16())
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, F.layer_norm(x.bfloat16().float(), (8,), ln.weight, ln.bias))
-    assert calls == [(torch.float32,) * 3 + (False,)] * 2
+    ln.autocast_output = "compute"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ln(x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(
+        got, F.layer_norm(x.bfloat16().float(), (8,), ln.weight, ln.bias).bfloat16()
+    )
+    assert calls == [(torch.float32,) * 3 + (False,)] * 3
     # parameters of another dtype than the input (no autocast): torch's kernel, not apex's
     calls.clear()
     assert ln(x.bfloat16()).dtype == torch.bfloat16 and calls == []
+
+
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
+def test_layer_norm_autocast_output(input_dtype):
+    """Under autocast a LayerNorm computes in fp32 and returns the autocast dtype (`compute`)
+    or fp32 (`fp32`, CUDA autocast's rule, applied on the CPU too, where torch's autocast keeps
+    the input's dtype); its value and gradients are the fp32 layer norm's, the first rounded
+    once. Outside autocast: the input's dtype, whatever the option."""
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(4, 5, 16, generator=g) + 1).to(input_dtype)
+    dy = torch.randn(4, 5, 16, generator=g)
+    weight, bias = 1 + torch.randn(16, generator=g), torch.randn(16, generator=g)
+
+    def reference():  # fp32 layer norm of the same input, and its gradients
+        leaves = [x.float().clone(), weight.clone(), bias.clone()]
+        for leaf in leaves:
+            leaf.requires_grad_()
+        y = F.layer_norm(leaves[0], (16,), leaves[1], leaves[2], 1e-12)
+        y.backward(dy)
+        return y.detach(), [t.grad for t in leaves]
+
+    want, want_grads = reference()
+    for output, dtype in (("compute", torch.bfloat16), ("fp32", torch.float32)):
+        ln = LayerNorm(16, eps=1e-12, autocast_output=output)
+        with torch.no_grad():
+            ln.weight.copy_(weight)
+            ln.bias.copy_(bias)
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = ln(xi)
+        assert y.dtype == dtype, output
+        torch.testing.assert_close(y, want.to(dtype), rtol=0, atol=0)
+        y.backward(dy.to(dtype))
+        grads = [xi.grad, ln.weight.grad, ln.bias.grad]
+        assert grads[0].dtype == input_dtype
+        for got_grad, want_grad in zip(grads, want_grads, strict=True):
+            # bf16 rounding where dy arrives in bf16 (compute) or x's gradient is bf16
+            rounded = torch.bfloat16 in (dtype, got_grad.dtype)
+            tol = 2e-2 if rounded else 1e-5
+            torch.testing.assert_close(got_grad.float(), want_grad, rtol=tol, atol=tol)
+        assert ln(x).dtype == input_dtype  # no autocast: the input's dtype
+
+
+def test_norm_output_config_and_residual_stream_dtype():
+    """`model.norm_output` reaches every LayerNorm; under autocast the post-LN residual stream
+    between layers is bf16 with `compute`, fp32 with `fp32`; both give the same logits to
+    bf16 rounding; a typo is refused with the field's name."""
+    with pytest.raises(ValueError, match="norm_output"):
+        tiny("softmax", norm_output="bf16")
+    torch.manual_seed(0)
+    model = EncoderForPretraining(tiny("softmax", norm_output="fp32"))
+    ids, mask = batch()
+    logits, stream = {}, {}
+    for output in ("fp32", "compute"):
+        norms = [m for m in model.modules() if isinstance(m, LayerNorm)]
+        assert len(norms) == 4  # embeddings, attention, feed-forward, MLM head
+        for m in norms:
+            m.autocast_output = output
+        seen = []
+        hooks = [
+            m.register_forward_hook(lambda mod, args, out, seen=seen: seen.append(out.dtype))
+            for m in (model.encoder.groups[0][0].attn_norm, model.encoder.groups[0][0].ffn_norm)
+        ]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits[output] = model(ids, mask).logits.float()
+        for hook in hooks:
+            hook.remove()
+        stream[output] = set(seen)
+    assert stream == {"fp32": {torch.float32}, "compute": {torch.bfloat16}}
+    torch.testing.assert_close(logits["compute"], logits["fp32"], rtol=0.05, atol=0.05)
+    assert not torch.equal(logits["compute"], logits["fp32"])  # the option took effect
+    compute_model = EncoderForPretraining(tiny("softmax", residual="pre_ln"))
+    assert {m.autocast_output for m in compute_model.modules() if isinstance(m, LayerNorm)} == {
+        "compute"
+    }
 
 
 def test_models_use_the_layer_norm_factory_with_unchanged_keys():
