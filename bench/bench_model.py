@@ -13,8 +13,11 @@ ours too, which the model must treat as padded: SDPA with a key-padding bias, no
 
 Precision (`--dtype`): `fp32`, or `bf16` = `torch.autocast(dtype=torch.bfloat16)` around forward
 and loss with fp32 weights and gradients on both sides (the engine's `bf16-mixed`), so both models
-do the same mixed-precision work. On CUDA each step is timed with CUDA events after `--warmup`
-untimed steps (median of `--repeats`), and the peak memory of one step is
+do the same mixed-precision work: our LayerNorms return fp32 under autocast here, as HF's do
+(`--norm-output fp32`, the default of this benchmark); `--norm-output compute` times ours as the
+recipes run it (`model.norm_output: compute`, LayerNorms returning bf16: less work than HF's).
+On CUDA each step is timed with CUDA events after `--warmup` untimed steps (median of
+`--repeats`), and the peak memory of one step is
 `torch.cuda.max_memory_allocated()` after a reset, minus what was allocated before the step.
 
     python bench/bench_model.py --seq 128 512 --batch 8 --layers 4 --repeats 5 --out bench/results/model_cpu.json
@@ -38,6 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.engine import batch_to_device
+from model.norm import LayerNorm
 
 
 def build_pair(layers: int, vocab: int, device: str):
@@ -112,12 +116,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument(
+        "--norm-output",
+        default="fp32",
+        choices=["fp32", "compute"],
+        help="our LayerNorms' output under bf16 autocast (model.norm_output): fp32 as HF's "
+        "(like for like, the default here) or compute (bf16, as the recipes run)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     warmup = args.warmup if args.warmup is not None else (1 if args.device == "cpu" else 3)
     ours, theirs = build_pair(args.layers, args.vocab, args.device)
+    for module in ours.modules():  # model.norm_output, set on the imported model's LayerNorms
+        if isinstance(module, LayerNorm):
+            module.autocast_output = args.norm_output
     autocast = (
         torch.autocast(device_type=args.device, dtype=torch.bfloat16)
         if args.dtype == "bf16"
@@ -174,7 +188,9 @@ def main() -> None:
     attn = getattr(theirs.config, "_attn_implementation", "?")
     print(
         f"\nALBERT-base width, {args.layers} layers, batch {args.batch}, {args.device} "
-        f"{args.dtype}{' autocast' if args.dtype == 'bf16' else ''}, {where}, HF attention "
+        f"{args.dtype}{' autocast' if args.dtype == 'bf16' else ''}"
+        f"{f' (our LayerNorms return {args.norm_output})' if args.dtype == 'bf16' else ''}, "
+        f"{where}, HF attention "
         f"{attn}, torch {torch.__version__}, transformers {transformers.__version__}\n"
     )
     mem = args.device == "cuda"

@@ -34,6 +34,8 @@
 #    0.7 ms the TransJect target (1.51x with the foreach LAMB) lacks (TransJect's process took
 #    91 s compiled with the foreach LAMB; compiling the LAMB for its 108 tensors adds about 30 s
 #    on the CPU);
+#  2b cudagraphs: softmax compiled with engine.compile_mode=reduce-overhead (CUDA graphs: does the
+#    engine run under them, and how much of the host gap, 3.3 ms of the 54.6 ms step, goes?);
 #  3 tisa_backends: TISA's mixing step, flex with f from its table or from the dense bias vs
 #    SDPA with the bias, 512 to 4096 tokens, gradients checked (tisa.flex_min_length); and the
 #    table's gradient by the indexing's scatter vs by diagonal sums (tisabiasgrad);
@@ -91,6 +93,8 @@ pass tisa_flex_dense 150 250 ENV_PART= PARTS=pretrain COMPILE=recipe \
   "PRETRAIN=--configs albert-base-512 --families softmax tisa --padding none --steps 6 --timeout 115"
 pass transject_lamb 200 300 ENV_PART= PARTS=pretrain COMPILE=recipe LAMB=compiled \
   "PRETRAIN=--configs albert-base-512 --families softmax transject --padding none --steps 6 --timeout 170"
+pass cudagraphs 120 170 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=engine.compile_mode=reduce-overhead \
+  "PRETRAIN=--configs albert-base-512 --families softmax --padding none --steps 6 --timeout 160"
 pass tisa_backends 100 200 ENV_PART= PARTS="tisabackends tisabiasgrad"
 pass lamb 100 160 ENV_PART= PARTS=lamb
 pass compile_check 150 360 ENV_PART= PARTS=compilecheck
