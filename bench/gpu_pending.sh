@@ -27,6 +27,10 @@
 #    bf16 (model.norm_output: compute, the default since the last GPU run) vs fp32 (what every
 #    GPU figure so far ran: torch's autocast rule; 11.9 GB more per step, counted on the CPU);
 #    tisa_split's softmax step against the last run's 54.6 ms has both this and the loss terms;
+#  0d transject_all: softmax and TransJect compiled with every TransJect option still untimed on a
+#    GPU at once: the Gauss-Jordan leaves, the bf16x3 eigen-products, the residual stream in bf16
+#    (model.transject.residual_stream=compute; 7.9 GB fewer per step, counted on the CPU) and
+#    the compiled LAMB (both families): does TransJect meet 1.5x against this softmax?
 #  1 tisa_flex_dense: softmax and the TISA step on FlexAttention reading the dense (H, N, N)
 #    bias (tisa.backend=flex, flex_bias=dense), compiled, unpadded: does it compile now that it
 #    asks for two pipeline stages, and does it meet the 1.2x target (SDPA with the bias: 1.40x)?
@@ -50,7 +54,7 @@
 #  9 h100_suite: the eager pretraining table on an H100, every family, albert-base 128 / 512 and
 #    albert-large 512, and ZeRO-2.
 # A first call (BUDGET 540) runs tisa_split, transject_gj and, if time is left, norm_output; a
-# second one goes on (ONLY="norm_output tisa_flex_dense transject_lamb tisa_backends ...").
+# second one goes on (ONLY="norm_output transject_all tisa_flex_dense transject_lamb ...").
 # What the budget leaves out is named in pending.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -88,6 +92,9 @@ pass transject_gj 200 300 ENV_PART= PARTS="pretrain cayley eigenproducts" COMPIL
   EXTRA="model.cayley_leaf_inverse=gauss_jordan model.transject.eigen_products=bf16x3" \
   "PRETRAIN=--configs albert-base-512 --families softmax transject --padding none --steps 6 --timeout 170"
 pass norm_output 120 160 ENV_PART= PARTS=normoutput
+pass transject_all 200 300 ENV_PART= PARTS=pretrain COMPILE=recipe LAMB=compiled \
+  EXTRA="model.cayley_leaf_inverse=gauss_jordan model.transject.eigen_products=bf16x3 model.transject.residual_stream=compute" \
+  "PRETRAIN=--configs albert-base-512 --families softmax transject --padding none --steps 6 --timeout 200"
 pass tisa_flex_dense 150 250 ENV_PART= PARTS=pretrain COMPILE=recipe \
   EXTRA="model.tisa.backend=flex model.tisa.flex_bias=dense" \
   "PRETRAIN=--configs albert-base-512 --families softmax tisa --padding none --steps 6 --timeout 115"

@@ -958,3 +958,37 @@ def test_eigen_products_option_trains_like_fp32(compiled):
     torch._dynamo.reset()
     with pytest.raises(ValueError, match=r"transject\.eigen_products"):
         debug_cfg(transject={"eigen_products": "tf32"})
+
+
+def test_residual_stream_option_sets_the_dtype_between_layers():
+    """`transject.residual_stream`: under autocast the stream between layers stays fp32 (`fp32`,
+    the default, as torch's autocast leaves it) or is rounded to bf16 after each layer
+    (`compute`); the outputs agree to bf16 rounding; no effect without autocast; a typo is
+    refused with the field's name."""
+    with pytest.raises(ValueError, match="residual_stream"):
+        debug_cfg(transject={"residual_stream": "bf16"})
+    torch.manual_seed(0)
+    ids, mask = random_batch(debug_cfg(), B=2, N=12, lengths=[12, 7])
+    models = {}
+    for stream in ("fp32", "compute"):
+        torch.manual_seed(0)
+        models[stream] = EncoderForPretraining(
+            debug_cfg(num_hidden_layers=3, transject={"residual_stream": stream})
+        )
+        set_gates(models[stream].encoder, [1.0, 1.0, 1.0])  # alpha != 0: the layers act
+    assert torch.equal(models["fp32"](ids, mask).logits, models["compute"](ids, mask).logits)
+    hidden, seen = {}, {}
+    for stream, model in models.items():
+        dtypes = []
+        hooks = [
+            layer.register_forward_hook(lambda m, a, out, d=dtypes: d.append(out[0].dtype))
+            for layer in model.encoder.groups[0]
+        ]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden[stream] = model.encoder(ids, mask).last_hidden_state.float()
+        for hook in hooks:
+            hook.remove()
+        seen[stream] = set(dtypes)
+    assert seen == {"fp32": {torch.float32}, "compute": {torch.bfloat16}}
+    torch.testing.assert_close(hidden["compute"], hidden["fp32"], rtol=2e-2, atol=2e-2)
+    assert not torch.equal(hidden["compute"], hidden["fp32"])  # the option took effect

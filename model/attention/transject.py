@@ -652,6 +652,7 @@ class TransJectLayer(nn.Module):
         super().__init__()
         d = cfg.hidden_size
         self.num_applications = cfg.num_layer_applications
+        self.residual_stream = cfg.transject.residual_stream
         self.attention = TransJectAttention(cfg)
         bias = cfg.transject.bias != "none"
         self.ffn_in = make_orthogonal(
@@ -684,6 +685,9 @@ class TransJectLayer(nn.Module):
         attn = self.attention(x_BND, ctx)
         x_BND = x_BND + alpha * attn.hidden_BND
         x_BND = x_BND + alpha * self.ffn(x_BND)
+        device_type = x_BND.device.type
+        if self.residual_stream == "compute" and torch.is_autocast_enabled(device_type):
+            x_BND = x_BND.to(torch.get_autocast_dtype(device_type))  # transject.residual_stream
         return x_BND, attn.aux_losses
 
 
