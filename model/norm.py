@@ -74,6 +74,9 @@ class LayerNorm(nn.LayerNorm):
             )
         self.autocast_output = autocast_output
 
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, autocast_output={self.autocast_output}"
+
     def forward(self, x: Tensor) -> Tensor:
         device_type = x.device.type
         if not torch.is_autocast_enabled(device_type):
