@@ -16,7 +16,12 @@ batch (``--target-batch`` x ``--seq``), with the time those bytes take at ``--ba
 The operator count is that of an eager step (one kernel launch each, roughly, on a GPU).
 Operators are the CPU's: where the CPU takes another path (SDPA's math kernel for an additive
 bias, dropout in three operators instead of one fused kernel), the count differs from the GPU's,
-so compare families and commits with it, not the GPU's absolute time.
+so compare families and commits with it, not the GPU's absolute time. Autocast differs too:
+torch's CPU and CUDA autocast put different operators in fp32. The model fixes the dtype of
+what matters most itself (the LayerNorms' output, `model.norm_output`, the same on both
+devices; `--override model.norm_output=fp32` counts what GPU runs before that option did,
+torch's CUDA rule); elsewhere a reduction CUDA's autocast runs in fp32 (``sum``, ``softmax``)
+may upcast its input on a GPU where the CPU does not, which compiled steps fuse away.
 
 ``--compiled`` counts the step as the recipes run it on a GPU, compiled by Inductor: the
 forward and loss compiled as one function, each kernel Inductor generates (forward and
