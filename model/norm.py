@@ -20,7 +20,9 @@ result to the autocast dtype, so the post-LN residual stream between layers, and
 flowing back along it, are bf16 (Megatron-LM's default, `fp32_residual_connection: false`);
 `fp32` returns fp32, torch's autocast rule for layer_norm on CUDA (on the CPU torch's autocast
 leaves layer_norm in its input's dtype; both options apply their rule there too, so a CPU run
-counts and computes what a GPU run does). Outside autocast it runs in its input's dtype.
+counts and computes what a GPU run does; with `compute` and a bf16 input the CPU runs torch's
+mixed-dtype kernel, fp32 inside, without fp32 copies). Outside autocast it runs in its input's
+dtype.
 """
 
 from __future__ import annotations
@@ -81,6 +83,18 @@ class LayerNorm(nn.LayerNorm):
         device_type = x.device.type
         if not torch.is_autocast_enabled(device_type):
             return self._layer_norm(x, self.weight, self.bias)
+        dtype = torch.get_autocast_dtype(device_type)
+        if (
+            self.autocast_output == "compute"
+            and x.dtype == dtype
+            and device_type == "cpu"
+            and layer_norm_backend(device_type, torch.compiler.is_compiling()) == "torch"
+        ):
+            # The CPU's kernel takes a bf16 input with fp32 parameters, computes in fp32 and
+            # returns bf16: the same values without an fp32 copy of x and of the result (what
+            # torch's CPU autocast runs for layer_norm).
+            with torch.autocast(device_type, enabled=False):
+                return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         # fp32 in (the upcast fuses into the kernel when compiled), fp32 statistics and affine
         with torch.autocast(device_type, enabled=False):
             y = self._layer_norm(
@@ -88,9 +102,7 @@ class LayerNorm(nn.LayerNorm):
                 None if self.weight is None else self.weight.float(),
                 None if self.bias is None else self.bias.float(),
             )
-        if self.autocast_output == "compute":
-            y = y.to(torch.get_autocast_dtype(device_type))
-        return y
+        return y.to(dtype) if self.autocast_output == "compute" else y
 
     def _layer_norm(self, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
         """apex's fused kernel when it applies (`layer_norm_backend`; affine, one dtype for
