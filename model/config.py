@@ -29,8 +29,8 @@ PositionEmbedding = Literal["absolute", "none"]
 OrthogonalMap = Literal["matrix_exp", "cayley", "householder"]
 CayleyLeafInverse = Literal["lu", "gauss_jordan"]
 EigenProducts = Literal["fp32", "bf16x3"]
-NormOutput = Literal["compute", "fp32"]
-ResidualStream = Literal["fp32", "compute"]
+AutocastOutput = Literal["compute", "fp32"]
+"""What an activation is kept in under autocast: the autocast dtype (bf16), or fp32."""
 
 _ACTIVATIONS = ("gelu_new", "gelu", "relu", "silu")
 
@@ -190,7 +190,7 @@ class TransJectConfig:
     eigenvalues and the reconstruction loss within about 1e-5 of fp32's (docs/methods.md).
     Off CUDA the three products run as fp32 products of the halves (the same values)."""
 
-    residual_stream: ResidualStream = "fp32"
+    residual_stream: AutocastOutput = "fp32"
     """The dtype of the residual stream between TransJect layers under autocast
     (`engine.precision: bf16-mixed`). `fp32` (default): as torch's autocast leaves it, and as the
     authors' code runs: the fp32 embeddings plus each layer's bf16 update stay fp32 (TransJect
@@ -210,7 +210,7 @@ class TransJectConfig:
         _check_choice("transject.gate_input", self.gate_input, ("sublayer", "attention"))
         _check_choice("transject.bias", self.bias, ("lipschitz", "authors", "none"))
         _check_choice("transject.eigen_products", self.eigen_products, get_args(EigenProducts))
-        _check_choice("transject.residual_stream", self.residual_stream, get_args(ResidualStream))
+        _check_choice("transject.residual_stream", self.residual_stream, get_args(AutocastOutput))
 
 
 SIZE_FIELDS = (
@@ -274,7 +274,7 @@ class EncoderConfig:
     layer_norm_eps: float = 1e-12
     """LayerNorm epsilon."""
 
-    norm_output: NormOutput = "compute"
+    norm_output: AutocastOutput = "compute"
     """What the LayerNorms return under autocast (`engine.precision: bf16-mixed`); they compute in
     fp32 either way. `compute`: their result rounded to the autocast dtype (bf16), so the post-LN
     residual stream between layers and its gradient are bf16, as in Megatron-LM's default; on a
@@ -365,7 +365,7 @@ class EncoderConfig:
             "orthogonal_map", self.orthogonal_map, ("matrix_exp", "cayley", "householder")
         )
         _check_choice("cayley_leaf_inverse", self.cayley_leaf_inverse, get_args(CayleyLeafInverse))
-        _check_choice("norm_output", self.norm_output, get_args(NormOutput))
+        _check_choice("norm_output", self.norm_output, get_args(AutocastOutput))
         # Imported lazily: the registry imports the families, which import this module.
         from model.attention import ATTENTION_REGISTRY
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from model.config import EncoderConfig
-from model.norm import LayerNorm
+from model.norm import layer_norm
 from model.orthogonal import Linear
 
 
@@ -26,7 +26,7 @@ class AlbertEmbeddings(nn.Module):
             else None
         )
         self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, e)
-        self.norm = LayerNorm(e, eps=cfg.layer_norm_eps, autocast_output=cfg.norm_output)
+        self.norm = layer_norm(cfg, e)
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
         self.projection = Linear(e, cfg.hidden_size)
         self.max_positions = cfg.max_position_embeddings

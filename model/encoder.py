@@ -35,7 +35,7 @@ from model.attention.base import (
 )
 from model.config import EncoderConfig
 from model.embeddings import AlbertEmbeddings
-from model.norm import LayerNorm
+from model.norm import layer_norm
 from model.orthogonal import (
     active_orthogonal_cache,
     evaluate_orthogonal_maps,
@@ -71,8 +71,8 @@ class EncoderLayer(nn.Module):
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
         if cfg.residual != "rezero":
-            self.attn_norm = LayerNorm(d, eps=cfg.layer_norm_eps, autocast_output=cfg.norm_output)
-            self.ffn_norm = LayerNorm(d, eps=cfg.layer_norm_eps, autocast_output=cfg.norm_output)
+            self.attn_norm = layer_norm(cfg, d)
+            self.ffn_norm = layer_norm(cfg, d)
 
     @staticmethod
     def residual_gate_init(cfg: EncoderConfig) -> float | None:
@@ -137,7 +137,7 @@ class Encoder(nn.Module):
             "padded" in inspect.signature(self.family_state.forward).parameters
         )
         self.final_norm = (
-            LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, autocast_output=cfg.norm_output)
+            layer_norm(cfg, cfg.hidden_size)
             if cfg.residual == "pre_ln" and family.layer is None
             else None
         )

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from model.attention.base import AuxLosses
 from model.config import EncoderConfig
 from model.encoder import ACTIVATIONS, Encoder, EncoderOutput, add_aux, init_weights, key_mask
-from model.norm import LayerNorm
+from model.norm import layer_norm
 from model.orthogonal import Linear, orthogonal_cache
 
 Pooling = Literal["cls", "mean", "max"]
@@ -60,9 +60,7 @@ class MLMHead(nn.Module):
         super().__init__()
         self.dense = Linear(cfg.hidden_size, embedding_width)
         self.act = ACTIVATIONS[cfg.hidden_act]
-        self.norm = LayerNorm(
-            embedding_width, eps=cfg.layer_norm_eps, autocast_output=cfg.norm_output
-        )
+        self.norm = layer_norm(cfg, embedding_width)
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
 
     def forward(self, hidden_BND: Tensor, token_embedding_VE: Tensor) -> Tensor:

@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.config import NormOutput
+from model.config import AutocastOutput, EncoderConfig
 
-AUTOCAST_OUTPUTS = get_args(NormOutput)
+AUTOCAST_OUTPUTS = get_args(AutocastOutput)
 """What a LayerNorm may return under autocast: the autocast dtype, or fp32."""
 
 
@@ -117,4 +117,15 @@ class LayerNorm(nn.LayerNorm):
         return apex_layer_norm_fn()(x, weight, bias, self.normalized_shape, self.eps)
 
 
-__all__ = ["AUTOCAST_OUTPUTS", "LayerNorm", "apex_layer_norm_fn", "layer_norm_backend"]
+def layer_norm(cfg: EncoderConfig, width: int) -> LayerNorm:
+    """The model's LayerNorm of `width` features: `cfg.layer_norm_eps`, `cfg.norm_output`."""
+    return LayerNorm(width, eps=cfg.layer_norm_eps, autocast_output=cfg.norm_output)
+
+
+__all__ = [
+    "AUTOCAST_OUTPUTS",
+    "LayerNorm",
+    "apex_layer_norm_fn",
+    "layer_norm",
+    "layer_norm_backend",
+]
