@@ -11,6 +11,15 @@
 # .whl/ made first here by bash bench/gpu_wheels.sh (a fresh checkout has none).
 # Passes, in this order (the targets of BENCHMARKS "Performance targets" each pass measures;
 # the passes of the previous list that ran are in BENCHMARKS, "GPU: the recipes compiled"):
+#  T targets: the three ratio targets and softmax's MFU in one pass, every pending option on at
+#    once: softmax, TISA on the split backend and TransJect with all four of its options
+#    (Gauss-Jordan leaves, bf16x3 eigen-products, the bf16 residual stream; the compiled LAMB
+#    for every family), albert-base seq 512 compiled, unpadded; the passes below then say which
+#    option gives what (each alone, and their parts timed alone);
+#  A autotune_gemm: softmax compiled with engine.compile_options.max_autotune_gemm=true (the
+#    products autotuned against Inductor's Triton templates with the bias and GELU fused into
+#    them; not the pointwise tuning that kept max-autotune-no-cudagraphs from compiling within
+#    230 s): the 45% MFU target's lever (GELU and its backward 5.0 ms, LayerNorms 4.9 ms);
 #  0 tisa_split: softmax and the TISA step on the split backend (SDPA with the bias detached, so
 #    cuDNN stays eligible; f's gradient by its own Triton kernels), compiled, unpadded: does it
 #    meet the 1.2x target? and tisasplit: its mixing step alone at the recipe's shape, with
@@ -27,10 +36,6 @@
 #    bf16 (model.norm_output: compute, the default since the last GPU run) vs fp32 (what every
 #    GPU figure so far ran: torch's autocast rule; 11.9 GB more per step, counted on the CPU);
 #    tisa_split's softmax step against the last run's 54.6 ms has both this and the loss terms;
-#  0d transject_all: softmax and TransJect compiled with every TransJect option still untimed on a
-#    GPU at once: the Gauss-Jordan leaves, the bf16x3 eigen-products, the residual stream in bf16
-#    (model.transject.residual_stream=compute; 7.9 GB fewer per step, counted on the CPU) and
-#    the compiled LAMB (both families): does TransJect meet 1.5x against this softmax?
 #  1 tisa_flex_dense: softmax and the TISA step on FlexAttention reading the dense (H, N, N)
 #    bias (tisa.backend=flex, flex_bias=dense), compiled, unpadded: does it compile now that it
 #    asks for two pipeline stages, and does it meet the 1.2x target (SDPA with the bias: 1.40x)?
@@ -53,8 +58,8 @@
 #  8 large_transject_compiled: TransJect albert-large compiled, finite? its peak at batch 64;
 #  9 h100_suite: the eager pretraining table on an H100, every family, albert-base 128 / 512 and
 #    albert-large 512, and ZeRO-2.
-# A first call (BUDGET 540) runs tisa_split, transject_gj and, if time is left, norm_output; a
-# second one goes on (ONLY="norm_output transject_all tisa_flex_dense transject_lamb ...").
+# A first call (BUDGET 540) runs targets, autotune_gemm and, if time is left, tisa_split; a
+# second one goes on (ONLY="tisa_split transject_gj norm_output tisa_flex_dense ...").
 # What the budget leaves out is named in pending.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -86,15 +91,17 @@ pass() { # pass NAME MIN_S LIMIT_S VAR=VALUE...: one run of the suite into $OUT/
 }
 
 # Only the first pass prints the environment (nvidia-smi, versions): ENV_PART= in the others.
-pass tisa_split 150 250 PARTS="pretrain tisasplit objective" COMPILE=recipe EXTRA="model.tisa.backend=split" \
+pass targets 240 380 PARTS=pretrain COMPILE=recipe LAMB=compiled \
+  EXTRA="model.tisa.backend=split model.cayley_leaf_inverse=gauss_jordan model.transject.eigen_products=bf16x3 model.transject.residual_stream=compute" \
+  "PRETRAIN=--configs albert-base-512 --families softmax tisa transject --padding none --steps 6 --timeout 200"
+pass autotune_gemm 150 260 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=engine.compile_options.max_autotune_gemm=true \
+  "PRETRAIN=--configs albert-base-512 --families softmax --padding none --steps 6 --timeout 250"
+pass tisa_split 150 250 ENV_PART= PARTS="pretrain tisasplit objective" COMPILE=recipe EXTRA="model.tisa.backend=split" \
   "PRETRAIN=--configs albert-base-512 --families softmax tisa --padding none --steps 6 --timeout 115"
 pass transject_gj 200 300 ENV_PART= PARTS="pretrain cayley eigenproducts" COMPILE=recipe \
   EXTRA="model.cayley_leaf_inverse=gauss_jordan model.transject.eigen_products=bf16x3" \
   "PRETRAIN=--configs albert-base-512 --families softmax transject --padding none --steps 6 --timeout 170"
 pass norm_output 120 160 ENV_PART= PARTS=normoutput
-pass transject_all 200 300 ENV_PART= PARTS=pretrain COMPILE=recipe LAMB=compiled \
-  EXTRA="model.cayley_leaf_inverse=gauss_jordan model.transject.eigen_products=bf16x3 model.transject.residual_stream=compute" \
-  "PRETRAIN=--configs albert-base-512 --families softmax transject --padding none --steps 6 --timeout 200"
 pass tisa_flex_dense 150 250 ENV_PART= PARTS=pretrain COMPILE=recipe \
   EXTRA="model.tisa.backend=flex model.tisa.flex_bias=dense" \
   "PRETRAIN=--configs albert-base-512 --families softmax tisa --padding none --steps 6 --timeout 115"

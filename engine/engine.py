@@ -96,6 +96,7 @@ import math
 import os
 import pickle
 import sys
+import typing
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -224,6 +225,17 @@ class EngineConfig:
     engine on a GPU; the CUDA-graph modes have not run with it (DeepSpeed's hooks and the
     orthogonal maps evaluated before the graph are untested under them). Any other value than
     ``default`` needs ``compile_backend: inductor``."""
+    compile_options: dict[str, Any] = field(default_factory=dict)
+    """Inductor options (keys of ``torch._inductor.config``, as ``torch.compile(options=...)``
+    takes them) applied over ``compile_mode``'s, for the encoder and the loss terms alike. A
+    dotted key may be written nested: ``{triton: {cudagraphs: true}}`` is
+    ``triton.cudagraphs``. For instance ``{max_autotune_gemm: true}`` autotunes the matrix
+    products only (cuBLAS against Inductor's Triton templates, each timed with the element-wise
+    work after it fused into the template, such as a bias and GELU), without the tuning of
+    every other kernel (pointwise configurations, coordinate descent) that
+    ``max-autotune-no-cudagraphs`` adds: that mode did not finish compiling ALBERT-base within
+    230 s on an H100. An unknown key or a value of the wrong type is refused at start-up,
+    naming the key. Needs ``compile_backend: inductor``. A resumed run may change it."""
     device: str = "auto"
     """``"auto"`` (CUDA when available, else CPU), ``"cpu"`` or ``"cuda"``."""
     fp16_initial_scale_power: int = 16
@@ -303,6 +315,7 @@ class EngineConfig:
                 f"engine.compile_mode={self.compile_mode!r} needs engine.compile_backend="
                 f"inductor (got {self.compile_backend!r}): the modes are Inductor's"
             )
+        inductor_options(self)  # checks engine.compile_options now: a typo fails at start-up
         if self.compile is True and self.zero3:
             raise ValueError(
                 "engine.compile=true with engine.zero_stage=3 is not supported: ZeRO-3 "
@@ -547,30 +560,98 @@ def compile_wanted(cfg: EngineConfig, model: nn.Module, device_type: str) -> boo
 
 
 def compile_encoder(
-    model: nn.Module, backend: str = "inductor", mode: str = "default"
+    model: nn.Module,
+    backend: str = "inductor",
+    mode: str = "default",
+    options: dict[str, Any] | None = None,
 ) -> nn.Module:
     """Compiles ``model.encoder`` (or ``model`` when it has no encoder) in place with
     ``nn.Module.compile``: parameters and state-dict keys stay as they are (no ``_orig_mod.``
     prefix), so optimizers, DeepSpeed, checkpoints and releases see the same module. ``mode``:
     one of `COMPILE_MODES` (``EngineConfig.compile_mode``, which checks it; torch itself names
-    the valid modes for a direct caller). Returns the compiled module. With `compile_function`,
-    the one place the project applies ``torch.compile``."""
+    the valid modes for a direct caller); ``options``: Inductor options over the mode's
+    (`inductor_options`). Returns the compiled module. With `compile_function`, the one place
+    the project applies ``torch.compile``."""
     target = getattr(model, "encoder", model)
     with _named_backend(backend):
-        target.compile(backend=backend, mode=_torch_mode(mode))
+        target.compile(backend=backend, **_compile_kwargs(mode, options))
     return target
 
 
-def compile_function(fn: Callable, backend: str = "inductor", mode: str = "default") -> Callable:
-    """``fn`` compiled (``torch.compile``) with the encoder's backend and mode: for a function
-    of tensors that runs beside the model, such as the pretraining objective's loss terms
-    (``pretrain.objective.objective_terms``). Compiled lazily, at its first call."""
+def compile_function(
+    fn: Callable,
+    backend: str = "inductor",
+    mode: str = "default",
+    options: dict[str, Any] | None = None,
+) -> Callable:
+    """``fn`` compiled (``torch.compile``) with the encoder's backend, mode and options: for a
+    function of tensors that runs beside the model, such as the pretraining objective's loss
+    terms (``pretrain.objective.objective_terms``). Compiled lazily, at its first call."""
     with _named_backend(backend):
-        return torch.compile(fn, backend=backend, mode=_torch_mode(mode))
+        return torch.compile(fn, backend=backend, **_compile_kwargs(mode, options))
 
 
-def _torch_mode(mode: str) -> str | None:
-    return None if mode == "default" else mode
+def _compile_kwargs(mode: str, options: dict[str, Any] | None) -> dict[str, Any]:
+    """``torch.compile``'s ``mode`` alone, or, with options, the mode's Inductor options with
+    ``options`` over them (torch refuses a mode and options together; it merges them the same
+    way itself)."""
+    if not options:
+        return {"mode": None if mode == "default" else mode}
+    from torch._inductor import list_mode_options
+
+    base = {} if mode == "default" else list_mode_options(mode)
+    return {"options": {**base, **options}}
+
+
+def inductor_options(cfg: EngineConfig) -> dict[str, Any]:
+    """``engine.compile_options`` as flat Inductor option names (nested mappings joined with
+    dots, as OmegaConf's dotted overrides nest them), each checked against
+    ``torch._inductor.config``: an unknown key (with the nearest known ones) or a value of the
+    wrong type is a ValueError naming ``engine.compile_options``."""
+    options = cfg.compile_options
+    if not isinstance(options, dict):
+        raise ValueError(
+            f"engine.compile_options={options!r} is invalid; valid: a mapping of Inductor "
+            "options (torch._inductor.config keys), e.g. {max_autotune_gemm: true}"
+        )
+    if not options:
+        return {}
+    if cfg.compile_backend != "inductor":
+        raise ValueError(
+            f"engine.compile_options needs engine.compile_backend=inductor (got "
+            f"{cfg.compile_backend!r}): the options are Inductor's"
+        )
+    import difflib
+
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict) and prefix not in known:
+            for key, sub in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), sub)
+            return
+        name = prefix.replace("-", "_")
+        if name not in known:
+            near = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(near)}?" if near else ""
+            raise ValueError(
+                f"engine.compile_options: {prefix!r} is not an Inductor option "
+                f"(torch._inductor.config){hint}"
+            )
+        expected = inductor_config.get_type(name)  # type: ignore[attr-defined]
+        plain = isinstance(expected, type) and typing.get_origin(expected) is None
+        if plain and not isinstance(value, expected):
+            raise ValueError(
+                f"engine.compile_options: {prefix}={value!r} is a {type(value).__name__}; "
+                f"Inductor wants a {expected.__name__}"
+            )
+        flat[name] = value
+
+    walk("", options)
+    return flat
 
 
 @contextlib.contextmanager
@@ -653,7 +734,7 @@ class Engine:
         self.compiled = compile_wanted(cfg, model, self.device.type)
         """Whether the encoder is compiled (``engine.compile``, ``auto`` resolved)."""
         if self.compiled:
-            compile_encoder(model, cfg.compile_backend, cfg.compile_mode)
+            compile_encoder(model, cfg.compile_backend, cfg.compile_mode, inductor_options(cfg))
         model.to(self.device)
         self.optimizer = build_optimizer(model, optimizer, device_type=self.device.type)
         self.scheduler = build_scheduler(self.optimizer, schedule)  # wraps optimizer.step too
@@ -907,11 +988,12 @@ class Engine:
 
     def compile_beside(self, fn: Callable) -> Callable:
         """``fn`` compiled like the encoder when the engine compiles it (`compile_function`,
-        ``engine.compile_backend`` and ``compile_mode``), else ``fn`` itself: for the tensor
+        ``engine.compile_backend``, ``compile_mode`` and ``compile_options``), else ``fn`` itself: for the tensor
         work each step runs beside the model, such as the objective's loss terms."""
         if not self.compiled:
             return fn
-        return compile_function(fn, self.cfg.compile_backend, self.cfg.compile_mode)
+        cfg = self.cfg
+        return compile_function(fn, cfg.compile_backend, cfg.compile_mode, inductor_options(cfg))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward on this rank's micro-batch (tensors must be on ``self.device``)."""

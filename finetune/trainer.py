@@ -189,6 +189,8 @@ def run_identity(config: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
         file = Path(str(engine["deepspeed_config"]))
         if file.is_file():  # its content: a file edited between two attempts is another run
             engine[DS_CONFIG_DIGEST] = sha256_file(file)
+    if isinstance(engine, dict) and engine.get("compile_options", 0) == {}:
+        del engine["compile_options"]  # unset: the identity of runs from before the key existed
     for key in RESUMABLE_KEYS:
         *parents, last = key.split(".")
         node = out

@@ -116,6 +116,7 @@ RESUMABLE_CHANGES = (
     "engine.compile",
     "engine.compile_backend",
     "engine.compile_mode",
+    "engine.compile_options",
     *TRACKER_KEYS,
     # These do change the order of the examples, but the loader state records them and refuses
     # a checkpoint saved with another setting (a clear error when it loads); listed here so that

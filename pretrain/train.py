@@ -234,7 +234,12 @@ def check_run_dir(run_dir: Path, resolved: dict[str, Any]) -> bool:
     assert isinstance(saved, dict)
     resolved = _without_keys_added_since(saved, resolved)
     ignored = (*RESUMABLE_CHANGES, *LOCATION_KEYS)
-    changed = [k for k in diff_keys(saved, resolved) if k not in ignored]
+    # A listed key covers the keys under it (engine.compile_options.max_autotune_gemm).
+    changed = [
+        k
+        for k in diff_keys(saved, resolved)
+        if k not in ignored and not any(k.startswith(f"{key}.") for key in ignored)
+    ]
     if changed:
         what = ""
         if "data_identity.deepspeed_config_sha256" in changed:
@@ -618,7 +623,13 @@ class Trainer:
                 progress.write(
                     "pretrain: encoder and loss terms compiled "
                     f"(engine.compile={str(cfg.engine.compile).lower()}, "
-                    f"{cfg.engine.compile_backend}, mode {cfg.engine.compile_mode}): the first "
+                    f"{cfg.engine.compile_backend}, mode {cfg.engine.compile_mode}"
+                    + (
+                        f", options {cfg.engine.compile_options}"
+                        if cfg.engine.compile_options
+                        else ""
+                    )
+                    + "): the first "
                     "steps pay the compilation (up to about 85 s per family on an H200); "
                     "engine.compile=false turns it off"
                 )

@@ -315,7 +315,8 @@ def test_deepspeed_trains_with_the_file(tmp_path):
 
 def test_run_directories_from_before_the_new_keys_still_resume(tmp_path):
     """A pretraining run dir whose config.yaml has neither engine.deepspeed_config nor the
-    tracker keys resumes; a fine-tuning run's identity without a file is what it was."""
+    tracker keys nor engine.compile_options resumes; a fine-tuning run's identity without a
+    file or Inductor options is what it was."""
     import copy
 
     from engine.recipe import to_yaml
@@ -327,16 +328,23 @@ def test_run_directories_from_before_the_new_keys_still_resume(tmp_path):
     resolved = pretrain_config({"data": {"shards": "x"}}).to_dict()
     saved = copy.deepcopy(resolved)
     del saved["engine"]["deepspeed_config"]
+    del saved["engine"]["compile_options"]
     for key in TRACKER_KEYS:
         del saved["train"][key.split(".", 1)[1]]
     (tmp_path / "config.yaml").write_text(to_yaml(saved))
     assert check_run_dir(tmp_path, resolved) is True
+    # Inductor's options change no result: a resumed run may set them (keys under a listed one)
+    tuned = copy.deepcopy(resolved)
+    tuned["engine"]["compile_options"] = {"max_autotune_gemm": True}
+    assert check_run_dir(tmp_path, tuned) is True
     with_file = copy.deepcopy(resolved)
     with_file["engine"]["deepspeed_config"] = "ds_config.json"
     with pytest.raises(ValueError, match=r"engine\.deepspeed_config"):
         check_run_dir(tmp_path, with_file)
     old = {"engine": {"backend": "torch"}, "train": {"steps": 3}}
     new = {"engine": {"backend": "torch", "deepspeed_config": None}, "train": {"steps": 3}}
+    assert run_identity(new, seed=0) == run_identity(old, seed=0)
+    new["engine"]["compile_options"] = {}
     assert run_identity(new, seed=0) == run_identity(old, seed=0)
     new["engine"]["deepspeed_config"] = "ds_config.json"
     assert run_identity(new, seed=0) != run_identity(old, seed=0)

@@ -28,7 +28,14 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import model.norm as norm_module
-from engine.engine import Engine, EngineConfig, compile_encoder, compile_wanted
+from engine.engine import (
+    Engine,
+    EngineConfig,
+    _compile_kwargs,
+    compile_encoder,
+    compile_wanted,
+    inductor_options,
+)
 from engine.optim import OptimizerConfig, ScheduleConfig
 from finetune.batching import LengthGroupedBatchSampler, collate, example_lengths
 from finetune.trainer import FinetuneConfig, Finetuner
@@ -174,16 +181,59 @@ def test_compile_config_errors():
         EngineConfig(compile=True, compile_mode="max-autotune", compile_backend="aot_eager")
 
 
-@pytest.mark.integration  # two Inductor compilations of the step: about 20 s
+def test_compile_options_are_checked_and_merged_over_the_mode():
+    """engine.compile_options: nested keys are Inductor's dotted names; an unknown key (with
+    the nearest known ones), a value of the wrong type, a non-mapping or another backend than
+    Inductor is refused naming the option; the options go over the mode's, as torch merges
+    them (torch.compile takes a mode or options, not both)."""
+    cfg = EngineConfig(
+        compile=True,
+        compile_options={"max_autotune_gemm": True, "triton": {"cudagraphs": False}},
+    )
+    assert inductor_options(cfg) == {"max_autotune_gemm": True, "triton.cudagraphs": False}
+    assert inductor_options(EngineConfig()) == {}
+    assert _compile_kwargs("default", {}) == {"mode": None}
+    assert _compile_kwargs("reduce-overhead", {}) == {"mode": "reduce-overhead"}
+    merged = _compile_kwargs("max-autotune", {"triton.cudagraphs": False})["options"]
+    assert merged["max_autotune"] is True and merged["triton.cudagraphs"] is False
+    with pytest.raises(
+        ValueError, match=r"'max_autotune_gem' is not an Inductor.*max_autotune_gemm"
+    ):
+        EngineConfig(compile_options={"max_autotune_gem": True})
+    with pytest.raises(ValueError, match=r"'triton\.cudagrafs'.*triton\.cudagraphs"):
+        EngineConfig(compile_options={"triton": {"cudagrafs": True}})
+    with pytest.raises(ValueError, match=r"max_autotune_gemm='yes' is a str.*bool"):
+        EngineConfig(compile_options={"max_autotune_gemm": "yes"})
+    with pytest.raises(ValueError, match=r"engine\.compile_options=\[1\] is invalid"):
+        EngineConfig(compile_options=[1])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"compile_options needs engine\.compile_backend"):
+        EngineConfig(compile_options={"max_autotune_gemm": True}, compile_backend="aot_eager")
+
+
+@pytest.mark.integration  # three Inductor compilations of the step: about 30 s
 def test_engine_compile_mode_reaches_inductor():
-    """engine.compile_mode is the mode Inductor compiles the encoder with (max-autotune turns on
-    its kernel autotuning), and the engine compiled with either mode takes a step."""
-    for mode, autotune in (("default", False), ("max-autotune-no-cudagraphs", True)):
+    """engine.compile_mode and compile_options are what Inductor compiles the encoder and the
+    functions beside it with (max-autotune turns on all of its autotuning; the option
+    max_autotune_gemm only that of the products), and the engine compiled so takes a step."""
+    cases = (
+        ("default", {}, False, False),
+        ("max-autotune-no-cudagraphs", {}, True, True),
+        ("default", {"max_autotune_gemm": True}, False, True),
+    )
+    for mode, options, autotune, gemm in cases:
         torch._dynamo.reset()
         model = EncoderForPretraining(tiny("softmax"))
-        engine = accumulating_engine(model, lr=1e-2, total_steps=4, compile=True, compile_mode=mode)
-        config = model.encoder._compiled_call_impl.get_compiler_config()
-        assert config["max_autotune"] is autotune, mode
+        engine = accumulating_engine(
+            model, lr=1e-2, total_steps=4, compile=True, compile_mode=mode, compile_options=options
+        )
+        beside = engine.compile_beside(lambda x: x + 1)
+        for config in (
+            model.encoder._compiled_call_impl.get_compiler_config(),
+            beside.get_compiler_config(),
+        ):
+            assert config["max_autotune"] is autotune, mode
+            assert config["coordinate_descent_tuning"] is autotune, mode
+            assert (config["max_autotune_gemm"] or config["max_autotune"]) is gemm, options
         assert engine.cfg.compile_mode == mode
         ids, mask = batch(B=4)
         step_in_two_micro_batches(engine, ids, mask)
