@@ -20,6 +20,8 @@
 #    products autotuned against Inductor's Triton templates with the bias and GELU fused into
 #    them; not the pointwise tuning that kept max-autotune-no-cudagraphs from compiling within
 #    230 s): the 45% MFU target's lever (GELU and its backward 5.0 ms, LayerNorms 4.9 ms);
+#  P profile_targets: bench/profile_step.py on the targets pass's three steps (its options on,
+#    compiled): where each step's device time goes now, kernel by kernel, for the next levers;
 #  0 tisa_split: softmax and the TISA step on the split backend (SDPA with the bias detached, so
 #    cuDNN stays eligible; f's gradient by its own Triton kernels), compiled, unpadded: does it
 #    meet the 1.2x target? and tisasplit: its mixing step alone at the recipe's shape, with
@@ -48,6 +50,8 @@
 #  3 tisa_backends: TISA's mixing step, flex with f from its table or from the dense bias vs
 #    SDPA with the bias, 512 to 4096 tokens, gradients checked (tisa.flex_min_length); and the
 #    table's gradient by the indexing's scatter vs by diagonal sums (tisabiasgrad);
+#  3b profile_4096: the same profile for softmax and kernel attention at 8 x 4096 tokens
+#    (albert-base, compiled): kernel attention's step where it is to pass softmax's speed;
 #  4 lamb: the LAMB step alone on the recipes' parameters, foreach and compiled;
 #  5 compile_check: TransJect's compiled steps finite and equal to eager on the GPU
 #    (check_compiled_steps.py, eager / aot_eager / inductor);
@@ -58,8 +62,8 @@
 #  8 large_transject_compiled: TransJect albert-large compiled, finite? its peak at batch 64;
 #  9 h100_suite: the eager pretraining table on an H100, every family, albert-base 128 / 512 and
 #    albert-large 512, and ZeRO-2.
-# A first call (BUDGET 540) runs targets, autotune_gemm and, if time is left, tisa_split; a
-# second one goes on (ONLY="tisa_split transject_gj norm_output tisa_flex_dense ...").
+# A first call (BUDGET 540) runs targets, autotune_gemm and, if time is left, profile_targets;
+# a second one goes on (ONLY="profile_targets tisa_split transject_gj norm_output ...").
 # What the budget leaves out is named in pending.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -96,6 +100,8 @@ pass targets 240 380 PARTS=pretrain COMPILE=recipe LAMB=compiled \
   "PRETRAIN=--configs albert-base-512 --families softmax tisa transject --padding none --steps 6 --timeout 200"
 pass autotune_gemm 150 260 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=engine.compile_options.max_autotune_gemm=true \
   "PRETRAIN=--configs albert-base-512 --families softmax --padding none --steps 6 --timeout 250"
+pass profile_targets 150 220 ENV_PART= PARTS=profile PROFILE_LIMIT=220 \
+  "PROFILE=--families softmax tisa transject --padding none --steps 3 --warmup 2 --override engine.compile=true optimizer.implementation=compiled model.tisa.backend=split model.cayley_leaf_inverse=gauss_jordan model.transject.eigen_products=bf16x3 model.transject.residual_stream=compute"
 pass tisa_split 150 250 ENV_PART= PARTS="pretrain tisasplit objective" COMPILE=recipe EXTRA="model.tisa.backend=split" \
   "PRETRAIN=--configs albert-base-512 --families softmax tisa --padding none --steps 6 --timeout 115"
 pass transject_gj 200 300 ENV_PART= PARTS="pretrain cayley eigenproducts" COMPILE=recipe \
@@ -110,6 +116,8 @@ pass transject_lamb 200 300 ENV_PART= PARTS=pretrain COMPILE=recipe LAMB=compile
 pass cudagraphs 120 170 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=engine.compile_mode=reduce-overhead \
   "PRETRAIN=--configs albert-base-512 --families softmax --padding none --steps 6 --timeout 160"
 pass tisa_backends 100 200 ENV_PART= PARTS="tisabackends tisabiasgrad"
+pass profile_4096 150 220 ENV_PART= PARTS=profile PROFILE_LIMIT=220 \
+  "PROFILE=--families softmax kernel --seq 4096 --batch 8 --padding none --steps 3 --warmup 2 --override engine.compile=true model.max_position_embeddings=4096"
 pass lamb 100 160 ENV_PART= PARTS=lamb
 pass compile_check 150 360 ENV_PART= PARTS=compilecheck
 pass backend_torch 90 120 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=engine.backend=torch \
