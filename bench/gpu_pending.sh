@@ -47,6 +47,9 @@
 #    on the CPU);
 #  2b cudagraphs: softmax compiled with engine.compile_mode=reduce-overhead (CUDA graphs: does the
 #    engine run under them, and how much of the host gap, 3.3 ms of the 54.6 ms step, goes?);
+#  2c pdl: softmax compiled with engine.compile_options.triton.enable_pdl=true (Inductor's
+#    kernels launched with programmatic dependent launch, Hopper: each kernel's prologue
+#    overlaps the previous one's tail; a torch without the option refuses it at start-up);
 #  3 tisa_backends: TISA's mixing step, flex with f from its table or from the dense bias vs
 #    SDPA with the bias, 512 to 4096 tokens, gradients checked (tisa.flex_min_length); and the
 #    table's gradient by the indexing's scatter vs by diagonal sums (tisabiasgrad);
@@ -114,6 +117,8 @@ pass tisa_flex_dense 150 250 ENV_PART= PARTS=pretrain COMPILE=recipe \
 pass transject_lamb 200 300 ENV_PART= PARTS=pretrain COMPILE=recipe LAMB=compiled \
   "PRETRAIN=--configs albert-base-512 --families softmax transject --padding none --steps 6 --timeout 170"
 pass cudagraphs 120 170 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=engine.compile_mode=reduce-overhead \
+  "PRETRAIN=--configs albert-base-512 --families softmax --padding none --steps 6 --timeout 160"
+pass pdl 120 170 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=engine.compile_options.triton.enable_pdl=true \
   "PRETRAIN=--configs albert-base-512 --families softmax --padding none --steps 6 --timeout 160"
 pass tisa_backends 100 200 ENV_PART= PARTS="tisabackends tisabiasgrad"
 pass profile_4096 150 220 ENV_PART= PARTS=profile PROFILE_LIMIT=220 \
