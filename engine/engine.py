@@ -988,8 +988,9 @@ class Engine:
 
     def compile_beside(self, fn: Callable) -> Callable:
         """``fn`` compiled like the encoder when the engine compiles it (`compile_function`,
-        ``engine.compile_backend``, ``compile_mode`` and ``compile_options``), else ``fn`` itself: for the tensor
-        work each step runs beside the model, such as the objective's loss terms."""
+        ``engine.compile_backend``, ``compile_mode`` and ``compile_options``), else ``fn``
+        itself: for the tensor work each step runs beside the model, such as the objective's
+        loss terms."""
         if not self.compiled:
             return fn
         cfg = self.cfg
