@@ -16,12 +16,13 @@
 #    (Gauss-Jordan leaves, bf16x3 eigen-products, the bf16 residual stream; the compiled LAMB
 #    for every family), albert-base seq 512 compiled, unpadded; the passes below then say which
 #    option gives what (each alone, and their parts timed alone);
+#  P profile_targets: bench/profile_step.py on the targets pass's three steps (its options on,
+#    compiled; Inductor's cache has their graphs by then): where each step's device time goes
+#    now, kernel by kernel, for the next levers;
 #  A autotune_gemm: softmax compiled with engine.compile_options.max_autotune_gemm=true (the
 #    products autotuned against Inductor's Triton templates with the bias and GELU fused into
 #    them; not the pointwise tuning that kept max-autotune-no-cudagraphs from compiling within
 #    230 s): the 45% MFU target's lever (GELU and its backward 5.0 ms, LayerNorms 4.9 ms);
-#  P profile_targets: bench/profile_step.py on the targets pass's three steps (its options on,
-#    compiled): where each step's device time goes now, kernel by kernel, for the next levers;
 #  0 tisa_split: softmax and the TISA step on the split backend (SDPA with the bias detached, so
 #    cuDNN stays eligible; f's gradient by its own Triton kernels), compiled, unpadded: does it
 #    meet the 1.2x target? and tisasplit: its mixing step alone at the recipe's shape, with
@@ -65,8 +66,9 @@
 #  8 large_transject_compiled: TransJect albert-large compiled, finite? its peak at batch 64;
 #  9 h100_suite: the eager pretraining table on an H100, every family, albert-base 128 / 512 and
 #    albert-large 512, and ZeRO-2.
-# A first call (BUDGET 540) runs targets, autotune_gemm and, if time is left, profile_targets;
-# a second one goes on (ONLY="profile_targets tisa_split transject_gj norm_output ...").
+# A first call (BUDGET 540) runs targets, profile_targets and autotune_gemm (15 minutes of
+# device time, the start included, leave room for one call); a second one goes on
+# (ONLY="tisa_split transject_gj norm_output ...").
 # What the budget leaves out is named in pending.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -101,10 +103,10 @@ pass() { # pass NAME MIN_S LIMIT_S VAR=VALUE...: one run of the suite into $OUT/
 pass targets 240 380 PARTS=pretrain COMPILE=recipe LAMB=compiled \
   EXTRA="model.tisa.backend=split model.cayley_leaf_inverse=gauss_jordan model.transject.eigen_products=bf16x3 model.transject.residual_stream=compute" \
   "PRETRAIN=--configs albert-base-512 --families softmax tisa transject --padding none --steps 6 --timeout 200"
-pass autotune_gemm 150 260 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=engine.compile_options.max_autotune_gemm=true \
-  "PRETRAIN=--configs albert-base-512 --families softmax --padding none --steps 6 --timeout 250"
 pass profile_targets 150 220 ENV_PART= PARTS=profile PROFILE_LIMIT=220 \
   "PROFILE=--families softmax tisa transject --padding none --steps 3 --warmup 2 --override engine.compile=true optimizer.implementation=compiled model.tisa.backend=split model.cayley_leaf_inverse=gauss_jordan model.transject.eigen_products=bf16x3 model.transject.residual_stream=compute"
+pass autotune_gemm 150 260 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=engine.compile_options.max_autotune_gemm=true \
+  "PRETRAIN=--configs albert-base-512 --families softmax --padding none --steps 6 --timeout 250"
 pass tisa_split 150 250 ENV_PART= PARTS="pretrain tisasplit objective" COMPILE=recipe EXTRA="model.tisa.backend=split" \
   "PRETRAIN=--configs albert-base-512 --families softmax tisa --padding none --steps 6 --timeout 115"
 pass transject_gj 200 300 ENV_PART= PARTS="pretrain cayley eigenproducts" COMPILE=recipe \
