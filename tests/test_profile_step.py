@@ -36,6 +36,9 @@ sys.path.insert(0, str(REPO / "bench"))
         ("aten::topk", "other"),  # "to" inside a name is no copy
         ("## Call CompiledFxGraph f4jab35akdpoevbk6ofj4w ##", "fused by the compiler"),
         ("triton_poi_fused_add_mul_0", "fused by the compiler"),
+        ("row_lse", "attention"),  # TISA's split backend, its own Triton kernels
+        ("diagonal_grad", "attention"),
+        ("gauss_jordan_inverse", "linear algebra"),  # the Cayley maps' leaves
     ],
 )
 def test_operators_are_sorted_into_kinds_of_work(op, kind):
