@@ -641,7 +641,8 @@ def inductor_options(cfg: EngineConfig) -> dict[str, Any]:
                 f"engine.compile_options: {prefix!r} is not an Inductor option "
                 f"(torch._inductor.config){hint}"
             )
-        expected = inductor_config.get_type(name)  # type: ignore[attr-defined]
+        get_type = getattr(inductor_config, "get_type", None)  # older torch: no type check
+        expected = get_type(name) if get_type is not None else None
         plain = isinstance(expected, type) and typing.get_origin(expected) is None
         if plain and not isinstance(value, expected):
             raise ValueError(
