@@ -52,6 +52,10 @@
 #  2c pdl: softmax compiled with engine.compile_options.triton.enable_pdl=true (Inductor's
 #    kernels launched with programmatic dependent launch, Hopper: each kernel's prologue
 #    overlaps the previous one's tail; a torch without the option refuses it at start-up);
+#  2d autotune_gemm_others: TISA (split) and TransJect (its three options) compiled with
+#    max_autotune_gemm too: Inductor may fuse element-wise work into their products' templates
+#    as well (TransJect's scaling by lambda between its two expert products, as a prologue or
+#    an epilogue);
 #  3 tisa_backends: TISA's mixing step, flex with f from its table or from the dense bias vs
 #    SDPA with the bias, 512 to 4096 tokens, gradients checked (tisa.flex_min_length); and the
 #    table's gradient by the indexing's scatter vs by diagonal sums (tisabiasgrad);
@@ -123,6 +127,9 @@ pass cudagraphs 120 170 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=engine.com
   "PRETRAIN=--configs albert-base-512 --families softmax --padding none --steps 6 --timeout 160"
 pass pdl 120 170 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=engine.compile_options.triton.enable_pdl=true \
   "PRETRAIN=--configs albert-base-512 --families softmax --padding none --steps 6 --timeout 160"
+pass autotune_gemm_others 200 330 ENV_PART= PARTS=pretrain COMPILE=recipe \
+  EXTRA="engine.compile_options.max_autotune_gemm=true model.tisa.backend=split model.cayley_leaf_inverse=gauss_jordan model.transject.eigen_products=bf16x3 model.transject.residual_stream=compute" \
+  "PRETRAIN=--configs albert-base-512 --families tisa transject --padding none --steps 6 --timeout 160"
 pass tisa_backends 100 200 ENV_PART= PARTS="tisabackends tisabiasgrad"
 pass profile_4096 150 220 ENV_PART= PARTS=profile PROFILE_LIMIT=220 \
   "PROFILE=--families softmax kernel --seq 4096 --batch 8 --padding none --steps 3 --warmup 2 --override engine.compile=true model.max_position_embeddings=4096"
