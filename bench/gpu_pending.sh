@@ -6,6 +6,8 @@
 #   bash bench/gpu_pending.sh          # -> $OUT/pending.tgz (one folder per pass) + $OUT/pending.log
 #   BUDGET=300 bash bench/gpu_pending.sh   # seconds for all the passes (default 540)
 #   ONLY="syncs_compiled" BUDGET=200 bash bench/gpu_pending.sh   # only those passes
+#   PLAN=1 bash bench/gpu_pending.sh   # runs nothing: the passes a call would start if each
+#                                      # took its whole time limit (no GPU needed)
 #
 # On the device machine: run(command="bash bench/gpu_pending.sh", carry=[".whl"], timeout_s=600),
 # .whl/ made first here by bash bench/gpu_wheels.sh (a fresh checkout has none).
@@ -85,7 +87,11 @@ mkdir -p "$OUT/passes"
 LOG=$OUT/pending.log
 : >"$LOG"
 START=$(date +%s)
-left() { echo $((BUDGET - ($(date +%s) - START))); }
+PLAN=${PLAN:-0}
+SPENT=0 # PLAN=1: the seconds the passes so far would take at their time limits
+left() {
+  if [ "$PLAN" = 1 ]; then echo $((BUDGET - SPENT)); else echo $((BUDGET - ($(date +%s) - START))); fi
+}
 
 pass() { # pass NAME MIN_S LIMIT_S VAR=VALUE...: one run of the suite into $OUT/passes/NAME, its
   # pretrain, syncs and scaling parts limited to LIMIT_S or the budget left, whichever is less
@@ -98,8 +104,13 @@ pass() { # pass NAME MIN_S LIMIT_S VAR=VALUE...: one run of the suite into $OUT/
   fi
   if [ "$(left)" -lt "$limit" ]; then limit=$(left); fi
   echo "=== pass $name ($(left) s left): $*" | tee -a "$LOG"
+  if [ "$PLAN" = 1 ]; then
+    SPENT=$((SPENT + limit))
+    echo "=== pass $name: at most $limit s" | tee -a "$LOG"
+    return 0
+  fi
   env OUT="$OUT/passes/$name" "$@" PRETRAIN_LIMIT="$limit" SYNCS_LIMIT="$limit" SCALING_LIMIT="$limit" \
-    bash "$SUITE" 2>&1 | tee -a "$LOG"
+    PROFILE_LIMIT="$limit" bash "$SUITE" 2>&1 | tee -a "$LOG"
   echo "=== pass $name: done at $(($(date +%s) - START)) s" | tee -a "$LOG"
   tar -czf "$OUT/pending.tgz" -C "$OUT" passes # after every pass: a cut-off call keeps what ran
 }
@@ -108,7 +119,7 @@ pass() { # pass NAME MIN_S LIMIT_S VAR=VALUE...: one run of the suite into $OUT/
 pass targets 240 380 PARTS=pretrain COMPILE=recipe \
   EXTRA="model.tisa.backend=split model.cayley_leaf_inverse=gauss_jordan model.transject.eigen_products=bf16x3 model.transject.residual_stream=compute" \
   "PRETRAIN=--configs albert-base-512 --families softmax tisa transject --padding none --steps 6 --timeout 150"
-pass profile_targets 150 220 ENV_PART= PARTS=profile PROFILE_LIMIT=220 \
+pass profile_targets 150 220 ENV_PART= PARTS=profile \
   "PROFILE=--families softmax tisa transject --padding none --steps 3 --warmup 2 --override engine.compile=true model.tisa.backend=split model.cayley_leaf_inverse=gauss_jordan model.transject.eigen_products=bf16x3 model.transject.residual_stream=compute"
 pass autotune_gemm 150 260 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=engine.compile_options.max_autotune_gemm=true \
   "PRETRAIN=--configs albert-base-512 --families softmax --padding none --steps 6 --timeout 250"
@@ -131,7 +142,7 @@ pass autotune_gemm_others 200 330 ENV_PART= PARTS=pretrain COMPILE=recipe \
   EXTRA="engine.compile_options.max_autotune_gemm=true model.tisa.backend=split model.cayley_leaf_inverse=gauss_jordan model.transject.eigen_products=bf16x3 model.transject.residual_stream=compute" \
   "PRETRAIN=--configs albert-base-512 --families tisa transject --padding none --steps 6 --timeout 160"
 pass tisa_backends 100 200 ENV_PART= PARTS="tisabackends tisabiasgrad"
-pass profile_4096 150 220 ENV_PART= PARTS=profile PROFILE_LIMIT=220 \
+pass profile_4096 150 220 ENV_PART= PARTS=profile \
   "PROFILE=--families softmax kernel --seq 4096 --batch 8 --padding none --steps 3 --warmup 2 --override engine.compile=true model.max_position_embeddings=4096"
 pass lamb 100 160 ENV_PART= PARTS=lamb
 pass compile_check 150 360 ENV_PART= PARTS=compilecheck
@@ -142,6 +153,10 @@ pass syncs_compiled 120 200 ENV_PART= PARTS=syncs COMPILE=recipe \
 pass large_transject_compiled 150 200 ENV_PART= PARTS=pretrain COMPILE=recipe \
   "PRETRAIN=--configs albert-large-512 --families transject --steps 4 --warmup 3 --timeout 190"
 pass h100_suite 150 240 ENV_PART= PARTS="pretrain pretrain2"
+if [ "$PLAN" = 1 ]; then
+  echo "=== plan: at most $SPENT s of the $BUDGET s budget" | tee -a "$LOG"
+  exit 0
+fi
 echo "=== all passes done in $(($(date +%s) - START)) s" | tee -a "$LOG"
 tar -czf "$OUT/pending.tgz" -C "$OUT" passes && rm -rf "$OUT/passes"
 ls -la "$OUT" | tee -a "$LOG"
