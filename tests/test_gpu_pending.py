@@ -1,0 +1,99 @@
+"""bench/gpu_pending.sh, planned without a GPU (``PLAN=1``): every pass names parts the GPU
+suite has, families and benchmark configs that exist, and recipe overrides that the recipes
+accept, so that a typo cannot waste a call on a GPU machine (it would show there only as a
+part that runs nothing or a family that fails at start-up)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+FAMILY_RECIPE = {
+    "softmax": "albert-base.yaml",
+    "tisa": "albert-base-tisa.yaml",
+    "kernel": "albert-base-kernel.yaml",
+    "transject": "albert-base-transject.yaml",
+}
+
+
+def planned_passes(tmp_path: Path) -> dict[str, dict[str, str]]:
+    """{pass: {VAR: value}} from ``PLAN=1 bash bench/gpu_pending.sh`` with budget for all."""
+    env = {**os.environ, "PLAN": "1", "BUDGET": "100000", "OUT": str(tmp_path / "out")}
+    proc = subprocess.run(
+        ["bash", "bench/gpu_pending.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    passes: dict[str, dict[str, str]] = {}
+    current: dict[str, str] | None = None
+    for line in proc.stdout.splitlines():
+        started = re.match(r"=== pass (\S+) \(\d+ s left\)", line)
+        if started:
+            current = passes.setdefault(started.group(1), {})
+        elif line.startswith("    ") and current is not None:
+            var, _, value = line.strip().partition("=")
+            current[var] = value
+    assert "=== plan: at most" in proc.stdout
+    return passes
+
+
+def suite_parts() -> set[str]:
+    text = (REPO / "bench" / "gpu_suite.sh").read_text()
+    return set(re.findall(r"^\s*part ([a-z0-9_]+) ", text, flags=re.M))
+
+
+def option_values(args: list[str], option: str) -> list[str]:
+    """The values after ``option`` up to the next ``--`` option."""
+    if option not in args:
+        return []
+    rest = args[args.index(option) + 1 :]
+    end = next((i for i, arg in enumerate(rest) if arg.startswith("--")), len(rest))
+    return rest[:end]
+
+
+def test_every_pass_is_well_formed(tmp_path):
+    from bench_pretrain_throughput import PRESETS
+
+    from engine.recipe import build_config, load_recipe
+    from pretrain.config import PretrainConfig
+
+    passes = planned_passes(tmp_path)
+    assert list(passes)[:3] == ["targets", "profile_targets", "autotune_gemm"]
+    assert len(passes) >= 15
+    parts = suite_parts()
+    config_names = {entry[0] for entries in PRESETS.values() for entry in entries}
+    checked = 0
+    for name, settings in passes.items():
+        assert settings.get("PARTS"), name
+        unknown = set(settings["PARTS"].split()) - parts
+        assert not unknown, f"pass {name}: no such part of gpu_suite.sh: {unknown}"
+        overrides = shlex.split(settings.get("EXTRA", ""))
+        if settings.get("LAMB", "auto") not in ("auto", "torch", "deepspeed"):
+            overrides.append(f"optimizer.implementation={settings['LAMB']}")
+        families = set(FAMILY_RECIPE)
+        for var in ("PRETRAIN", "PROFILE", "SYNCS"):
+            args = shlex.split(settings.get(var, ""))
+            overrides += option_values(args, "--override")
+            if option_values(args, "--families"):
+                families = set(option_values(args, "--families"))
+                assert families <= set(FAMILY_RECIPE), (name, families)
+            unknown_configs = set(option_values(args, "--configs")) - config_names
+            assert not unknown_configs, f"pass {name}: no such benchmark config {unknown_configs}"
+        for family in sorted(families):
+            path = REPO / "configs" / "pretrain" / FAMILY_RECIPE[family]
+            try:
+                build_config(PretrainConfig, load_recipe(path, overrides))
+            except ValueError as e:
+                raise AssertionError(f"pass {name}, {family}: {overrides}: {e}") from e
+            checked += 1
+    assert checked >= 20
