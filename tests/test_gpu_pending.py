@@ -18,13 +18,6 @@ pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-FAMILY_RECIPE = {
-    "softmax": "albert-base.yaml",
-    "tisa": "albert-base-tisa.yaml",
-    "kernel": "albert-base-kernel.yaml",
-    "transject": "albert-base-transject.yaml",
-}
-
 
 def planned_passes(tmp_path: Path) -> dict[str, dict[str, str]]:
     """{pass: {VAR: value}} from ``PLAN=1 bash bench/gpu_pending.sh`` with budget for all."""
@@ -62,7 +55,7 @@ def option_values(args: list[str], option: str) -> list[str]:
 
 
 def test_every_pass_is_well_formed(tmp_path):
-    from bench_pretrain_throughput import PRESETS
+    from bench_pretrain_throughput import FAMILIES, PRESETS, recipe_path
 
     from engine.recipe import build_config, load_recipe
     from pretrain.config import PretrainConfig
@@ -71,7 +64,7 @@ def test_every_pass_is_well_formed(tmp_path):
     assert list(passes)[:3] == ["targets", "profile_targets", "autotune_gemm"]
     assert len(passes) >= 15
     parts = suite_parts()
-    config_names = {entry[0] for entries in PRESETS.values() for entry in entries}
+    base_of = {entry[0]: entry[1] for entries in PRESETS.values() for entry in entries}
     checked = 0
     for name, settings in passes.items():
         assert settings.get("PARTS"), name
@@ -80,20 +73,22 @@ def test_every_pass_is_well_formed(tmp_path):
         overrides = shlex.split(settings.get("EXTRA", ""))
         if settings.get("LAMB", "auto") not in ("auto", "torch", "deepspeed"):
             overrides.append(f"optimizer.implementation={settings['LAMB']}")
-        families = set(FAMILY_RECIPE)
+        families, bases = set(FAMILIES), {"albert-base"}
         for var in ("PRETRAIN", "PROFILE", "SYNCS"):
             args = shlex.split(settings.get(var, ""))
             overrides += option_values(args, "--override")
             if option_values(args, "--families"):
                 families = set(option_values(args, "--families"))
-                assert families <= set(FAMILY_RECIPE), (name, families)
-            unknown_configs = set(option_values(args, "--configs")) - config_names
-            assert not unknown_configs, f"pass {name}: no such benchmark config {unknown_configs}"
-        for family in sorted(families):
-            path = REPO / "configs" / "pretrain" / FAMILY_RECIPE[family]
-            try:
-                build_config(PretrainConfig, load_recipe(path, overrides))
-            except ValueError as e:
-                raise AssertionError(f"pass {name}, {family}: {overrides}: {e}") from e
-            checked += 1
+                assert families <= set(FAMILIES), (name, families)
+            configs = set(option_values(args, "--configs"))
+            assert configs <= set(base_of), f"pass {name}: no such benchmark config {configs}"
+            bases |= {base_of[config] for config in configs}
+        for base in sorted(bases):
+            for family in sorted(families):
+                path = recipe_path(base, family)
+                try:
+                    build_config(PretrainConfig, load_recipe(path, overrides))
+                except ValueError as e:
+                    raise AssertionError(f"pass {name}, {path.name}: {overrides}: {e}") from e
+                checked += 1
     assert checked >= 20

@@ -56,6 +56,14 @@ FiguresFn = Callable[["Encoder"], dict[str, Any]]
 """encoder -> {tag: matplotlib figure}."""
 
 
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype activations run in on `x`'s device: autocast's (bf16 on GPU), else x's own."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
 def matmul_flops(m: int, k: int, n: int) -> int:
     """FLOPs of an (m, k) x (k, n) product: one multiply and one add per term."""
     return 2 * m * k * n

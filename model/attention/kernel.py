@@ -54,6 +54,7 @@ from model.attention.base import (
     AuxLosses,
     LayerContext,
     ScoreKernel,
+    compute_dtype,
     matmul_flops,
 )
 from model.attention.hf_export import HFExport, family_code
@@ -89,14 +90,6 @@ def per_head_matmul(x_HBNa: Tensor, w_Hab: Tensor) -> Tensor:
         w_Hab = w_Hab.to(x_HBNa.dtype)
     H, B, N, a = x_HBNa.shape
     return torch.bmm(x_HBNa.reshape(H, B * N, a), w_Hab).view(H, B, N, -1)
-
-
-def compute_dtype(x: Tensor) -> torch.dtype:
-    """The dtype the feature maps run in: autocast's (bf16 on GPU), else x's own."""
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return x.dtype
 
 
 def matmul_fp32(a: Tensor, b: Tensor) -> Tensor:

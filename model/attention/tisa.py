@@ -43,6 +43,7 @@ from model.attention.base import (
     FamilyState,
     LayerContext,
     ScoreKernel,
+    compute_dtype,
     key_padding_bias,
 )
 from model.attention.hf_export import HFExport, family_code
@@ -293,12 +294,7 @@ class TISAState(FamilyState):
             extras["tisa_flex_bias"] = flex_dense_bias(values_PHM[0])
         if self.cfg.tisa.scope == "shared" and backend in ("sdpa", "split"):
             # The dtype the kernels' queries will have (autocast's, else the weights').
-            device_type = x0_BND.device.type
-            dtype = (
-                torch.get_autocast_dtype(device_type)
-                if torch.is_autocast_enabled(device_type)
-                else x0_BND.dtype
-            )
+            dtype = compute_dtype(x0_BND)
             extras["tisa_bias"] = sdpa_bias(values_PHM[0], mask_BN if padded else None, dtype)
         return extras, {}
 

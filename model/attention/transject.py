@@ -90,6 +90,7 @@ from model.attention.base import (
     AuxLosses,
     FamilyState,
     LayerContext,
+    compute_dtype,
     key_mask,
     matmul_flops,
 )
@@ -685,9 +686,8 @@ class TransJectLayer(nn.Module):
         attn = self.attention(x_BND, ctx)
         x_BND = x_BND + alpha * attn.hidden_BND
         x_BND = x_BND + alpha * self.ffn(x_BND)
-        device_type = x_BND.device.type
-        if self.residual_stream == "compute" and torch.is_autocast_enabled(device_type):
-            x_BND = x_BND.to(torch.get_autocast_dtype(device_type))  # transject.residual_stream
+        if self.residual_stream == "compute":  # rounded to autocast's dtype (none: unchanged)
+            x_BND = x_BND.to(compute_dtype(x_BND))
         return x_BND, attn.aux_losses
 
 
