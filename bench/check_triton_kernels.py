@@ -11,9 +11,10 @@ or spills registers to local memory is found here rather than in a GPU session.
     python bench/check_triton_kernels.py --out triton_kernels.json
 
 Kernels: TISA's split backend (`row_lse`, `diagonal_grad`; bf16 inputs, padded and unpadded,
-head width 64) and the Cayley map's Gauss-Jordan leaves (`gauss_jordan_inverse`, 96 and 128
-wide). Exit status 1 when a kernel fails to compile or needs more shared memory than the target
-allows per block. Spills are reported, not failed (a spilling kernel runs, slower).
+head width 64), the Cayley map's Gauss-Jordan leaves (`gauss_jordan_inverse`, 96 and 128
+wide) and kernel attention's inference kernels (`key_summary`, `query_output`; bf16, the
+albert-base and LRA feature maps and elu+1). Exit status 1 when a kernel fails to compile or
+needs more shared memory than the target allows per block. Spills are reported, not failed (a spilling kernel runs, slower).
 """
 
 from __future__ import annotations
@@ -70,6 +71,50 @@ def gauss_jordan_configs(variants: bool) -> list[dict]:
     ]
 
 
+def kernel_attention_configs(variants: bool) -> list[dict]:
+    """Kernel attention's inference kernels (`kernel.inference_backend: triton`), bf16: the
+    albert-base recipe's map (aoglu, one unit, head width 64, gate rank 16), the LRA recipes'
+    (three aoglu units; head width 32 in the Skyformer setting) and elu+1, with the shipped
+    options (and with --variants other tiles and launches)."""
+    from model.attention.kernel_triton import KERNEL_OPTIONS
+
+    options = [dict(KERNEL_OPTIONS)]
+    if variants:
+        for block, warps, stages in ((128, 8, 2), (128, 4, 3), (32, 4, 2), (64, 8, 3)):
+            options.append({"BLOCK_N": block, "num_warps": warps, "num_stages": stages})
+    maps = [  # head width, units, product width c, gate rank, gate kind, elu
+        (64, 1, 80, 16, 2, False),
+        (32, 3, 40, 8, 2, False),
+        (64, 1, 64, 0, 0, True),
+    ]
+    configs = []
+    for opt in options:
+        for head, units, c, rank, gate, elu in maps:
+            flags = {
+                "BLOCK_N": opt["BLOCK_N"], "D": head, "DG": max(16, c - head), "U": units,
+                "HEAD": head, "C": c, "R": rank, "GATE": gate, "ELU": elu, "ROUND": "bf16",
+                "UPCAST": False, "PRECISION": None,
+            }  # fmt: skip
+            launch = {"num_warps": opt["num_warps"], "num_stages": opt["num_stages"]}
+            configs.append(
+                {"kernel": "key_summary", "constexprs": {**flags, "HAS_MASK": False},
+                 "launch": launch}
+            )  # fmt: skip
+            configs.append(
+                {"kernel": "query_output", "launch": launch,
+                 "constexprs": {**flags, "OUT_ROUND": "bf16", "FP32_PRECISION": "tf32x3"}}
+            )  # fmt: skip
+    return configs
+
+
+def all_configs(variants: bool) -> list[dict]:
+    return (
+        split_configs(variants)
+        + gauss_jordan_configs(variants)
+        + kernel_attention_configs(variants)
+    )
+
+
 def signature(kernel: str, fn) -> dict[str, str]:
     """Triton's signature of a kernel: bf16 tensors for the attention inputs, fp32 for the
     rest, int8 for the key mask, i32 integers, fp32 scalars, constexprs by name."""
@@ -79,13 +124,13 @@ def signature(kernel: str, fn) -> dict[str, str]:
             types[name] = "constexpr"
         elif kernel == "gauss_jordan_inverse":
             types[name] = "*fp32" if name in ("M", "OUT") else "i32"
-        elif name in ("Q", "K", "V", "DO"):
+        elif name in ("Q", "K", "V", "DO", "WIN", "BW", "OUT"):
             types[name] = "*bf16"
         elif name == "VALID":
             types[name] = "*i8"
-        elif name in ("VALS", "LSE", "DELTA", "PART"):
+        elif name in ("VALS", "LSE", "DELTA", "PART", "KV", "Z"):
             types[name] = "*fp32"
-        elif name == "scale":
+        elif name in ("scale", "eps"):
             types[name] = "fp32"
         else:
             types[name] = "i32"
@@ -100,6 +145,8 @@ LAUNCH_VALUES = {
     "skn": 3 * 768, "svb": 512 * 3 * 768, "svh": 64, "svn": 3 * 768, "sdb": 12 * 512 * 64,
     "sdh": 512 * 64, "sdn": 64, "s_vals": 2 * 512 - 1, "s_valid": 512, "N": 512, "H": 12,
     "B": 64, "NB": 8, "SLICES": 8, "n": 96, "stride_b": 96 * 96, "stride_r": 96,
+    # kernel attention's: the output in (B, N, H, h) memory; 8 tiles of keys, 2 a program
+    "sob": 512 * 768, "soh": 64, "son": 768, "TILES": 8, "TILES_PER": 2,
 }  # fmt: skip
 
 
@@ -141,11 +188,13 @@ def check(config: dict, arch: int) -> dict:
     from triton.compiler import ASTSource
 
     from model import orthogonal_kernels
-    from model.attention import tisa_split_kernels
+    from model.attention import kernel_triton_kernels, tisa_split_kernels
 
-    module = (
-        orthogonal_kernels if config["kernel"] == "gauss_jordan_inverse" else tisa_split_kernels
-    )
+    module = {
+        "gauss_jordan_inverse": orthogonal_kernels,
+        "key_summary": kernel_triton_kernels,
+        "query_output": kernel_triton_kernels,
+    }.get(config["kernel"], tisa_split_kernels)
     fn = getattr(module, config["kernel"])
     row = {"kernel": config["kernel"], "arch": f"sm_{arch}", **config["constexprs"]}
     row.update(config["launch"])
@@ -177,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", type=int, nargs="+", default=[90, 80], choices=sorted(SHARED_LIMIT))
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    configs = split_configs(args.variants) + gauss_jordan_configs(args.variants)
+    configs = all_configs(args.variants)
     rows = [check(config, arch) for arch in args.arch for config in configs]
     for row in rows:
         print(json.dumps(row), flush=True)

@@ -128,10 +128,19 @@ class KernelConfig:
     eps: float = 1e-6
     """Added to the normaliser phi(q)^T sum_j phi(k_j)."""
 
+    inference_backend: Literal["torch", "triton"] = "torch"
+    """How forwards that need no gradient (evaluation, inference, the scaling benchmark) run on
+    CUDA: `torch`, the same operators as training; `triton`, two fused Triton kernels (one pass
+    over the keys for the [KV | z] summary, one over the queries for the output; the features
+    never reach memory), equal to `torch` up to the order of sums (docs/performance.md). Needs
+    Triton and a head width of at most 128; training steps and forwards that need a gradient
+    or drop out the feature maps' inputs always run `torch`."""
+
     def __post_init__(self) -> None:
         _check_choice(
             "kernel.feature_map", self.feature_map, ("ffn", "glu", "oglu", "aoglu", "elu")
         )
+        _check_choice("kernel.inference_backend", self.inference_backend, ("torch", "triton"))
         _check_positive("kernel.num_stacked", self.num_stacked)
         _check_positive("kernel.gate_rank_divisor", self.gate_rank_divisor)
         _check_positive("kernel.orthogonality_penalty", self.orthogonality_penalty, True)

@@ -1,6 +1,7 @@
 """The project's Triton kernels (TISA's split backend, the Cayley map's Gauss-Jordan leaves)
 checked without a GPU: their arithmetic in Triton's interpreter on CPU tensors against the
-references, and their compilation for an H100 (Triton's compiler and ptxas need no GPU).
+references, and their compilation for an H100 (Triton's compiler and ptxas need no GPU), which
+covers kernel attention's inference kernels too (their arithmetic: test_kernel_triton.py).
 
 Integration tier: each test runs a subprocess or Triton's toolchain for seconds.
 """
@@ -101,19 +102,24 @@ def test_gauss_jordan_leaves_in_the_interpreter():
 
 
 def test_kernels_compile_for_an_h100_within_its_shared_memory():
-    """The shipped options of the split backend's kernels and of the Cayley map's Gauss-Jordan
-    leaves compile for sm_90 (Triton's compiler and ptxas run without a GPU), fit the H100's
-    shared memory per block, and the split kernels spill no register and have their loads
-    pipelined (bench/check_triton_kernels.py)."""
+    """The shipped options of the split backend's kernels, of the Cayley map's Gauss-Jordan
+    leaves and of kernel attention's inference kernels compile for sm_90 (Triton's compiler and
+    ptxas run without a GPU), fit the H100's shared memory per block, and the split and kernel
+    attention kernels spill no register and have their loops' loads pipelined
+    (bench/check_triton_kernels.py)."""
     sys.path.insert(0, str(REPO / "bench"))
     import check_triton_kernels as check
 
-    configs = check.split_configs(False) + check.gauss_jordan_configs(False)
-    rows = [check.check(config, 90) for config in configs]
+    rows = [check.check(config, 90) for config in check.all_configs(False)]
     assert all("error" not in row and row["fits"] for row in rows), rows
-    assert {row["kernel"] for row in rows} == {"row_lse", "diagonal_grad", "gauss_jordan_inverse"}
-    split = [row for row in rows if row["kernel"] != "gauss_jordan_inverse"]
-    assert all(row["spill_bytes"] == 0 for row in split), split
+    assert {row["kernel"] for row in rows} == {
+        "row_lse", "diagonal_grad", "gauss_jordan_inverse", "key_summary", "query_output"
+    }  # fmt: skip
+    split = [row for row in rows if row["kernel"] in ("row_lse", "diagonal_grad")]
+    linear = [row for row in rows if row["kernel"] in ("key_summary", "query_output")]
+    assert all(row["spill_bytes"] == 0 for row in split + linear), split + linear
+    # kernel attention: the loads of keys and values in the loop over tiles are pipelined
+    assert all(row["async_copies"] >= 2 for row in linear if row["kernel"] == "key_summary")
     # Every load of Q, K, V, dO is pipelined (async copies): 4 a stage in the gradient kernel.
     assert all(row["async_copies"] >= 2 for row in split), split
     assert max(row["async_copies"] for row in split) >= 8, split

@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.attention import kernel_triton
 from model.attention.base import (
     AttentionFamily,
     AuxLosses,
@@ -223,6 +224,18 @@ class FeedForwardFeatureMap(nn.Module):
         errors = [unit.orthogonality_error() for unit in self.units if unit.orthogonal]
         return torch.stack(errors).sum() if errors else None
 
+    def drops_out(self) -> bool:
+        """Whether a forward now drops out the units' inputs (training with dropout > 0)."""
+        return self.training and any(unit.dropout.p > 0 for unit in self.units)
+
+    def fused_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+        """The units' weights for the fused kernels (kernel_triton.py), in `dtype`: their input
+        weights stacked (U, H, h, c), and for aoglu their gates' B stacked (U, H, r, h)."""
+        win = torch.stack([unit.input_weight() for unit in self.units]).to(dtype)
+        if self.units[0].feature_map != "aoglu":
+            return win, None
+        return win, torch.stack([unit.b_Hrh for unit in self.units]).to(dtype)
+
 
 class EluFeatureMap(nn.Module):
     """phi(x) = elu(x) + 1 (Katharopoulos et al. 2020, arXiv 2006.16236); no parameters."""
@@ -233,6 +246,13 @@ class EluFeatureMap(nn.Module):
     def orthogonality_error(self) -> Tensor | None:
         return None
 
+    def drops_out(self) -> bool:
+        return False
+
+    def fused_weights(self, dtype: torch.dtype) -> tuple[None, None]:
+        """No weights: the fused kernels' elu+1 map."""
+        return None, None
+
 
 class KernelAttention(ScoreKernel):
     """Non-causal linear attention with a trainable feature map phi shared by queries and keys."""
@@ -242,6 +262,11 @@ class KernelAttention(ScoreKernel):
         kc = cfg.kernel
         self.eps = kc.eps
         self.penalty = kc.orthogonality_penalty
+        self.inference_backend = kc.inference_backend
+        # Where the fused kernels can run, decided once (not in a traced forward): CUDA with
+        # Triton, or any device in Triton's interpreter (tests).
+        self.fused_on_cpu = kernel_triton.interpreting()
+        self.fused_available = kc.inference_backend == "triton" and kernel_triton.importable()
         self.phi = EluFeatureMap() if kc.feature_map == "elu" else FeedForwardFeatureMap(cfg)
         if self.penalty > 0 and kc.feature_map not in ORTHOGONAL_MAPS:
             warnings.warn(
@@ -261,10 +286,41 @@ class KernelAttention(ScoreKernel):
         error = self.phi.orthogonality_error() if self.penalty > 0 else None
         return None if error is None else PENALTY_CALLS_PER_FORWARD * self.penalty * error
 
+    def fused_inference(self, q_BHNh: Tensor, k_BHNh: Tensor, v_BHNh: Tensor) -> bool:
+        """Whether this forward runs the fused Triton kernels (`kernel.inference_backend:
+        triton`): on a device they run on, with nothing that needs a gradient and no dropout."""
+        if self.inference_backend != "triton" or self.phi.drops_out():
+            return False
+        if torch.is_grad_enabled() and (
+            q_BHNh.requires_grad
+            or k_BHNh.requires_grad
+            or v_BHNh.requires_grad
+            or any(p.requires_grad for p in self.parameters())
+        ):
+            return False
+        if not (q_BHNh.is_cuda or self.fused_on_cpu):
+            return False
+        if not self.fused_available:
+            warnings.warn(
+                "kernel.inference_backend='triton' without Triton: inference runs the torch "
+                "path; install the triton that matches torch",
+                stacklevel=2,
+            )
+            self.inference_backend = "torch"
+            return False
+        return True
+
     def forward(
         self, q_BHNh: Tensor, k_BHNh: Tensor, v_BHNh: Tensor, ctx: LayerContext
     ) -> tuple[Tensor, AuxLosses]:
         dtype = compute_dtype(q_BHNh)
+        if self.fused_inference(q_BHNh, k_BHNh, v_BHNh):
+            win, bw = self.phi.fused_weights(dtype)
+            key_valid = ctx.mask_BN if ctx.padded else None
+            out_BHNh = kernel_triton.kernel_attention_inference(
+                q_BHNh, k_BHNh, v_BHNh, win, bw, key_valid, self.eps, dtype
+            )
+            return out_BHNh, self._aux(ctx)
         # Heads first (views): the feature maps' products and the two products below batch
         # over (H, B) without copying the projection's strided q, k, v.
         phi_q_HBNh = self.phi(q_BHNh).transpose(0, 1)  # each unit drops out its own input
@@ -291,13 +347,16 @@ class KernelAttention(ScoreKernel):
             # Times the reciprocal of the (B, H, N, 1) normaliser, not divided by it: the
             # backward then makes no (B, H, N, h) quotient of the normaliser's gradient.
             out_HBNh = (num_HBNh * (den_HBN1 + self.eps).reciprocal()).to(v_BHNh.dtype)
-        out_BHNh = out_HBNh.transpose(0, 1)
+        return out_HBNh.transpose(0, 1), self._aux(ctx)
+
+    def _aux(self, ctx: LayerContext) -> AuxLosses:
+        """The orthogonality penalty, at the first application of this layer's weights."""
         aux: AuxLosses = {}
         if ctx.first_use:
             loss = self.orthogonality_loss()
             if loss is not None:
                 aux["kernel_orthogonality"] = loss
-        return out_BHNh, aux
+        return aux
 
 
 def _feature_map_unit_flops(cfg: EncoderConfig, seq_len: int) -> int:
@@ -327,11 +386,18 @@ def kernel_mixing_flops(cfg: EncoderConfig, seq_len: int) -> int:
 
 
 def validate(cfg: EncoderConfig) -> None:
-    """The aoglu gate needs a rank of at least 1."""
+    """The aoglu gate needs a rank of at least 1; the fused inference kernels a head width of at
+    most `kernel_triton.MAX_HEAD_DIM`."""
     if cfg.kernel.feature_map == "aoglu" and cfg.head_dim // cfg.kernel.gate_rank_divisor < 1:
         raise ValueError(
             f"kernel.gate_rank_divisor={cfg.kernel.gate_rank_divisor} leaves rank 0 "
             f"for head_dim={cfg.head_dim}"
+        )
+    if cfg.kernel.inference_backend == "triton" and cfg.head_dim > kernel_triton.MAX_HEAD_DIM:
+        raise ValueError(
+            f"kernel.inference_backend='triton' takes heads of at most "
+            f"{kernel_triton.MAX_HEAD_DIM} wide, not head_dim={cfg.head_dim} (hidden_size / "
+            "num_attention_heads): use kernel.inference_backend='torch'"
         )
 
 

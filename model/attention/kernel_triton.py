@@ -1,0 +1,196 @@
+"""Kernel attention's inference forward in two Triton kernels (`kernel.inference_backend: triton`).
+
+Legend as in kernel.py: B batch, H heads, N tokens, h head width, U stacked units, c a unit's
+product width (h, 2h or h + r), r the low-rank gate's rank.
+
+The `torch` path runs the feature maps, the fp32 upcasts and the two sums as separate operators:
+phi(Q) and phi(K) (and each unit's product and gate before them) go through memory, which at long
+sequences costs more than the sums themselves (at 8 x 4096, albert-base width, the mixing took
+about as long as flash attention does for softmax's O(N^2) scores). Without a gradient nothing
+has to be kept for a backward, and the whole mixing fuses into two kernels:
+
+* `key_summary`: one program per (slice of the keys, batch x head) computes phi on a tile of
+  keys in registers, zeroes padding keys, and accumulates [KV | z] = sum_j phi(k_j) [v_j | 1]
+  in fp32; the slices' partial sums are then added (one small `sum`);
+* `query_output`: one program per (tile of queries, batch x head) computes phi on the tile and
+  writes phi(q)^T KV / (phi(q)^T z + eps), directly in the (B, N, H, h) layout the output
+  projection reads (the merge of the heads is then a view, not a copy).
+
+Memory traffic: q, k, v read once and the output written once, plus the weights and the
+summaries (kilobytes per head). Numerics: the kernels round to the compute dtype where the model
+does (kernel_triton_kernels.py), so the result equals the `torch` path's up to the order of the
+sums (tests/test_kernel_triton.py runs the kernels in Triton's interpreter against it). Only
+forwards that need no gradient and no dropout take this path (`KernelAttention.forward`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+KERNEL_OPTIONS = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+"""Token tile and launch options of both kernels. Chosen by compiling for the GPUs without one
+(`python bench/check_triton_kernels.py --variants`): see BENCHMARKS.md, "Kernel attention's
+inference kernels". Not timed on a GPU yet."""
+
+PROGRAMS_PER_LAUNCH = 512
+"""`key_summary` splits each head's keys into slices until it has about this many programs (a
+few per streaming multiprocessor); each slice's partial [KV | z] is then summed."""
+
+MAX_HEAD_DIM = 128
+"""Widest head the kernels take: a program keeps an fp32 h x h summary in registers."""
+
+ROUND = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+"""The compute dtypes, as the kernels' ROUND argument names them."""
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its kernels in its interpreter (on CPU tensors): TRITON_INTERPRET=1,
+    read as Triton reads it, when the kernels are defined (tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def importable() -> bool:
+    """Whether Triton can be imported (a CUDA torch brings it)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _kernels():
+    """The two Triton kernels, imported on first use (see kernel_triton_kernels.py)."""
+    from model.attention import kernel_triton_kernels
+
+    return kernel_triton_kernels.key_summary, kernel_triton_kernels.query_output
+
+
+def _width(n: int) -> int:
+    """A tile width for n columns: the next power of two, at least 16 (Triton's dot)."""
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _fp32_precision(upcast: bool) -> str:
+    """Triton's precision for products of fp32 tiles, as torch's for fp32 matrix products:
+    IEEE fp32 in the interpreter; on a GPU three TF32 products (fp32's accuracy on tensor cores)
+    when torch's `float32_matmul_precision` is "highest", else one (TF32)."""
+    if upcast:
+        return "ieee"
+    return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def triton_kernel_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    win: Tensor | None,
+    bw: Tensor | None,
+    key_valid: Tensor | None,
+    eps: float,
+    dtype: torch.dtype,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> Tensor:
+    """Non-causal kernel attention of (B, H, N, h) q, k, v by the two kernels.
+
+    win: the units' input weights (U, H, h, c) in `dtype` ([W | V], [W | A] or W per unit, as
+    `FeatureMapUnit.input_weight`), None for the elu+1 map; bw: the low-rank gates' B (U, H, r,
+    h) for aoglu, else None; key_valid: (B, N) bool, True at real keys, or None (no padding);
+    dtype: the compute dtype (bf16 under autocast). Returns (B, H, N, h) in v's dtype, a view of
+    a (B, N, H, h) tensor. Options left None come from `KERNEL_OPTIONS`."""
+    B, H, N, h = q.shape
+    if h > MAX_HEAD_DIM:
+        raise ValueError(f"head width {h} > {MAX_HEAD_DIM}: the kernels keep h x h in registers")
+    key_summary, query_output = _kernels()
+    block_n = block_n or KERNEL_OPTIONS["BLOCK_N"]
+    launch = {
+        "num_warps": num_warps or KERNEL_OPTIONS["num_warps"],
+        "num_stages": num_stages or KERNEL_OPTIONS["num_stages"],
+    }
+    upcast = not q.is_cuda  # the interpreter: fp32 tiles of the rounded values
+    out_dtype = v.dtype
+    q, k, v = (x.to(dtype) if x.dtype != dtype else x for x in (q, k, v))
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    elu = win is None
+    if elu:
+        win = q.new_zeros(1)
+        units, c, rank, gate = 1, h, 0, 0
+    else:
+        win = win.to(dtype).contiguous()
+        units, c = win.shape[0], win.shape[-1]
+        gate = 0 if c == h else (2 if bw is not None else 1)
+        rank = bw.shape[-2] if bw is not None else 0
+    bw = bw.to(dtype).contiguous() if bw is not None else win.new_zeros(1)
+    D, DG = _width(h), _width(c - h)
+    fp32 = _fp32_precision(upcast)
+    flags = {
+        "BLOCK_N": block_n, "D": D, "DG": DG, "U": units, "HEAD": h, "C": c, "R": rank,
+        "GATE": gate, "ELU": elu, "ROUND": ROUND[dtype], "UPCAST": upcast,
+        # bf16 / fp16 tiles: Triton's default (tensor cores, fp32 accumulation)
+        "PRECISION": fp32 if (upcast or dtype == torch.float32) else None,
+    }  # fmt: skip
+
+    has_mask = key_valid is not None
+    valid = (key_valid if has_mask else q.new_ones(1, 1, dtype=torch.bool)).to(torch.int8)
+    valid = valid.contiguous()
+    tiles = -(-N // block_n)
+    slices = max(1, min(tiles, PROGRAMS_PER_LAUNCH // (B * H)))
+    per_slice = -(-tiles // slices)
+    slices = -(-tiles // per_slice)
+    kv = torch.empty(slices, B * H, D, D, dtype=torch.float32, device=q.device)
+    z = torch.empty(slices, B * H, D, dtype=torch.float32, device=q.device)
+    key_summary[(slices, B * H)](
+        k, v, valid, win, bw, kv, z,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        valid.stride(0), N, H, tiles, per_slice,
+        HAS_MASK=has_mask, **flags, **launch,
+    )  # fmt: skip
+    kv, z = kv.sum(0), z.sum(0)
+
+    out = torch.empty(B, N, H, h, dtype=out_dtype, device=q.device)
+    query_output[(tiles, B * H)](
+        q, kv, z, win, bw, out,
+        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(2), out.stride(1),
+        N, H, eps,
+        OUT_ROUND=ROUND[out_dtype], FP32_PRECISION=fp32, **flags, **launch,
+    )  # fmt: skip
+    return out.transpose(1, 2)
+
+
+@torch.library.custom_op("albatross::kernel_attention_inference", mutates_args=())
+def kernel_attention_inference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    win: Tensor | None,
+    bw: Tensor | None,
+    key_valid: Tensor | None,
+    eps: float,
+    dtype: torch.dtype,
+) -> Tensor:
+    """`triton_kernel_attention` as one operator, opaque to torch.compile (the kernels'
+    launches and the partial sums are not traced)."""
+    return triton_kernel_attention(q, k, v, win, bw, key_valid, eps, dtype)
+
+
+@kernel_attention_inference.register_fake
+def _(q, k, v, win, bw, key_valid, eps, dtype):
+    B, H, N, h = q.shape
+    return q.new_empty(B, N, H, h, dtype=v.dtype).transpose(1, 2)
+
+
+__all__ = [
+    "KERNEL_OPTIONS",
+    "MAX_HEAD_DIM",
+    "importable",
+    "interpreting",
+    "kernel_attention_inference",
+    "triton_kernel_attention",
+]

@@ -1,0 +1,188 @@
+"""The Triton kernels of kernel attention's inference forward (kernel_triton.py explains what
+they compute).
+
+Imported on first use by `kernel_triton._kernels`: Triton is needed only on CUDA, and it reads
+TRITON_INTERPRET when these are defined (tests run them on CPU tensors in its interpreter).
+
+Rounding: the model rounds every tensor of the feature map to the compute dtype (bf16 under
+autocast) after each product and each element-wise function; these kernels round at the same
+points (`round_to`), so the features they sum equal the model's up to the order of the sums in
+the products. Under UPCAST (Triton's interpreter, whose dots of bf16 tiles and whose conversions
+to bf16, a truncation, are not the GPU's) the tiles are fp32 holding the rounded values, and the
+rounding to bf16 (to nearest, ties to even, as on the GPU) is done on the bits.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_to(x, ROUND: tl.constexpr, UPCAST: tl.constexpr):
+    """fp32 x rounded to the compute dtype ROUND ("bf16", "fp16" or "fp32"): a tile of that
+    dtype, or under UPCAST an fp32 tile of the rounded values."""
+    if ROUND == "fp32":
+        y = x
+    elif UPCAST:
+        if ROUND == "bf16":
+            bits = x.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            y = bits.to(tl.float32, bitcast=True)
+        else:
+            y = x.to(tl.float16).to(tl.float32)
+    elif ROUND == "bf16":
+        y = x.to(tl.bfloat16)
+    else:
+        y = x.to(tl.float16)
+    return y
+
+
+@triton.jit
+def softplus(x):
+    """torch's softplus (beta 1, threshold 20): x above 20, else log1p(exp(x)), with log1p by
+    Kahan's identity (exact for tiny exp(x), where log(1 + e) would give 0)."""
+    e = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + e
+    tiny = u == 1.0
+    log1p = tl.where(tiny, e, tl.log(u) * (e / tl.where(tiny, 1.0, u - 1.0)))
+    return tl.where(x > 20.0, x, log1p)
+
+
+@triton.jit
+def load_rows(
+    ptr, offs_n, offs_d, stride_n, N, HEAD: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr
+):
+    """Rows offs_n of an (N, h) head, zero outside, width padded to the power of two D. The
+    width is masked only when it is padded: a mask that varies along the contiguous dimension
+    stops Triton from vectorising the load."""
+    if HEAD < D:
+        mask = (offs_n[:, None] < N) & (offs_d[None, :] < HEAD)
+    else:
+        mask = offs_n[:, None] < N
+    x = tl.load(ptr + offs_n[:, None] * stride_n + offs_d[None, :], mask=mask, other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def load_matrix(ptr, offs_r, offs_c, stride_r, ROWS: tl.constexpr, COLS: tl.constexpr,
+                UPCAST: tl.constexpr):  # fmt: skip
+    """A (ROWS, COLS) row-major matrix at ptr, zero-padded to (len(offs_r), len(offs_c))."""
+    mask = (offs_r[:, None] < ROWS) & (offs_c[None, :] < COLS)
+    w = tl.load(ptr + offs_r[:, None] * stride_r + offs_c[None, :], mask=mask, other=0.0)
+    if UPCAST:
+        w = w.to(tl.float32)
+    return w
+
+
+@triton.jit
+def feature_map(
+    x, WIN, BW, head, H, offs_d, offs_g,
+    U: tl.constexpr, HEAD: tl.constexpr, C: tl.constexpr, R: tl.constexpr, GATE: tl.constexpr,
+    ELU: tl.constexpr, ROUND: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """phi of a (BLOCK_N, D) tile of one head, as `FeedForwardFeatureMap` (or `EluFeatureMap`)
+    computes it. WIN: the units' input weights (U, H, HEAD, C), W in the first HEAD columns and
+    the gate's V (GATE 1) or A (GATE 2) after them; BW: the low-rank gate's B (U, H, R, HEAD).
+    The padded columns (HEAD < D) are left as they come out; the caller zeroes them."""
+    if ELU:
+        xf = x.to(tl.float32)
+        e = round_to(tl.where(xf > 0, xf, tl.exp(xf) - 1.0), ROUND, UPCAST)
+        y = round_to(e.to(tl.float32) + 1.0, ROUND, UPCAST)
+    else:
+        y = x
+        for u in tl.static_range(U):
+            base = WIN + (u * H + head) * HEAD * C
+            w = load_matrix(base, offs_d, offs_d, C, HEAD, HEAD, UPCAST)
+            pre = round_to(tl.dot(y, w, input_precision=PRECISION), ROUND, UPCAST)
+            if u == U - 1:
+                pre = round_to(softplus(pre.to(tl.float32)), ROUND, UPCAST)
+            if GATE > 0:
+                g_w = load_matrix(base + HEAD, offs_d, offs_g, C, HEAD, C - HEAD, UPCAST)
+                gate = round_to(tl.dot(y, g_w, input_precision=PRECISION), ROUND, UPCAST)
+                if GATE == 2:
+                    b_ptr = BW + (u * H + head) * R * HEAD
+                    b_w = load_matrix(b_ptr, offs_g, offs_d, HEAD, R, HEAD, UPCAST)
+                    gate = round_to(tl.dot(gate, b_w, input_precision=PRECISION), ROUND, UPCAST)
+                s = round_to(tl.sigmoid(gate.to(tl.float32)), ROUND, UPCAST)
+                pre = round_to(pre.to(tl.float32) * s.to(tl.float32), ROUND, UPCAST)
+            y = pre
+    return y
+
+
+@triton.jit
+def key_summary(
+    K, V, VALID, WIN, BW, KV, Z,
+    skb, skh, skn, svb, svh, svn, s_valid, N, H, TILES, TILES_PER,
+    HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DG: tl.constexpr,
+    U: tl.constexpr, HEAD: tl.constexpr, C: tl.constexpr, R: tl.constexpr, GATE: tl.constexpr,
+    ELU: tl.constexpr, ROUND: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Partial sums over one slice of the keys of (batch, head) bh:
+    KV[s, bh] = sum_j phi(k_j) v_j^T (D, D) and Z[s, bh] = sum_j phi(k_j) (D), real keys only,
+    in fp32 (products of the rounded features and values, fp32 accumulation)."""
+    s = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    head = bh % H
+    offs_d = tl.arange(0, D)
+    offs_g = tl.arange(0, DG)
+    kv = tl.zeros([D, D], tl.float32)
+    z = tl.zeros([D], tl.float32)
+    for t in range(s * TILES_PER, tl.minimum((s + 1) * TILES_PER, TILES)):
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        x = load_rows(K + b * skb + head * skh, offs_n, offs_d, skn, N, HEAD, D, UPCAST)
+        f = feature_map(
+            x, WIN, BW, head, H, offs_d, offs_g, U, HEAD, C, R, GATE, ELU, ROUND, UPCAST, PRECISION
+        )
+        keep = offs_n < N
+        if HAS_MASK:
+            keep = keep & (tl.load(VALID + b * s_valid + offs_n, mask=offs_n < N, other=0) != 0)
+        keep = keep[:, None]
+        if HEAD < D:
+            keep = keep & (offs_d[None, :] < HEAD)
+        f = tl.where(keep, f, tl.zeros_like(f))
+        v = load_rows(V + b * svb + head * svh, offs_n, offs_d, svn, N, HEAD, D, UPCAST)
+        kv += tl.dot(tl.trans(f), v, input_precision=PRECISION)
+        z += tl.sum(f.to(tl.float32), 0)
+    part = s * tl.num_programs(1) + bh
+    tl.store(KV + part * D * D + offs_d[:, None] * D + offs_d[None, :], kv)
+    tl.store(Z + part * D + offs_d, z)
+
+
+@triton.jit
+def query_output(
+    Q, KV, Z, WIN, BW, OUT,
+    sqb, sqh, sqn, sob, soh, son, N, H, eps,
+    BLOCK_N: tl.constexpr, D: tl.constexpr, DG: tl.constexpr,
+    U: tl.constexpr, HEAD: tl.constexpr, C: tl.constexpr, R: tl.constexpr, GATE: tl.constexpr,
+    ELU: tl.constexpr, ROUND: tl.constexpr, OUT_ROUND: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, FP32_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """out_i = phi(q_i)^T KV / (phi(q_i)^T z + eps) for a tile of the queries of bh, the two
+    products of the fp32 features (the model's `matmul_fp32`) and the summaries in
+    FP32_PRECISION; rounded to the output's dtype."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    head = bh % H
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    offs_g = tl.arange(0, DG)
+    x = load_rows(Q + b * sqb + head * sqh, offs_n, offs_d, sqn, N, HEAD, D, UPCAST)
+    f = feature_map(
+        x, WIN, BW, head, H, offs_d, offs_g, U, HEAD, C, R, GATE, ELU, ROUND, UPCAST, PRECISION
+    ).to(tl.float32)
+    if HEAD < D:
+        f = tl.where(offs_d[None, :] < HEAD, f, 0.0)
+    kv = tl.load(KV + bh * D * D + offs_d[:, None] * D + offs_d[None, :])
+    z = tl.load(Z + bh * D + offs_d)
+    num = tl.dot(f, kv, input_precision=FP32_PRECISION)
+    den = tl.sum(f * z[None, :], 1)
+    out = round_to(num * (1.0 / (den + eps))[:, None], OUT_ROUND, UPCAST)
+    if HEAD < D:
+        mask = (offs_n[:, None] < N) & (offs_d[None, :] < HEAD)
+    else:
+        mask = offs_n[:, None] < N
+    ptr = OUT + b * sob + head * soh + offs_n[:, None] * son + offs_d[None, :]
+    tl.store(ptr, out.to(OUT.dtype.element_ty), mask=mask)
