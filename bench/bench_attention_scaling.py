@@ -22,6 +22,10 @@ they ship; the warm-up forwards absorb the compilation.
     python bench/bench_attention_scaling.py --lengths 256 512 1024 2048 4096 8192 --out bench/results/scaling.json
     python bench/bench_attention_scaling.py --device cuda --dtype bf16 --lengths 256 512 1024 2048 4096 8192 16384 --out scaling_gpu.json
     python bench/bench_attention_scaling.py --device cuda --dtype bf16 --batch 8 --width 768 --heads 12 --no-mask --compile --lengths 2048 4096 8192
+    python bench/bench_attention_scaling.py --device cuda --dtype bf16 --batch 8 --width 768 --heads 12 --no-mask --compile --families softmax kernel kernel-triton --lengths 512 4096 8192
+
+`--families kernel-triton`: kernel attention (aoglu) with `kernel.inference_backend: triton`,
+its fused inference kernels (not in the default families: off CUDA it is `kernel`).
 
 Prints a markdown table with the speed-up of each family over softmax at every N, beside
 TransJect's Table 4 (5.0x to 26.3x inference speed-up, growing with sequence length).
@@ -44,7 +48,13 @@ FAMILY_CONFIGS = {
     "kernel": {"kernel": {"feature_map": "aoglu", "dropout": 0.0}},
     "kernel-elu": {"attention": "kernel", "kernel": {"feature_map": "elu", "dropout": 0.0}},
     "transject": {"transject": {"num_experts": 4}},
+    # kernel attention's fused inference kernels (CUDA; elsewhere the same as `kernel`)
+    "kernel-triton": {
+        "attention": "kernel",
+        "kernel": {"feature_map": "aoglu", "dropout": 0.0, "inference_backend": "triton"},
+    },
 }
+DEFAULT_FAMILIES = [family for family in FAMILY_CONFIGS if family != "kernel-triton"]
 
 
 def _peak_rss_mb() -> float:
@@ -149,7 +159,9 @@ def main() -> None:
     parser.add_argument(
         "--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192]
     )
-    parser.add_argument("--families", nargs="+", default=list(FAMILY_CONFIGS))
+    parser.add_argument(
+        "--families", nargs="+", default=DEFAULT_FAMILIES, choices=list(FAMILY_CONFIGS)
+    )
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=1)

@@ -26,6 +26,10 @@
 #    products autotuned against Inductor's Triton templates with the bias and GELU fused into
 #    them; not the pointwise tuning that kept max-autotune-no-cudagraphs from compiling within
 #    230 s): the 45% MFU target's lever (GELU and its backward 5.0 ms, LayerNorms 4.9 ms);
+#  0a kernel_triton: one layer's forward at 8 x 512 / 4096 / 8192 (no grad, compiled, unpadded):
+#    softmax, kernel attention (aoglu) as before, and with kernel.inference_backend=triton (its
+#    mixing in two fused Triton kernels): the kernel target, kernel >= softmax from N = 4096
+#    (0.91x compiled before); the scaling part's figures of that target;
 #  0 tisa_split: softmax and the TISA step on the split backend (SDPA with the bias detached, so
 #    cuDNN stays eligible; f's gradient by its own Triton kernels), compiled, unpadded: does it
 #    meet the 1.2x target? and tisasplit: its mixing step alone at the recipe's shape, with
@@ -75,7 +79,7 @@
 #    albert-large 512, and ZeRO-2.
 # A first call (BUDGET 540) runs targets, profile_targets and autotune_gemm (15 minutes of
 # device time, the start included, leave room for one call); a second one goes on
-# (ONLY="tisa_split transject_gj norm_output ...").
+# (ONLY="kernel_triton tisa_split transject_gj norm_output ...").
 # What the budget leaves out is named in pending.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -124,6 +128,8 @@ pass profile_targets 150 220 ENV_PART= PARTS=profile \
   "PROFILE=--families softmax tisa transject --padding none --steps 3 --warmup 2 --override engine.compile=true model.tisa.backend=split model.cayley_leaf_inverse=gauss_jordan model.transject.eigen_products=bf16x3 model.transject.residual_stream=compute"
 pass autotune_gemm 150 260 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=engine.compile_options.max_autotune_gemm=true \
   "PRETRAIN=--configs albert-base-512 --families softmax --padding none --steps 6 --timeout 250"
+pass kernel_triton 120 200 ENV_PART= PARTS=scaling \
+  "SCALING=--no-mask --compile --families softmax kernel kernel-triton --lengths 512 4096 8192"
 pass tisa_split 150 250 ENV_PART= PARTS="pretrain tisasplit objective" COMPILE=recipe EXTRA="model.tisa.backend=split" \
   "PRETRAIN=--configs albert-base-512 --families softmax tisa --padding none --steps 6 --timeout 115"
 pass transject_gj 200 300 ENV_PART= PARTS="pretrain cayley eigenproducts" COMPILE=recipe \

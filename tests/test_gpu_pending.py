@@ -55,6 +55,7 @@ def option_values(args: list[str], option: str) -> list[str]:
 
 
 def test_every_pass_is_well_formed(tmp_path):
+    from bench_attention_scaling import FAMILY_CONFIGS
     from bench_pretrain_throughput import FAMILIES, PRESETS, recipe_path
 
     from engine.recipe import build_config, load_recipe
@@ -73,6 +74,8 @@ def test_every_pass_is_well_formed(tmp_path):
         overrides = shlex.split(settings.get("EXTRA", ""))
         if settings.get("LAMB", "auto") not in ("auto", "torch", "deepspeed"):
             overrides.append(f"optimizer.implementation={settings['LAMB']}")
+        scaling = option_values(shlex.split(settings.get("SCALING", "")), "--families")
+        assert set(scaling) <= set(FAMILY_CONFIGS), f"pass {name}: scaling families {scaling}"
         families, bases = set(FAMILIES), {"albert-base"}
         for var in ("PRETRAIN", "PROFILE", "SYNCS"):
             args = shlex.split(settings.get(var, ""))

@@ -13,13 +13,11 @@ import torch
 from triton_support import run_in_triton_interpreter
 
 from model import EncoderConfig
-from model.attention.base import LayerContext
 from model.attention.kernel import KernelAttention
 
 INTERPRETER_CHECK = """
 import torch
 import model.attention.kernel_triton as kt
-from model.attention.base import LayerContext
 from model.attention.kernel import KernelAttention
 from model import EncoderConfig
 
@@ -206,7 +204,7 @@ def test_only_forwards_without_gradient_or_dropout_take_the_fused_kernels():
 def test_the_fused_backend_is_checked_in_the_config():
     """A misspelt backend, or the fused one with heads wider than the kernels take, is refused
     when the config is built, naming the key."""
-    with pytest.raises(ValueError, match="kernel.inference_backend"):
+    with pytest.raises(ValueError, match=r"kernel\.inference_backend"):
         _attention(inference_backend="trition")
     with pytest.raises(ValueError, match="head_dim=256"):
         EncoderConfig.preset(
