@@ -179,11 +179,17 @@ def to_yaml(data: dict[str, Any]) -> str:
 
 
 def diff_keys(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two nested dicts (missing counts as differing)."""
+    """Dotted keys whose values differ between two nested dicts (missing counts as differing).
+    A section on one side only is compared key by key against an empty one, so the keys are its
+    leaves (``model.kernel.inference_backend``, not ``model.kernel``)."""
     keys: list[str] = []
     for key in sorted(set(a) | set(b), key=str):
         where = f"{prefix}.{key}" if prefix else str(key)
         va, vb = a.get(key, _MISSING), b.get(key, _MISSING)
+        if isinstance(va, dict) and vb is _MISSING:
+            vb = {}
+        elif isinstance(vb, dict) and va is _MISSING:
+            va = {}
         if isinstance(va, dict) and isinstance(vb, dict):
             keys.extend(diff_keys(va, vb, where))
         elif va != vb:

@@ -320,12 +320,13 @@ def test_config_round_trips_through_yaml(tmp_path):
 def test_diff_keys_nested():
     a = {"x": 1, "s": {"a": 1, "b": {"c": 2, "d": [1, 2]}}, "gone": None}
     b = {"x": 1, "s": {"a": 1, "b": {"c": 3, "d": [1, 2], "e": 0}}, "new": {"k": 1}}
-    assert diff_keys(a, b) == ["gone", "new", "s.b.c", "s.b.e"]
+    assert diff_keys(a, b) == ["gone", "new.k", "s.b.c", "s.b.e"]  # a new section's leaves
     assert diff_keys(b, a) == diff_keys(a, b)
     assert diff_keys(a, a) == []
     assert diff_keys({"s": {"a": 1}}, {"s": 1}) == ["s"]  # a section against a value
     assert diff_keys({"l": [1, 2]}, {"l": [1, 3]}) == ["l"]  # lists compare whole
     assert diff_keys({"a": None}, {}) == ["a"]  # missing differs from None
+    assert diff_keys({"a": {}}, {}) == []  # an empty section holds no key
     assert diff_keys({"a": 1}, {"a": 1.0}) == []
 
 
