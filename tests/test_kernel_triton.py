@@ -18,6 +18,7 @@ from model.attention.kernel import KernelAttention
 INTERPRETER_CHECK = """
 import torch
 import model.attention.kernel_triton as kt
+from model.attention.base import LayerContext
 from model.attention.kernel import KernelAttention
 from model import EncoderConfig
 
