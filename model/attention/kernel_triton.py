@@ -146,7 +146,8 @@ def triton_kernel_attention(
     slices = -(-tiles // per_slice)
     kv = torch.empty(slices, B * H, D, D, dtype=torch.float32, device=q.device)
     z = torch.empty(slices, B * H, D, dtype=torch.float32, device=q.device)
-    key_summary[(slices, B * H)](
+    # (batch x head) on the grid's first axis, which allows 2^31 - 1 programs (the others 65535)
+    key_summary[(B * H, slices)](
         k, v, valid, win, bw, kv, z,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         valid.stride(0), N, H, tiles, per_slice,
@@ -155,7 +156,7 @@ def triton_kernel_attention(
     kv, z = kv.sum(0), z.sum(0)
 
     out = torch.empty(B, N, H, h, dtype=out_dtype, device=q.device)
-    query_output[(tiles, B * H)](
+    query_output[(B * H, tiles)](
         q, kv, z, win, bw, out,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(2), out.stride(1),
         N, H, eps,

@@ -118,12 +118,12 @@ def key_summary(
     U: tl.constexpr, HEAD: tl.constexpr, C: tl.constexpr, R: tl.constexpr, GATE: tl.constexpr,
     ELU: tl.constexpr, ROUND: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Partial sums over one slice of the keys of (batch, head) bh:
+    """Partial sums over one slice s of the keys of (batch, head) bh (grid: B H, slices):
     KV[s, bh] = sum_j phi(k_j) v_j^T (D, D) and Z[s, bh] = sum_j phi(k_j) (D), real keys only,
     in fp32 (products of the rounded features and values, fp32 accumulation)."""
-    s = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
+    bh = tl.program_id(0)
+    s = tl.program_id(1)
+    b = (bh // H).to(tl.int64)  # 64-bit offsets: a large batch passes 2^31 elements
     head = bh % H
     offs_d = tl.arange(0, D)
     offs_g = tl.arange(0, DG)
@@ -145,7 +145,7 @@ def key_summary(
         v = load_rows(V + b * svb + head * svh, offs_n, offs_d, svn, N, HEAD, D, UPCAST)
         kv += tl.dot(tl.trans(f), v, input_precision=PRECISION)
         z += tl.sum(f.to(tl.float32), 0)
-    part = s * tl.num_programs(1) + bh
+    part = s.to(tl.int64) * tl.num_programs(0) + bh
     tl.store(KV + part * D * D + offs_d[:, None] * D + offs_d[None, :], kv)
     tl.store(Z + part * D + offs_d, z)
 
@@ -159,12 +159,12 @@ def query_output(
     ELU: tl.constexpr, ROUND: tl.constexpr, OUT_ROUND: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, FP32_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """out_i = phi(q_i)^T KV / (phi(q_i)^T z + eps) for a tile of the queries of bh, the two
-    products of the fp32 features (the model's `matmul_fp32`) and the summaries in
-    FP32_PRECISION; rounded to the output's dtype."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
+    """out_i = phi(q_i)^T KV / (phi(q_i)^T z + eps) for a tile of the queries of bh (grid: B H,
+    tiles), the two products of the fp32 features (the model's `matmul_fp32`) and the summaries
+    in FP32_PRECISION; rounded to the output's dtype."""
+    bh = tl.program_id(0)
+    pid = tl.program_id(1)
+    b = (bh // H).to(tl.int64)  # 64-bit offsets: a large batch passes 2^31 elements
     head = bh % H
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
@@ -175,8 +175,8 @@ def query_output(
     ).to(tl.float32)
     if HEAD < D:
         f = tl.where(offs_d[None, :] < HEAD, f, 0.0)
-    kv = tl.load(KV + bh * D * D + offs_d[:, None] * D + offs_d[None, :])
-    z = tl.load(Z + bh * D + offs_d)
+    kv = tl.load(KV + bh.to(tl.int64) * D * D + offs_d[:, None] * D + offs_d[None, :])
+    z = tl.load(Z + bh.to(tl.int64) * D + offs_d)
     num = tl.dot(f, kv, input_precision=FP32_PRECISION)
     den = tl.sum(f * z[None, :], 1)
     out = round_to(num * (1.0 / (den + eps))[:, None], OUT_ROUND, UPCAST)

@@ -34,9 +34,9 @@ SPLIT_KERNEL_OPTIONS = {"BLOCK": 64, "num_warps": 8, "num_stages": 2}
 """Tile size and launch options of the Triton kernels (BLOCK x BLOCK score tiles). Chosen by
 compiling for the GPUs without one (`python bench/check_triton_kernels.py --variants`, at the
 recipe's shape): with 64 x 64 tiles, 8 warps and 2 stages the gradient kernel's four loads are
-pipelined (async copies, 64 KB of shared memory) and it needs 96-109 registers a thread on an
-H100 (238-240 on an A100), no spills; with 4 warps 180 (255 on an A100); 128 x 128 tiles spill
-on both (124 and 464-760 bytes). Not timed on a GPU yet: `bench_fast_paths.py tisa-backends
+pipelined (async copies, 64 KB of shared memory) and it needs 100-106 registers a thread on an
+H100 (234-244 on an A100), no spills; with 4 warps 183 (255 on an A100); 128 x 128 tiles spill
+on both (164 and 760 bytes). Not timed on a GPU yet: `bench_fast_paths.py tisa-backends
 --split-options` times alternatives."""
 
 

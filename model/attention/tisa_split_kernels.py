@@ -35,7 +35,7 @@ def row_lse(
     """LSE[b, h, i] = logsumexp_j(scale q_i . k_j + f(j - i)), real keys j only."""
     pid_i = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
+    b = (bh // H).to(tl.int64)  # 64-bit offsets: B N 3 d may pass 2^31 elements
     h = bh % H
     offs_i = pid_i * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, D)
@@ -84,7 +84,7 @@ def diagonal_grad(
     tiles = last - first  # tiles of this diagonal per sample
     samples = (B - part + SLICES - 1) // SLICES  # samples part, part + SLICES, ...
     for t in range(0, samples * tiles):  # one loop, so that Triton pipelines its loads
-        b = part + (t // tiles) * SLICES
+        b = (part + (t // tiles) * SLICES).to(tl.int64)  # 64-bit offsets, as in row_lse
         bi = first + t % tiles
         offs_i = bi * BLOCK + r
         offs_j = offs_i + shift * BLOCK
