@@ -37,8 +37,10 @@ KINDS = (
     # A compiled graph's own range: on CUDA the self time of the Triton kernels Inductor fused
     # (its matrix products and attention kernels stay aten operators, counted as such).
     ("fused by the compiler", ("compiledfxgraph", "triton_"), ()),
-    # row_lse, diagonal_grad: TISA's split backend (model/attention/tisa_split_kernels.py)
-    ("attention", ("attention", "flash", "cudnn", "flex", "fmha", "row_lse", "diagonal_grad"), ()),
+    # row_lse, diagonal_grad: TISA's split backend (model/attention/tisa_split_kernels.py);
+    # key_summary, query_output: kernel attention's inference kernels (kernel_triton_kernels.py)
+    ("attention", ("attention", "flash", "cudnn", "flex", "fmha", "row_lse", "diagonal_grad",
+                   "key_summary", "query_output"), ()),
     # gauss_jordan_inverse: the Cayley maps' leaves (model/orthogonal_kernels.py)
     ("linear algebra",
      ("linalg", "lu_factor", "lu_solve", "_lu", "solve", "inverse", "gauss_jordan"), ()),

@@ -38,6 +38,9 @@ sys.path.insert(0, str(REPO / "bench"))
         ("triton_poi_fused_add_mul_0", "fused by the compiler"),
         ("row_lse", "attention"),  # TISA's split backend, its own Triton kernels
         ("diagonal_grad", "attention"),
+        ("key_summary", "attention"),  # kernel attention's inference kernels
+        ("query_output", "attention"),
+        ("albatross::kernel_attention_inference", "attention"),
         ("gauss_jordan_inverse", "linear algebra"),  # the Cayley maps' leaves
     ],
 )
