@@ -34,6 +34,9 @@ how often they run, so a layer reports it only at the FIRST application of its w
 forward (`LayerContext.first_use`); the encoder's sum over applications then counts every
 distinct W once, whatever the depth. Without sharing this is the authors' sum over layers.
 
+Forwards without a gradient or dropout may run the mixing as two fused Triton kernels instead
+(`KernelConfig.inference_backend`, kernel_triton.py); training always runs the operators here.
+
 Legend: B batch, H heads, N tokens, h head width, r gate rank, c a unit's product width (h,
 2h or h + r). `q_BHNh` is (B, H, N, h), `w_Hhh` is (H, h, h); the feature maps and the sums run
 heads first, on (H, B, N, h) views such as `phi_q_HBNh` (`per_head_matmul`); `kvz_HBhH1` is
