@@ -15,6 +15,8 @@ rounding to bf16 (to nearest, ties to even, as on the GPU) is done on the bits.
 import triton
 import triton.language as tl
 
+from model.attention.triton_tiles import load_rows
+
 
 @triton.jit
 def round_to(x, ROUND: tl.constexpr, UPCAST: tl.constexpr):
@@ -45,23 +47,6 @@ def softplus(x):
     tiny = u == 1.0
     log1p = tl.where(tiny, e, tl.log(u) * (e / tl.where(tiny, 1.0, u - 1.0)))
     return tl.where(x > 20.0, x, log1p)
-
-
-@triton.jit
-def load_rows(
-    ptr, offs_n, offs_d, stride_n, N, HEAD: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr
-):
-    """Rows offs_n of an (N, h) head, zero outside, width padded to the power of two D. The
-    width is masked only when it is padded: a mask that varies along the contiguous dimension
-    stops Triton from vectorising the load."""
-    if HEAD < D:
-        mask = (offs_n[:, None] < N) & (offs_d[None, :] < HEAD)
-    else:
-        mask = offs_n[:, None] < N
-    x = tl.load(ptr + offs_n[:, None] * stride_n + offs_d[None, :], mask=mask, other=0.0)
-    if UPCAST:
-        x = x.to(tl.float32)
-    return x
 
 
 @triton.jit

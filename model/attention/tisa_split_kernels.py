@@ -7,22 +7,7 @@ TRITON_INTERPRET when these are defined (tests run them on CPU tensors in its in
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def load_rows(
-    ptr, offs_n, offs_d, stride_n, N, HEAD: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr
-):
-    """Rows offs_n of an (N, h) head, zero outside, widths padded to the power of two D. The
-    width is masked only when it is padded (HEAD < D): a mask that varies along the contiguous
-    dimension stops Triton from vectorising the load and from pipelining it (async copies)."""
-    if HEAD < D:
-        mask = (offs_n[:, None] < N) & (offs_d[None, :] < HEAD)
-    else:
-        mask = offs_n[:, None] < N
-    x = tl.load(ptr + offs_n[:, None] * stride_n + offs_d[None, :], mask=mask, other=0.0)
-    if UPCAST:
-        x = x.to(tl.float32)
-    return x
+from model.attention.triton_tiles import load_rows
 
 
 @triton.jit
