@@ -7,4 +7,5 @@ bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 ruff check .
 ruff format --check .
-python -m pytest -q "$@"
+# --durations: the slowest tests at the end of the log (the suite's 30-minute budget)
+python -m pytest -q --durations=25 "$@"
