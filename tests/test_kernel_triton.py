@@ -91,6 +91,12 @@ assert ((sp.double() - want).abs() <= 3e-7 * want.abs().clamp_min(1e-30)).all(),
 assert torch.equal(rb, x.bfloat16().float())
 print("ok helpers")
 
+# An empty batch launches nothing.
+empty = torch.empty(0, 2, 40, 32).bfloat16()
+out = kt.triton_kernel_attention(empty, empty, empty, None, None, None, 1e-6, torch.bfloat16)
+assert out.shape == (0, 2, 40, 32)
+print("ok empty")
+
 # The operator as torch.compile sees it: schema, fake tensor (shape, strides), dispatch.
 q, k, v = (torch.randn(2, 2, 40, 32).bfloat16() for _ in range(3))
 win = torch.randn(1, 2, 32, 40).bfloat16()
@@ -152,10 +158,10 @@ def test_fused_kernels_equal_the_torch_path_in_the_interpreter():
     """Every feature map (1-3 units, head widths 16-64 and padded ones), padded and unpadded
     keys, bf16 autocast and fp32, whole and partial tiles, the keys in one slice or several:
     the fused kernels' output within two bf16 ulps (fp32: 1e-5) of the torch path's; their
-    softplus and bf16 rounding against torch's; the operator's schema and fake tensor pass
-    torch's opcheck."""
+    softplus and bf16 rounding against torch's; an empty batch launches nothing; the
+    operator's schema and fake tensor pass torch's opcheck."""
     out = run_in_triton_interpreter(INTERPRETER_CHECK)
-    assert out.count("ok ") == 10, out
+    assert out.count("ok ") == 11, out
 
 
 @pytest.mark.integration
@@ -179,8 +185,8 @@ def _attention(**kernel) -> KernelAttention:
 def test_only_forwards_without_gradient_or_dropout_take_the_fused_kernels():
     """`fused_inference`: eval under no_grad, or a training-mode module without dropout under
     no_grad, on a device the kernels run on; never with a gradient to compute, with the
-    feature maps' dropout active, with `inference_backend: torch`, or on the CPU outside
-    Triton's interpreter."""
+    feature maps' dropout active, with `inference_backend: torch`, in fp64, or on the CPU
+    outside Triton's interpreter."""
     att = _attention(dropout=0.1)
     att.fused_on_cpu = True  # as in Triton's interpreter
     q, k, v = (torch.randn(2, 4, 16, 32) for _ in range(3))
@@ -200,6 +206,8 @@ def test_only_forwards_without_gradient_or_dropout_take_the_fused_kernels():
         plain = _attention(inference_backend="torch")
         plain.fused_on_cpu = True
         assert not plain.eval().fused_inference(q, k, v)
+        no_dropout.fused_on_cpu = True
+        assert not no_dropout.fused_inference(*(x.double() for x in (q, k, v)))  # fp64: torch
 
 
 def test_the_fused_backend_is_checked_in_the_config():

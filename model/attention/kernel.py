@@ -303,6 +303,11 @@ class KernelAttention(ScoreKernel):
             return False
         if not (q_BHNh.is_cuda or self.fused_on_cpu):
             return False
+        if (
+            compute_dtype(q_BHNh) not in kernel_triton.ROUND
+            or v_BHNh.dtype not in kernel_triton.ROUND
+        ):
+            return False  # fp64: the torch path
         if not self.fused_available:
             warnings.warn(
                 "kernel.inference_backend='triton' without Triton: inference runs the torch "

@@ -108,6 +108,8 @@ def triton_kernel_attention(
     B, H, N, h = q.shape
     if h > MAX_HEAD_DIM:
         raise ValueError(f"head width {h} > {MAX_HEAD_DIM}: the kernels keep h x h in registers")
+    if q.numel() == 0:  # nothing to launch
+        return v.new_zeros(B, N, H, h).transpose(1, 2)
     key_summary, query_output = _kernels()
     block_n = block_n or KERNEL_OPTIONS["BLOCK_N"]
     launch = {
