@@ -93,7 +93,7 @@ print("ok helpers")
 
 # An empty batch launches nothing.
 empty = torch.empty(0, 2, 40, 32).bfloat16()
-out = kt.triton_kernel_attention(empty, empty, empty, None, None, None, 1e-6, torch.bfloat16)
+out = kt.kernel_attention_inference(empty, empty, empty, None, None, None, 1e-6, torch.bfloat16)
 assert out.shape == (0, 2, 40, 32)
 print("ok empty")
 
@@ -129,8 +129,8 @@ mask = torch.ones(2, 48, dtype=torch.long)
 mask[1, 30:] = 0
 calls = []
 import model.attention.kernel_triton as kt
-real = kt.triton_kernel_attention
-kt.triton_kernel_attention = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+real = kt._kernels  # looked up by the operator at each call
+kt._kernels = lambda: calls.append(1) or real()
 with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
     want = plain(ids, mask).last_hidden_state.float()
     got = fused(ids, mask).last_hidden_state.float()

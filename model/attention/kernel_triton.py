@@ -85,7 +85,8 @@ def _fp32_precision(upcast: bool) -> str:
     return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
-def triton_kernel_attention(
+@torch.library.custom_op("albatross::kernel_attention_inference", mutates_args=())
+def kernel_attention_inference(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -94,28 +95,23 @@ def triton_kernel_attention(
     key_valid: Tensor | None,
     eps: float,
     dtype: torch.dtype,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
 ) -> Tensor:
-    """Non-causal kernel attention of (B, H, N, h) q, k, v by the two kernels.
+    """Non-causal kernel attention of (B, H, N, h) q, k, v by the two kernels, as one operator
+    (opaque to torch.compile: the kernels' launches and the partial sums are not traced).
 
     win: the units' input weights (U, H, h, c) in `dtype` ([W | V], [W | A] or W per unit, as
     `FeatureMapUnit.input_weight`), None for the elu+1 map; bw: the low-rank gates' B (U, H, r,
     h) for aoglu, else None; key_valid: (B, N) bool, True at real keys, or None (no padding);
     dtype: the compute dtype (bf16 under autocast). Returns (B, H, N, h) in v's dtype, a view of
-    a (B, N, H, h) tensor. Options left None come from `KERNEL_OPTIONS`."""
+    a (B, N, H, h) tensor. Tiles and launches: `KERNEL_OPTIONS`."""
     B, H, N, h = q.shape
     if h > MAX_HEAD_DIM:
         raise ValueError(f"head width {h} > {MAX_HEAD_DIM}: the kernels keep h x h in registers")
     if q.numel() == 0:  # nothing to launch
         return v.new_zeros(B, N, H, h).transpose(1, 2)
     key_summary, query_output = _kernels()
-    block_n = block_n or KERNEL_OPTIONS["BLOCK_N"]
-    launch = {
-        "num_warps": num_warps or KERNEL_OPTIONS["num_warps"],
-        "num_stages": num_stages or KERNEL_OPTIONS["num_stages"],
-    }
+    block_n = KERNEL_OPTIONS["BLOCK_N"]
+    launch = {"num_warps": KERNEL_OPTIONS["num_warps"], "num_stages": KERNEL_OPTIONS["num_stages"]}
     upcast = not q.is_cuda  # the interpreter: fp32 tiles of the rounded values
     out_dtype = v.dtype
     q, k, v = (x.to(dtype) if x.dtype != dtype else x for x in (q, k, v))
@@ -167,22 +163,6 @@ def triton_kernel_attention(
     return out.transpose(1, 2)
 
 
-@torch.library.custom_op("albatross::kernel_attention_inference", mutates_args=())
-def kernel_attention_inference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    win: Tensor | None,
-    bw: Tensor | None,
-    key_valid: Tensor | None,
-    eps: float,
-    dtype: torch.dtype,
-) -> Tensor:
-    """`triton_kernel_attention` as one operator, opaque to torch.compile (the kernels'
-    launches and the partial sums are not traced)."""
-    return triton_kernel_attention(q, k, v, win, bw, key_valid, eps, dtype)
-
-
 @kernel_attention_inference.register_fake
 def _(q, k, v, win, bw, key_valid, eps, dtype):
     B, H, N, h = q.shape
@@ -195,5 +175,4 @@ __all__ = [
     "importable",
     "interpreting",
     "kernel_attention_inference",
-    "triton_kernel_attention",
 ]
