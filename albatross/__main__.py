@@ -1,8 +1,6 @@
 """``python -m albatross <command> ...``: the same as the ``albatross`` command."""
 
-import sys
-
-from albatross.cli import main
+from albatross.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

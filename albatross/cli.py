@@ -202,5 +202,13 @@ def bench(argv: list[str]) -> int:
     return subprocess.call([*runner, str(script), *rest])
 
 
+def run() -> None:
+    """The ``albatross`` console script: ``main``, then the process ends without Python's
+    interpreter teardown (``engine/process_exit.py``)."""
+    from engine.process_exit import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

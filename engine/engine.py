@@ -111,7 +111,7 @@ from torch import nn
 from engine import ds_config
 from engine.checkpoint import CheckpointError
 from engine.distributed import DistEnv, detect, export_torch_env
-from engine.extensions import prepare_extensions
+from engine.extensions import import_deepspeed, prepare_extensions
 from engine.lamb import Lamb, attach_zero_layouts
 from engine.optim import (
     OptimizerConfig,
@@ -469,7 +469,7 @@ def check_compatible(cfg: EngineConfig, opt_cfg: OptimizerConfig, device: torch.
         )
     if cfg.backend == "deepspeed":
         try:
-            import deepspeed  # noqa: F401
+            import_deepspeed()
         except ImportError as e:
             raise RuntimeError(
                 "engine.backend='deepspeed' but DeepSpeed is not importable "
@@ -683,8 +683,7 @@ def init_distributed(dist: DistEnv, cfg: EngineConfig, device: torch.device) -> 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if cfg.backend == "deepspeed":
-        import deepspeed
-
+        deepspeed = import_deepspeed()
         deepspeed.init_distributed(
             dist_backend=backend, auto_mpi_discovery=False, timeout=timeout, verbose=False
         )
@@ -747,7 +746,7 @@ class Engine:
         self._ds: Any = None
         self._ddp: nn.Module | None = None
         if cfg.backend == "deepspeed":
-            import deepspeed
+            deepspeed = import_deepspeed()
 
             # DeepSpeed's ZeRO calls an API torch deprecated, once per step: not the user's
             # business, and it would flood every log.
@@ -1347,8 +1346,7 @@ class Engine:
         """Collective. Inside, ``self.module`` holds full parameters on every rank (ZeRO-3
         gathers them; otherwise nothing to do). Read-only: changes are not written back."""
         if self._ds is not None and self.cfg.zero_stage == 3:
-            import deepspeed
-
+            deepspeed = import_deepspeed()
             params = list(self.module.parameters())
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
                 yield self.module

@@ -34,6 +34,7 @@ import math
 import os
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -205,6 +206,21 @@ def check_extension_locks(
                     max_age / 60,
                 )
         time.sleep(poll_s)
+
+
+def import_deepspeed() -> types.ModuleType:
+    """``import deepspeed``, without its autotuner's import of MLflow (module docstring)."""
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        import deepspeed
+
+        return deepspeed
+    sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises
+    try:
+        import deepspeed
+    finally:
+        if sys.modules.get("mlflow", 0) is None:
+            del sys.modules["mlflow"]
+    return deepspeed
 
 
 def prepare_extensions() -> None:

@@ -64,6 +64,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from engine.extensions import import_deepspeed
+
 UNIVERSAL_DIR = "universal"
 """The sub-directory of a checkpoint that ``to_universal`` writes (and reuses once complete)."""
 UNIVERSAL_RECORD = "albatross_universal.json"
@@ -195,6 +197,7 @@ def to_universal(
     log = io.StringIO()
     start = time.perf_counter()
     try:
+        import_deepspeed()  # DeepSpeed without MLflow (engine/extensions.py)
         from deepspeed.checkpoint import ds_to_universal
 
         with contextlib.ExitStack() as stack:
@@ -367,4 +370,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from engine.process_exit import exit_process
+
+    exit_process(main())

@@ -182,4 +182,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from engine.process_exit import exit_process
+
+    exit_process(main())

@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -782,3 +783,34 @@ def test_stopwatch_budget():
     finally:
         for watch in (large, none, tiny):  # restore in reverse order of installation
             watch.restore()
+
+
+def test_deepspeed_is_imported_without_mlflow():
+    """import_deepspeed: DeepSpeed's autotuner does not import MLflow (0.8 s of every rank's
+    start-up), MLflow stays importable for the tracker, and a process that has already imported
+    MLflow keeps it."""
+    check = textwrap.dedent(
+        """
+        import sys
+        from engine.extensions import import_deepspeed
+        if sys.argv[1] == "preloaded":
+            import mlflow
+        import_deepspeed()
+        from deepspeed.autotuning import autotuner
+        print(autotuner.has_mlflow, "mlflow" in sys.modules)
+        import mlflow
+        from mlflow.tracking import MlflowClient
+        print(type(mlflow).__name__, MlflowClient.__name__)
+        """
+    )
+    for case, expected in (("fresh", "False False"), ("preloaded", "True True")):
+        proc = subprocess.run(
+            [sys.executable, "-c", check, case],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        lines = [line for line in proc.stdout.splitlines() if "[WARNING]" not in line]
+        assert lines == [expected, "module MlflowClient"], proc.stdout

@@ -1,0 +1,37 @@
+"""Ending a command-line process without Python's interpreter teardown.
+
+A process that has imported torch, torch._dynamo and DeepSpeed spends 0.4-1.2 s after its
+last line in Python's finalization (modules torn down one by one, a final garbage collection):
+measured on 2 CPU cores, `import torch` alone 0.35 s, with `torch._dynamo` and DeepSpeed
+1.1 s. Every rank of a job, every `--status` or `--print-config` call in a batch script and
+every launcher process pays it. `exit_process` does what that teardown must do and skips the
+rest: it waits for the threads Python would wait for (non-daemon ones), runs the `atexit`
+handlers (logging's flush, multiprocessing's clean-up of worker processes, the trackers'),
+flushes stdout and stderr, and ends the process with `os._exit`. Objects still alive are not
+finalised: nothing in this project leaves a file open for its finaliser to flush (every
+writer is closed by the code that opened it). ALBATROSS_FULL_EXIT=1 restores the normal exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+import threading
+from typing import NoReturn
+
+
+def exit_process(code: int | None) -> NoReturn:
+    """Ends the process with exit status `code` (None: 0) without the interpreter's teardown."""
+    code = 0 if code is None else code
+    if os.environ.get("ALBATROSS_FULL_EXIT") == "1":
+        sys.exit(code)
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed, or a reader that went away
+            stream.flush()
+    os._exit(code)

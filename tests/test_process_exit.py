@@ -1,0 +1,71 @@
+"""engine.process_exit: a command's process ends without the interpreter's teardown, yet with
+everything that teardown must do (threads joined, atexit handlers run, output flushed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent(
+    """
+    import atexit, sys, threading, time
+    from pathlib import Path
+    from engine.process_exit import exit_process
+
+    out = Path(sys.argv[1])
+
+    class Noisy:
+        def __del__(self):
+            print("finalised", flush=True)
+
+    keep = Noisy()  # alive until the interpreter's teardown
+    atexit.register(lambda: out.joinpath("atexit").write_text("ran"))
+
+    def late_writer():
+        time.sleep(0.3)
+        out.joinpath("thread").write_text("done")
+
+    threading.Thread(target=late_writer).start()  # not a daemon: Python waits for it
+    print("to stdout, buffered")  # stdout is a pipe: block-buffered, not yet written
+    sys.stderr.write("to stderr\\n")
+    exit_process(int(sys.argv[2]))
+    """
+)
+
+
+def run_script(tmp_path: Path, code: int, **env: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    environ = {k: v for k, v in os.environ.items() if k != "ALBATROSS_FULL_EXIT"}
+    environ.update(PYTHONPATH=str(REPO), **env)
+    return subprocess.run(
+        [sys.executable, str(script), str(tmp_path), str(code)],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=60,
+    )
+
+
+def test_exit_keeps_the_status_the_output_the_threads_and_the_atexit_handlers(tmp_path):
+    proc = run_script(tmp_path, 3)
+    assert proc.returncode == 3
+    assert proc.stdout == "to stdout, buffered\n"  # flushed; the finaliser did not run
+    assert proc.stderr == "to stderr\n"
+    assert (tmp_path / "thread").read_text() == "done"  # waited for, as Python would
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert run_script(tmp_path, 0).returncode == 0
+
+
+def test_full_exit_on_request(tmp_path):
+    """ALBATROSS_FULL_EXIT=1: the normal exit, teardown (and the finaliser) included."""
+    proc = run_script(tmp_path, 4, ALBATROSS_FULL_EXIT="1")
+    assert proc.returncode == 4
+    assert proc.stdout == "to stdout, buffered\nfinalised\n"
+    assert (tmp_path / "thread").read_text() == "done"
+    assert (tmp_path / "atexit").read_text() == "ran"
