@@ -5,11 +5,15 @@ last line in Python's finalization (modules torn down one by one, a final garbag
 measured on 2 CPU cores, `import torch` alone 0.35 s, with `torch._dynamo` and DeepSpeed
 1.1 s. Every rank of a job, every `--status` or `--print-config` call in a batch script and
 every launcher process pays it. `exit_process` does what that teardown must do and skips the
-rest: it waits for the threads Python would wait for (non-daemon ones), runs the `atexit`
-handlers (logging's flush, multiprocessing's clean-up of worker processes, the trackers'),
-flushes stdout and stderr, and ends the process with `os._exit`. Objects still alive are not
-finalised: nothing in this project leaves a file open for its finaliser to flush (every
-writer is closed by the code that opened it). ALBATROSS_FULL_EXIT=1 restores the normal exit.
+rest: it runs the `atexit` handlers (logging's flush, multiprocessing's clean-up of worker
+processes, the trackers'), flushes stdout and stderr, and ends the process with `os._exit`.
+Objects still alive are not finalised: nothing in this project leaves a file open for its
+finaliser to flush (every writer is closed by the code that opened it).
+
+Where a thread that Python would wait for is still running (a non-daemon thread, e.g. a
+`concurrent.futures` pool that torch.compile's workers leave behind, which Python stops through
+its threading hooks before joining it), the process exits normally instead.
+ALBATROSS_FULL_EXIT=1 always exits normally.
 """
 
 from __future__ import annotations
@@ -23,13 +27,14 @@ from typing import NoReturn
 
 
 def exit_process(code: int | None) -> NoReturn:
-    """Ends the process with exit status `code` (None: 0) without the interpreter's teardown."""
+    """Ends the process with exit status `code` (None: 0) without the interpreter's teardown
+    (module docstring)."""
     code = 0 if code is None else code
-    if os.environ.get("ALBATROSS_FULL_EXIT") == "1":
+    waits_for = [
+        t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon
+    ]
+    if waits_for or os.environ.get("ALBATROSS_FULL_EXIT") == "1":
         sys.exit(code)
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # closed, or a reader that went away

@@ -46,7 +46,7 @@ def wait_for_job(job_id: str, timeout: float = 600) -> None:
     while time.monotonic() < deadline:
         if job_state(job_id) is None:
             return
-        time.sleep(1)
+        time.sleep(0.25)
     subprocess.run(["scancel", job_id])
     raise TimeoutError(f"Slurm job {job_id} still queued/running after {timeout} s")
 

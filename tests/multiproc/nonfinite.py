@@ -92,3 +92,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from engine.process_exit import exit_process
+
+    exit_process(0)  # without the interpreter's teardown, as the commands end
