@@ -785,6 +785,7 @@ def test_stopwatch_budget():
             watch.restore()
 
 
+@pytest.mark.integration  # two interpreters importing DeepSpeed: 5 s
 def test_deepspeed_is_imported_without_mlflow():
     """import_deepspeed: DeepSpeed's autotuner does not import MLflow (0.8 s of every rank's
     start-up), MLflow stays importable for the tracker, and a process that has already imported
