@@ -1,5 +1,6 @@
 """engine.process_exit: a command's process ends without the interpreter's teardown, yet with
-everything that teardown must do (threads joined, atexit handlers run, output flushed)."""
+what that teardown must do (atexit handlers run, output flushed), and exits normally while a
+thread that Python would wait for is still running."""
 
 from __future__ import annotations
 
