@@ -12,9 +12,9 @@ ratios are taken pair by pair on a machine whose speed drifts:
 2. a process that imports torch, TorchDynamo and DeepSpeed and ends: normally (`sys.exit`),
    against `exit_process` (wall seconds of the whole process);
 3. a 2-rank DeepSpeed pretraining run of the debug recipe under `torchrun` (ZeRO-2 over gloo,
-   `--steps` steps on a tiny shard set): with MLflow imported first and
-   `ALBATROSS_FULL_EXIT=1` (what every rank did before), against the project as it is (wall
-   seconds of the whole `torchrun`). Both go through the same small wrapper.
+   `--steps` steps on the tiny shard set of `bench_host_syncs.make_shards`): with MLflow
+   imported first and `ALBATROSS_FULL_EXIT=1` (what every rank did before), against the
+   project as it is (wall seconds of the whole `torchrun`). Both go through the same small wrapper.
 
 MLflow must be installed for 1 and 3 to differ (the `mlflow` extra; the test environment has
 it). Medians over `--repeats` pairs; the JSON has every run.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -102,17 +103,6 @@ def paired(name: str, a, b, repeats: int) -> dict:
     return out
 
 
-def make_shards(root: Path) -> Path:
-    """A tokenizer (vocabulary 300) and two shards of 32-token examples of the embedded corpus."""
-    from data_prep.shards import ShardConfig, build_shards
-    from data_prep.tokenizer import write_tokenizer
-
-    write_tokenizer(root / "tokenizer", inputs=["embedded:60"], vocab_size=300)
-    cfg = ShardConfig(inputs=("embedded:60",), num_shards=2, max_seq_length=32, seed=0)
-    build_shards(cfg, root / "tokenizer" / "tokenizer.json", root / "shards", workers=1)
-    return root / "shards"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -148,7 +138,9 @@ def main() -> int:
         )
     if "job" in args.parts:
         with tempfile.TemporaryDirectory(prefix="bench_startup_") as tmp:
-            shards = make_shards(Path(tmp) / "data")
+            from bench_host_syncs import make_shards  # bench/ (this script's folder)
+
+            shards = make_shards(Path(tmp) / "data", seq=32)
             run_dir = Path(tmp) / "run"
             overrides = [
                 f"data.shards={shards}",
@@ -180,8 +172,6 @@ def main() -> int:
             plain_env = child_env(BENCH_PRELOAD_MLFLOW="1", ALBATROSS_FULL_EXIT="1")
 
             def job(environ: dict[str, str]) -> float:
-                import shutil
-
                 shutil.rmtree(run_dir, ignore_errors=True)
                 return run(cmd, environ)[0]
 
