@@ -136,11 +136,21 @@ class KernelConfig:
     Triton and a head width of at most 128; training steps and forwards that need a gradient
     or drop out the feature maps' inputs always run `torch`."""
 
+    training_backend: Literal["torch", "triton"] = "torch"
+    """How the mixing of forwards that need a gradient or drop out (training steps) runs on
+    CUDA: `torch`, separate operators (fp32 copies of the features, two fp32 products, the
+    normalisation, each writing its result); `triton`, the feature maps as in `torch` (their
+    operators and dropout) and the mixing after them as one operator of four Triton kernels, two
+    in the forward and two in the backward, which keeps only its inputs and a per-head summary
+    for the backward. Equal to `torch` up to the order of sums (docs/performance.md). Needs
+    Triton and a head width of at most 128."""
+
     def __post_init__(self) -> None:
         _check_choice(
             "kernel.feature_map", self.feature_map, ("ffn", "glu", "oglu", "aoglu", "elu")
         )
         _check_choice("kernel.inference_backend", self.inference_backend, ("torch", "triton"))
+        _check_choice("kernel.training_backend", self.training_backend, ("torch", "triton"))
         _check_positive("kernel.num_stacked", self.num_stacked)
         _check_positive("kernel.gate_rank_divisor", self.gate_rank_divisor)
         _check_positive("kernel.orthogonality_penalty", self.orthogonality_penalty, True)

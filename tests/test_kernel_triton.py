@@ -1,8 +1,9 @@
-"""Kernel attention's fused inference kernels (`kernel.inference_backend: triton`).
+"""Kernel attention's fused kernels: the inference kernels (`kernel.inference_backend: triton`)
+and the training mixing (`kernel.training_backend: triton`).
 
 Their arithmetic runs in Triton's interpreter on CPU tensors against the `torch` path (the same
-module, the same weights), alone and inside the encoder, eager and compiled; which forwards take
-them is checked in-process. Their compilation for an H100 is in test_triton_kernels.py; their
+module, the same weights, the same dropout masks) and, for gradients, an fp64 copy of it, alone
+and inside the encoder, eager and compiled; which forwards take them is checked in-process. Their compilation for an H100 is in test_triton_kernels.py; their
 speed is a GPU measurement (bench/bench_attention_scaling.py, family `kernel-triton`).
 """
 
@@ -173,6 +174,177 @@ def test_encoder_inference_runs_the_fused_kernels_eager_and_compiled():
     assert out.count("ok ") == 3, out
 
 
+TRAINING_CHECK = """
+import copy
+import torch
+import model.attention.kernel_triton as kt
+from model.attention.base import LayerContext
+from model.attention.kernel import KernelAttention
+from model import EncoderConfig
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+torch.manual_seed(0)
+cases = [  # feature map, units, head width, padded, bf16 inputs, tile, programs per launch
+    ("aoglu", 1, 64, True, True, 64, 512),  # the albert-base recipe's map
+    ("aoglu", 3, 24, False, True, 32, 4),  # LRA's 3 units; width padded to 32; query slices
+    ("ffn", 1, 64, True, False, 32, 1),  # one slice; fp32 q, k, v under bf16 autocast
+    ("glu", 2, 32, True, None, 32, 512),  # fp32, no autocast
+    ("elu", 1, 16, True, True, 16, 8),
+]
+for fm, units, h, padded, bf16, block, programs in cases:
+    kt.KERNEL_OPTIONS["BLOCK_N"] = block
+    kt.PROGRAMS_PER_LAUNCH = programs
+    B, H, N = 3, 2, 100
+    cfg = EncoderConfig.preset(
+        "debug", hidden_size=H * h, num_attention_heads=H, intermediate_size=64,
+        attention="kernel", kernel={"feature_map": fm, "num_stacked": units, "dropout": 0.1,
+                                    "training_backend": "triton"},
+    )
+    fused = KernelAttention(cfg).train()
+    plain = copy.deepcopy(fused)
+    plain.training_backend = "torch"
+    exact = copy.deepcopy(plain).double()
+    qkv = torch.randn(B, N, 3, H, h) * 2
+    mask = torch.ones(B, N, dtype=torch.bool)
+    if padded:
+        mask[1, 61:] = False
+        mask[2, 3:] = False
+    ctx = LayerContext(mask_BN=mask, padded=padded)
+    grad = torch.randn(B, N, H, h, dtype=torch.float64)
+    results = []
+    for att in (fused, plain, exact):
+        x = qkv.double() if att is exact else qkv.bfloat16() if bf16 else qkv.clone()
+        x.requires_grad_()
+        # q, k, v as views of one (B, N, 3, H, h) projection, as the model gives them
+        q, k, v = (t.transpose(1, 2) for t in x.unbind(2))
+        torch.manual_seed(1)  # the same dropout masks in all three
+        autocast = bf16 is not None and att is not exact
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            assert att.fused_training(q, v) == (att is fused)
+            out, aux = att(q, k, v, ctx)
+        assert out.dtype == x.dtype and out.shape == (B, H, N, h)
+        (out.double().transpose(1, 2) * grad).sum().backward()
+        res = {"out": out.detach().double(), "qkv": x.grad.double()}
+        res.update({n: p.grad.double() for n, p in att.named_parameters()})
+        results.append(res)
+    got, want, ref = results
+    assert got.keys() == want.keys() == ref.keys()
+    for name in ref:
+        # as far from fp64 as the torch path (the same roundings), and close to it
+        err, err_plain = rel(got[name], ref[name]), rel(want[name], ref[name])
+        assert err <= 1.02 * err_plain + 1e-6, (fm, units, h, padded, bf16, name, err, err_plain)
+        diff = rel(got[name], want[name])
+        assert diff <= (2**-12 if bf16 is not None else 1e-6), (fm, name, diff)
+    print("ok", fm, units, h, padded, bf16, block, programs, f"{err:.3g}", f"{err_plain:.3g}")
+
+# The operators as torch.compile sees them: schema, fake tensors, autograd registration and
+# AOT dispatch (the backward through the backward operator).
+fq, fk = ((torch.rand(2, 2, 40, 32) + 0.1).bfloat16().requires_grad_() for _ in range(2))
+v = torch.randn(2, 40, 3, 2, 32).bfloat16().unbind(2)[2].transpose(1, 2).detach()
+v.requires_grad_()
+mask = torch.ones(2, 40, dtype=torch.bool)
+mask[1, 20:] = False
+torch.library.opcheck(kt.kernel_attention_mixing, (fq, fk, v, mask, 1e-6, torch.bfloat16))
+out, kv, z = kt.kernel_attention_mixing(fq, fk, v, mask, 1e-6, torch.bfloat16)
+args = (torch.randn_like(out), fq.detach(), fk.detach(), v.detach(), kv, z, mask, 1e-6,
+        torch.bfloat16)
+torch.library.opcheck(kt.kernel_attention_mixing_backward, args)
+print("ok opcheck")
+
+# An empty batch launches nothing, forward or backward.
+empty = torch.empty(0, 2, 40, 32).bfloat16().requires_grad_()
+kt.kernel_attention_train(empty, empty, empty, None, 1e-6, torch.bfloat16).sum().backward()
+assert empty.grad.shape == empty.shape
+print("ok empty")
+"""
+
+
+ENCODER_TRAINING_CHECK = """
+import copy
+import torch
+from model import Encoder, EncoderConfig
+import model.attention.kernel_triton as kt
+
+torch.manual_seed(0)
+cfg = EncoderConfig.preset(
+    "debug", attention="kernel", num_hidden_layers=2, vocab_size=300,
+    kernel={"feature_map": "aoglu", "num_stacked": 1, "training_backend": "triton"},
+)
+fused = Encoder(cfg).train()
+plain = copy.deepcopy(fused)
+for module in plain.modules():
+    if hasattr(module, "training_backend"):
+        module.training_backend = "torch"
+ids = torch.randint(5, 300, (2, 48))
+mask = torch.ones(2, 48, dtype=torch.long)
+mask[1, 30:] = 0
+weights = torch.randn(2, 48, cfg.hidden_size, dtype=torch.float64)
+calls = []
+real = kt._kernels  # looked up by the operators at each call
+kt._kernels = lambda: calls.append(1) or real()
+
+def step(model, autocast=True):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)  # the same dropout masks
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(ids, mask).last_hidden_state
+    (out.double() * weights).sum().backward()
+    return {n.removeprefix("_orig_mod."): p.grad.double()
+            for n, p in model.named_parameters() if p.grad is not None}
+
+def worst(a, b):  # (a compiled step also gives the unused pooler zero gradients)
+    assert a.keys() >= b.keys()
+    return max(((a[n] - b[n]).norm() / b[n].norm()).item() for n in b)
+
+L = cfg.num_hidden_layers
+# Training mode, dropout on: the same masks, the same gradients up to rounding.
+want, got = step(plain), step(fused)
+assert len(calls) == 2 * L, calls  # a forward and a backward operator per layer
+diff = worst(got, want)
+assert diff <= 2**-10, diff
+print("ok train", f"{diff:.3g}")
+# Compiled (Inductor draws its own dropout masks): eval mode, the parameters still need
+# gradients, so the training operator runs; every result against an fp64 copy.
+fused.eval()
+plain.eval()
+exact = step(copy.deepcopy(plain).double(), autocast=False)
+errs = {
+    "torch": worst(step(plain), exact),
+    "triton": worst(step(fused), exact),
+    "torch compiled": worst(step(torch.compile(plain)), exact),
+    "triton compiled": worst(step(torch.compile(fused)), exact),
+}
+assert len(calls) == 6 * L, calls  # the compiled step runs the operators too
+assert errs["triton"] <= 1.02 * errs["torch"], errs
+assert errs["triton compiled"] <= 1.1 * max(errs["torch"], errs["torch compiled"]), errs
+print("ok compiled", errs)
+"""
+
+
+@pytest.mark.integration
+def test_training_mixing_equals_the_torch_path_in_the_interpreter():
+    """The training mixing (`kernel.training_backend: triton`) in one layer: every feature map
+    (1-3 units, head widths 16-64 and padded ones), padded and unpadded keys, bf16 and fp32 q, k,
+    v under bf16 autocast and fp32 without, the recipe's dropout, one or several query slices:
+    the output and every gradient (q, k, v and the feature maps' weights) as far from an fp64
+    copy as the torch path's and within 2^-12 of it (fp32: 1e-6); both operators pass torch's
+    opcheck (schema, fake tensors, autograd registration, AOT dispatch); an empty batch."""
+    out = run_in_triton_interpreter(TRAINING_CHECK)
+    assert out.count("ok ") == 7, out
+
+
+@pytest.mark.integration
+def test_encoder_training_runs_the_fused_mixing_eager_and_compiled():
+    """An encoder with `kernel.training_backend: triton`: a training step (dropout on) calls
+    the forward and backward operators once per layer and gives the torch path's gradients up
+    to rounding; eager and compiled, its gradients are as close to an fp64 copy's as the torch
+    path's."""
+    out = run_in_triton_interpreter(ENCODER_TRAINING_CHECK, timeout=600)
+    assert out.count("ok ") == 2, out
+
+
 def _attention(**kernel) -> KernelAttention:
     cfg = EncoderConfig.preset(
         "debug",
@@ -210,17 +382,39 @@ def test_only_forwards_without_gradient_or_dropout_take_the_fused_kernels():
         assert not no_dropout.fused_inference(*(x.double() for x in (q, k, v)))  # fp64: torch
 
 
+def test_training_forwards_take_the_fused_mixing_only_where_it_runs():
+    """`fused_training`: with `training_backend: triton`, on a device the kernels run on, in
+    bf16 / fp32; not with `torch`, in fp64, or on the CPU outside Triton's interpreter; a
+    forward that can take the inference kernels takes those first."""
+    att = _attention(inference_backend="torch", training_backend="triton")
+    att.fused_on_cpu = True  # as in Triton's interpreter
+    q, v = torch.randn(2, 4, 16, 32), torch.randn(2, 4, 16, 32)
+    assert att.fused_training(q, v)
+    assert att.fused_training(q.bfloat16(), v.bfloat16())
+    assert not att.fused_training(q.double(), v.double())
+    att.fused_on_cpu = False
+    assert not att.fused_training(q, v)
+    plain = _attention(training_backend="torch")
+    plain.fused_on_cpu = True
+    assert not plain.fused_training(q, v)
+    both = _attention(inference_backend="triton", training_backend="triton", dropout=0.0)
+    both.fused_on_cpu = True
+    with torch.no_grad():
+        assert both.eval().fused_inference(q, q, v)
+
+
 def test_the_fused_backend_is_checked_in_the_config():
-    """A misspelt backend, or the fused one with heads wider than the kernels take, is refused
+    """A misspelt backend, or a fused one with heads wider than the kernels take, is refused
     when the config is built, naming the key."""
-    with pytest.raises(ValueError, match=r"kernel\.inference_backend"):
-        _attention(inference_backend="trition")
-    with pytest.raises(ValueError, match="head_dim=256"):
-        EncoderConfig.preset(
-            "debug",
-            attention="kernel",
-            hidden_size=512,
-            num_attention_heads=2,
-            kernel={"inference_backend": "triton"},
-        )
-    EncoderConfig.preset("debug", attention="kernel", kernel={"inference_backend": "triton"})
+    for option in ("inference_backend", "training_backend"):
+        with pytest.raises(ValueError, match=rf"kernel\.{option}"):
+            _attention(**{option: "trition"})
+        with pytest.raises(ValueError, match=rf"kernel\.{option}='triton'.*head_dim=256"):
+            EncoderConfig.preset(
+                "debug",
+                attention="kernel",
+                hidden_size=512,
+                num_attention_heads=2,
+                kernel={option: "triton"},
+            )
+        EncoderConfig.preset("debug", attention="kernel", kernel={option: "triton"})

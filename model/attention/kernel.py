@@ -34,8 +34,10 @@ how often they run, so a layer reports it only at the FIRST application of its w
 forward (`LayerContext.first_use`); the encoder's sum over applications then counts every
 distinct W once, whatever the depth. Without sharing this is the authors' sum over layers.
 
-Forwards without a gradient or dropout may run the mixing as two fused Triton kernels instead
-(`KernelConfig.inference_backend`, kernel_triton.py); training always runs the operators here.
+Forwards without a gradient or dropout may run the feature maps and the mixing as two fused
+Triton kernels instead (`KernelConfig.inference_backend`, kernel_triton.py); training forwards
+may run the mixing after the feature maps as one fused operator, four Triton kernels with its
+backward (`KernelConfig.training_backend`).
 
 Legend: B batch, H heads, N tokens, h head width, r gate rank, c a unit's product width (h,
 2h or h + r). `q_BHNh` is (B, H, N, h), `w_Hhh` is (H, h, h); the feature maps and the sums run
@@ -266,10 +268,13 @@ class KernelAttention(ScoreKernel):
         self.eps = kc.eps
         self.penalty = kc.orthogonality_penalty
         self.inference_backend = kc.inference_backend
+        self.training_backend = kc.training_backend
         # Where the fused kernels can run, decided once (not in a traced forward): CUDA with
         # Triton, or any device in Triton's interpreter (tests).
         self.fused_on_cpu = kernel_triton.interpreting()
-        self.fused_available = kc.inference_backend == "triton" and kernel_triton.importable()
+        self.triton_importable = "triton" in (kc.inference_backend, kc.training_backend) and (
+            kernel_triton.importable()
+        )
         self.phi = EluFeatureMap() if kc.feature_map == "elu" else FeedForwardFeatureMap(cfg)
         if self.penalty > 0 and kc.feature_map not in ORTHOGONAL_MAPS:
             warnings.warn(
@@ -289,6 +294,27 @@ class KernelAttention(ScoreKernel):
         error = self.phi.orthogonality_error() if self.penalty > 0 else None
         return None if error is None else PENALTY_CALLS_PER_FORWARD * self.penalty * error
 
+    def _fused_runs(self, q_BHNh: Tensor, v_BHNh: Tensor, option: str) -> bool:
+        """Whether the Triton kernels run on these inputs: on CUDA (or in Triton's interpreter),
+        in a dtype they take, with Triton installed; without Triton, `option` falls back to
+        `torch` with a warning."""
+        if not (q_BHNh.is_cuda or self.fused_on_cpu):
+            return False
+        if (
+            compute_dtype(q_BHNh) not in kernel_triton.ROUND
+            or v_BHNh.dtype not in kernel_triton.ROUND
+        ):
+            return False  # fp64: the torch path
+        if not self.triton_importable:
+            warnings.warn(
+                f"kernel.{option}='triton' without Triton: the torch path runs instead; "
+                "install the triton that matches torch",
+                stacklevel=3,
+            )
+            setattr(self, option, "torch")
+            return False
+        return True
+
     def fused_inference(self, q_BHNh: Tensor, k_BHNh: Tensor, v_BHNh: Tensor) -> bool:
         """Whether this forward runs the fused Triton kernels (`kernel.inference_backend:
         triton`): on a device they run on, with nothing that needs a gradient and no dropout."""
@@ -301,33 +327,35 @@ class KernelAttention(ScoreKernel):
             or any(p.requires_grad for p in self.parameters())
         ):
             return False
-        if not (q_BHNh.is_cuda or self.fused_on_cpu):
+        return self._fused_runs(q_BHNh, v_BHNh, "inference_backend")
+
+    def fused_training(self, q_BHNh: Tensor, v_BHNh: Tensor) -> bool:
+        """Whether the mixing after the feature maps runs as the fused training operator
+        (`kernel.training_backend: triton`), on a device its kernels run on; asked of the
+        forwards that do not take the inference kernels."""
+        if self.training_backend != "triton":
             return False
-        if (
-            compute_dtype(q_BHNh) not in kernel_triton.ROUND
-            or v_BHNh.dtype not in kernel_triton.ROUND
-        ):
-            return False  # fp64: the torch path
-        if not self.fused_available:
-            warnings.warn(
-                "kernel.inference_backend='triton' without Triton: inference runs the torch "
-                "path; install the triton that matches torch",
-                stacklevel=2,
-            )
-            self.inference_backend = "torch"
-            return False
-        return True
+        return self._fused_runs(q_BHNh, v_BHNh, "training_backend")
 
     def forward(
         self, q_BHNh: Tensor, k_BHNh: Tensor, v_BHNh: Tensor, ctx: LayerContext
     ) -> tuple[Tensor, AuxLosses]:
         dtype = compute_dtype(q_BHNh)
+        key_valid_BN = ctx.mask_BN if ctx.padded else None
         if self.fused_inference(q_BHNh, k_BHNh, v_BHNh):
             win, bw = self.phi.fused_weights(dtype)
-            key_valid = ctx.mask_BN if ctx.padded else None
             out_BHNh = kernel_triton.kernel_attention_inference(
-                q_BHNh, k_BHNh, v_BHNh, win, bw, key_valid, self.eps, dtype
+                q_BHNh, k_BHNh, v_BHNh, win, bw, key_valid_BN, self.eps, dtype
             )
+            return out_BHNh, self._aux(ctx)
+        if self.fused_training(q_BHNh, v_BHNh):
+            # The feature maps as below (their operators, their dropout), the mixing fused.
+            phi_q_BHNh, phi_k_BHNh = self.phi(q_BHNh), self.phi(k_BHNh)
+            with torch.autocast(q_BHNh.device.type, enabled=False):
+                out_BHNh = kernel_triton.kernel_attention_train(
+                    phi_q_BHNh.to(dtype), phi_k_BHNh.to(dtype), v_BHNh, key_valid_BN, self.eps,
+                    dtype,
+                )  # fmt: skip
             return out_BHNh, self._aux(ctx)
         # Heads first (views): the feature maps' products and the two products below batch
         # over (H, B) without copying the projection's strided q, k, v.
@@ -394,19 +422,20 @@ def kernel_mixing_flops(cfg: EncoderConfig, seq_len: int) -> int:
 
 
 def validate(cfg: EncoderConfig) -> None:
-    """The aoglu gate needs a rank of at least 1; the fused inference kernels a head width of at
-    most `kernel_triton.MAX_HEAD_DIM`."""
+    """The aoglu gate needs a rank of at least 1; the fused kernels (inference and training) a
+    head width of at most `kernel_triton.MAX_HEAD_DIM`."""
     if cfg.kernel.feature_map == "aoglu" and cfg.head_dim // cfg.kernel.gate_rank_divisor < 1:
         raise ValueError(
             f"kernel.gate_rank_divisor={cfg.kernel.gate_rank_divisor} leaves rank 0 "
             f"for head_dim={cfg.head_dim}"
         )
-    if cfg.kernel.inference_backend == "triton" and cfg.head_dim > kernel_triton.MAX_HEAD_DIM:
-        raise ValueError(
-            f"kernel.inference_backend='triton' takes heads of at most "
-            f"{kernel_triton.MAX_HEAD_DIM} wide, not head_dim={cfg.head_dim} (hidden_size / "
-            "num_attention_heads): use kernel.inference_backend='torch'"
-        )
+    for option in ("inference_backend", "training_backend"):
+        if getattr(cfg.kernel, option) == "triton" and cfg.head_dim > kernel_triton.MAX_HEAD_DIM:
+            raise ValueError(
+                f"kernel.{option}='triton' takes heads of at most "
+                f"{kernel_triton.MAX_HEAD_DIM} wide, not head_dim={cfg.head_dim} (hidden_size / "
+                f"num_attention_heads): use kernel.{option}='torch'"
+            )
 
 
 FAMILY = AttentionFamily(

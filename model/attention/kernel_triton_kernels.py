@@ -171,3 +171,90 @@ def query_output(
         mask = offs_n[:, None] < N
     ptr = OUT + b * sob + head * soh + offs_n[:, None] * son + offs_d[None, :]
     tl.store(ptr, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def query_grad(
+    Q, DO, KV, Z, DQ, DKV, DZ,
+    sqb, sqh, sqn, sdob, sdoh, sdon, sdqb, sdqh, sdqn, N, H, eps, TILES, TILES_PER,
+    BLOCK_N: tl.constexpr, D: tl.constexpr, HEAD: tl.constexpr, ROUND: tl.constexpr,
+    UPCAST: tl.constexpr, FP32_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The training mixing's backward on the queries' side, over one slice s of the queries of
+    bh (grid: B H, slices). With the features f_i = phi(q_i) given (Q), [KV | z] the forward's
+    fp32 summary, num_i = f_i KV, r_i = 1 / (f_i . z + eps) and out_i = num_i r_i:
+    dnum_i = dout_i r_i, dden_i = -(dout_i . num_i) r_i^2,
+    DQ_i = dnum_i KV^T + dden_i z (rounded to the compute dtype ROUND), and the slice's partial sums
+    DKV[s, bh] = sum_i f_i^T dnum_i, DZ[s, bh] = sum_i dden_i f_i (fp32). Every product of an
+    fp32 tile in FP32_PRECISION, as the default path's fp32 products."""
+    bh = tl.program_id(0)
+    s = tl.program_id(1)
+    b = (bh // H).to(tl.int64)  # 64-bit offsets: a large batch passes 2^31 elements
+    head = bh % H
+    offs_d = tl.arange(0, D)
+    kv = tl.load(KV + bh.to(tl.int64) * D * D + offs_d[:, None] * D + offs_d[None, :])
+    z = tl.load(Z + bh.to(tl.int64) * D + offs_d)
+    dkv = tl.zeros([D, D], tl.float32)
+    dz = tl.zeros([D], tl.float32)
+    for t in range(s * TILES_PER, tl.minimum((s + 1) * TILES_PER, TILES)):
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        f = load_rows(Q + b * sqb + head * sqh, offs_n, offs_d, sqn, N, HEAD, D, UPCAST)
+        f = f.to(tl.float32)
+        do = load_rows(DO + b * sdob + head * sdoh, offs_n, offs_d, sdon, N, HEAD, D, UPCAST)
+        do = do.to(tl.float32)
+        num = tl.dot(f, kv, input_precision=FP32_PRECISION)
+        r = 1.0 / (tl.sum(f * z[None, :], 1) + eps)
+        dnum = do * r[:, None]
+        dden = -tl.sum(do * num, 1) * r * r
+        dq = tl.dot(dnum, tl.trans(kv), input_precision=FP32_PRECISION) + dden[:, None] * z[None, :]
+        if HEAD < D:
+            mask = (offs_n[:, None] < N) & (offs_d[None, :] < HEAD)
+        else:
+            mask = offs_n[:, None] < N
+        ptr = DQ + b * sdqb + head * sdqh + offs_n[:, None] * sdqn + offs_d[None, :]
+        tl.store(ptr, round_to(dq, ROUND, UPCAST).to(DQ.dtype.element_ty), mask=mask)
+        dkv += tl.dot(tl.trans(f), dnum, input_precision=FP32_PRECISION)
+        dz += tl.sum(f * dden[:, None], 0)
+    part = s.to(tl.int64) * tl.num_programs(0) + bh
+    tl.store(DKV + part * D * D + offs_d[:, None] * D + offs_d[None, :], dkv)
+    tl.store(DZ + part * D + offs_d, dz)
+
+
+@triton.jit
+def key_grad(
+    K, V, VALID, DKV, DZ, DK, DV,
+    skb, skh, skn, svb, svh, svn, s_valid, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, N, H,
+    HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, HEAD: tl.constexpr,
+    ROUND: tl.constexpr, UPCAST: tl.constexpr, FP32_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The training mixing's backward on the keys' side, for a tile of the keys of bh (grid:
+    B H, tiles): with the features g_j = phi(k_j) given (K) and the summary's gradient [DKV |
+    DZ] (fp32, summed over the queries), DK_j = DKV v_j + DZ and DV_j = DKV^T g_j at real keys,
+    zero at padding keys (they contributed nothing), rounded to the compute dtype ROUND."""
+    bh = tl.program_id(0)
+    pid = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    head = bh % H
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    g = load_rows(K + b * skb + head * skh, offs_n, offs_d, skn, N, HEAD, D, UPCAST)
+    v = load_rows(V + b * svb + head * svh, offs_n, offs_d, svn, N, HEAD, D, UPCAST)
+    dkv = tl.load(DKV + bh.to(tl.int64) * D * D + offs_d[:, None] * D + offs_d[None, :])
+    dz = tl.load(DZ + bh.to(tl.int64) * D + offs_d)
+    keep = offs_n < N
+    if HAS_MASK:
+        keep = keep & (tl.load(VALID + b * s_valid + offs_n, mask=offs_n < N, other=0) != 0)
+    keep = keep[:, None]
+    dk = tl.dot(v.to(tl.float32), tl.trans(dkv), input_precision=FP32_PRECISION) + dz[None, :]
+    dk = tl.where(keep, dk, 0.0)
+    g = tl.where(keep, g.to(tl.float32), 0.0)
+    dv = tl.dot(g, dkv, input_precision=FP32_PRECISION)
+    if HEAD < D:
+        mask = (offs_n[:, None] < N) & (offs_d[None, :] < HEAD)
+    else:
+        mask = offs_n[:, None] < N
+    rows = offs_n[:, None]
+    tl.store(DK + b * sdkb + head * sdkh + rows * sdkn + offs_d[None, :],
+             round_to(dk, ROUND, UPCAST).to(DK.dtype.element_ty), mask=mask)  # fmt: skip
+    tl.store(DV + b * sdvb + head * sdvh + rows * sdvn + offs_d[None, :],
+             round_to(dv, ROUND, UPCAST).to(DV.dtype.element_ty), mask=mask)  # fmt: skip
