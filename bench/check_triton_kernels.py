@@ -12,8 +12,9 @@ or spills registers to local memory is found here rather than in a GPU session.
 
 Kernels: TISA's split backend (`row_lse`, `diagonal_grad`; bf16 inputs, padded and unpadded,
 head width 64), the Cayley map's Gauss-Jordan leaves (`gauss_jordan_inverse`, 96 and 128
-wide) and kernel attention's inference kernels (`key_summary`, `query_output`; bf16, the
-albert-base and LRA feature maps and elu+1). Exit status 1 when a kernel fails to compile or
+wide), kernel attention's inference kernels (`key_summary`, `query_output`; bf16, the
+albert-base and LRA feature maps and elu+1) and its training backward kernels (`query_grad`,
+`summary_grad`, `key_grad`; bf16, head widths 64 and 32). Exit status 1 when a kernel fails to compile or
 needs more shared memory than the target allows per block. Spills are reported, not failed (a spilling kernel runs, slower).
 """
 
@@ -107,11 +108,41 @@ def kernel_attention_configs(variants: bool) -> list[dict]:
     return configs
 
 
+def kernel_training_configs(variants: bool) -> list[dict]:
+    """Kernel attention's training backward kernels (`kernel.training_backend: triton`), bf16,
+    at head widths 64 (albert-base) and 32 (LRA), with the shipped options (and with
+    --variants other tiles and launches). Its forward kernels are the inference kernels with
+    the identity as feature map (`kernel_attention_configs`, fewer registers)."""
+    from model.attention.kernel_triton import GRAD_KERNEL_OPTIONS
+
+    options = [dict(GRAD_KERNEL_OPTIONS)]
+    if variants:
+        for block, warps, stages in ((64, 4, 2), (32, 4, 2), (128, 8, 2), (64, 8, 3)):
+            options.append({"BLOCK_N": block, "num_warps": warps, "num_stages": stages})
+    configs = []
+    for opt in options:
+        for head in (64, 32):
+            flags = {
+                "BLOCK_N": opt["BLOCK_N"], "D": head, "HEAD": head, "ROUND": "bf16",
+                "UPCAST": False, "FP32_PRECISION": "tf32x3",
+            }  # fmt: skip
+            launch = {"num_warps": opt["num_warps"], "num_stages": opt["num_stages"]}
+            configs.append({"kernel": "query_grad", "constexprs": flags, "launch": launch})
+            summary = {k: v for k, v in flags.items() if k != "ROUND"}
+            configs.append({"kernel": "summary_grad", "constexprs": summary, "launch": launch})
+            configs.append(
+                {"kernel": "key_grad", "constexprs": {**flags, "HAS_MASK": False},
+                 "launch": launch}
+            )  # fmt: skip
+    return configs
+
+
 def all_configs(variants: bool) -> list[dict]:
     return (
         split_configs(variants)
         + gauss_jordan_configs(variants)
         + kernel_attention_configs(variants)
+        + kernel_training_configs(variants)
     )
 
 
@@ -124,11 +155,11 @@ def signature(kernel: str, fn) -> dict[str, str]:
             types[name] = "constexpr"
         elif kernel == "gauss_jordan_inverse":
             types[name] = "*fp32" if name in ("M", "OUT") else "i32"
-        elif name in ("Q", "K", "V", "DO", "WIN", "BW", "OUT"):
+        elif name in ("Q", "K", "V", "DO", "WIN", "BW", "OUT", "DQ", "DK", "DV"):
             types[name] = "*bf16"
         elif name == "VALID":
             types[name] = "*i8"
-        elif name in ("VALS", "LSE", "DELTA", "PART", "KV", "Z"):
+        elif name in ("VALS", "LSE", "DELTA", "PART", "KV", "Z", "DKV", "DZ", "R", "DDEN"):
             types[name] = "*fp32"
         elif name in ("scale", "eps"):
             types[name] = "fp32"
@@ -147,6 +178,11 @@ LAUNCH_VALUES = {
     "B": 64, "NB": 8, "SLICES": 8, "n": 96, "stride_b": 96 * 96, "stride_r": 96,
     # kernel attention's: the output in (B, N, H, h) memory; 8 tiles of keys, 2 a program
     "sob": 512 * 768, "soh": 64, "son": 768, "TILES": 8, "TILES_PER": 2,
+    # its training backward: dO as the output, the features' gradients heads first
+    # (H, B, N, h), dK too, dV in the projection's (B, N, H, h) memory
+    "sdob": 512 * 768, "sdoh": 64, "sdon": 768, "sdqb": 512 * 64, "sdqh": 64 * 512 * 64,
+    "sdqn": 64, "sdkb": 512 * 64, "sdkh": 64 * 512 * 64, "sdkn": 64, "sdvb": 512 * 768,
+    "sdvh": 64, "sdvn": 768,
 }  # fmt: skip
 
 
@@ -194,6 +230,9 @@ def check(config: dict, arch: int) -> dict:
         "gauss_jordan_inverse": orthogonal_kernels,
         "key_summary": kernel_triton_kernels,
         "query_output": kernel_triton_kernels,
+        "query_grad": kernel_triton_kernels,
+        "summary_grad": kernel_triton_kernels,
+        "key_grad": kernel_triton_kernels,
     }.get(config["kernel"], tisa_split_kernels)
     fn = getattr(module, config["kernel"])
     row = {"kernel": config["kernel"], "arch": f"sm_{arch}", **config["constexprs"]}

@@ -195,6 +195,7 @@ cases = [  # feature map, units, head width, padded, bf16 inputs, tile, programs
 ]
 for fm, units, h, padded, bf16, block, programs in cases:
     kt.KERNEL_OPTIONS["BLOCK_N"] = block
+    kt.GRAD_KERNEL_OPTIONS["BLOCK_N"] = 2 * block if block < 64 else block // 2
     kt.PROGRAMS_PER_LAUNCH = programs
     B, H, N = 3, 2, 100
     cfg = EncoderConfig.preset(

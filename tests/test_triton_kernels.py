@@ -103,23 +103,31 @@ def test_gauss_jordan_leaves_in_the_interpreter():
 
 def test_kernels_compile_for_an_h100_within_its_shared_memory():
     """The shipped options of the split backend's kernels, of the Cayley map's Gauss-Jordan
-    leaves and of kernel attention's inference kernels compile for sm_90 (Triton's compiler and
-    ptxas run without a GPU), fit the H100's shared memory per block, and the split and kernel
-    attention kernels spill no register and have their loops' loads pipelined
-    (bench/check_triton_kernels.py)."""
+    leaves and of kernel attention's inference and training kernels compile for sm_90 (Triton's
+    compiler and ptxas run without a GPU), fit the H100's shared memory per block, and the split
+    and kernel attention kernels spill no register and have their loops' loads pipelined; the
+    training kernels spill none on an A100 (sm_80) either (bench/check_triton_kernels.py)."""
     sys.path.insert(0, str(REPO / "bench"))
     import check_triton_kernels as check
 
     rows = [check.check(config, 90) for config in check.all_configs(False)]
     assert all("error" not in row and row["fits"] for row in rows), rows
+    training = ("query_grad", "summary_grad", "key_grad")
     assert {row["kernel"] for row in rows} == {
-        "row_lse", "diagonal_grad", "gauss_jordan_inverse", "key_summary", "query_output"
+        "row_lse", "diagonal_grad", "gauss_jordan_inverse", "key_summary", "query_output",
+        *training,
     }  # fmt: skip
     split = [row for row in rows if row["kernel"] in ("row_lse", "diagonal_grad")]
-    linear = [row for row in rows if row["kernel"] in ("key_summary", "query_output")]
+    linear = [row for row in rows if row["kernel"] in ("key_summary", "query_output", *training)]
     assert all(row["spill_bytes"] == 0 for row in split + linear), split + linear
     # kernel attention: the loads of keys and values in the loop over tiles are pipelined
-    assert all(row["async_copies"] >= 2 for row in linear if row["kernel"] == "key_summary")
+    assert all(
+        row["async_copies"] >= 2
+        for row in linear
+        if row["kernel"] in ("key_summary", "summary_grad")
+    )
+    a100 = [check.check(c, 80) for c in check.all_configs(False) if c["kernel"] in training]
+    assert all("error" not in row and row["spill_bytes"] == 0 for row in a100), a100
     # Every load of Q, K, V, dO is pipelined (async copies): 4 a stage in the gradient kernel.
     assert all(row["async_copies"] >= 2 for row in split), split
     assert max(row["async_copies"] for row in split) >= 8, split

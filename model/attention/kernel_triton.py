@@ -36,6 +36,14 @@ KERNEL_OPTIONS = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 (`python bench/check_triton_kernels.py --variants`): see BENCHMARKS.md, "Kernel attention's
 inference kernels". Not timed on a GPU yet."""
 
+GRAD_KERNEL_OPTIONS = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+"""Token tile and launch options of the training backward's three kernels (`query_grad` keeps
+the fp32 h x h summary in registers, `summary_grad` its gradient). Chosen by compiling for the
+GPUs without one (`python bench/check_triton_kernels.py --variants`, BENCHMARKS.md, "Kernel
+attention's training mixing"): at head width 64 with three TF32 products for each fp32 one,
+these are the options among those compiled with which no kernel spills registers on an H100
+or an A100 (64-token tiles spill on the A100). Not timed on a GPU yet."""
+
 PROGRAMS_PER_LAUNCH = 512
 """`key_summary` splits each head's keys into slices until it has about this many programs (a
 few per streaming multiprocessor); each slice's partial [KV | z] is then summed."""
@@ -66,11 +74,11 @@ def importable() -> bool:
 @functools.cache
 def _kernels():
     """The Triton kernels, imported on first use (see kernel_triton_kernels.py): the two of
-    the forward, the two of the training mixing's backward."""
+    the forward, the three of the training mixing's backward."""
     from model.attention import kernel_triton_kernels
 
     k = kernel_triton_kernels
-    return k.key_summary, k.query_output, k.query_grad, k.key_grad
+    return k.key_summary, k.query_output, k.query_grad, k.summary_grad, k.key_grad
 
 
 def _width(n: int) -> int:
@@ -87,10 +95,10 @@ def _fp32_precision(upcast: bool) -> str:
     return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
-def _launch(q: Tensor) -> tuple[int, dict, dict, bool]:
+def _launch(q: Tensor, options: dict) -> tuple[int, dict, bool]:
     """The token tile, the launch options and whether the interpreter runs the kernels."""
-    launch = {"num_warps": KERNEL_OPTIONS["num_warps"], "num_stages": KERNEL_OPTIONS["num_stages"]}
-    return KERNEL_OPTIONS["BLOCK_N"], launch, not q.is_cuda  # the interpreter: fp32 tiles
+    launch = {"num_warps": options["num_warps"], "num_stages": options["num_stages"]}
+    return options["BLOCK_N"], launch, not q.is_cuda  # the interpreter: fp32 tiles
 
 
 def _slices(B: int, H: int, tiles: int) -> tuple[int, int]:
@@ -132,7 +140,7 @@ def _mix(
         out = v.new_zeros(B, N, H, h).transpose(1, 2)
         return out, q.new_zeros(B * H, D, D, dtype=torch.float32), q.new_zeros(B * H, D)
     key_summary, query_output = _kernels()[:2]
-    block_n, launch, upcast = _launch(q)
+    block_n, launch, upcast = _launch(q, KERNEL_OPTIONS)
     out_dtype = v.dtype
     q, k, v = (x.to(dtype) if x.dtype != dtype else x for x in (q, k, v))
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -256,14 +264,16 @@ def kernel_attention_mixing_backward(
     eps: float,
     dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The gradients of phi(q), phi(k) and v from the output's (`query_grad`, then `key_grad`
-    with the summary's gradient summed over the query slices), each in its input's dtype."""
+    """The gradients of phi(q), phi(k) and v from the output's, each in its input's dtype:
+    `query_grad` (phi(q)'s, per tile of queries), `summary_grad` (the summary's, per slice of
+    the queries, then summed over the slices) and `key_grad` (phi(k)'s and v's, per tile of
+    keys)."""
     B, H, N, h = phi_q.shape
     dq, dk, dv = (_grad_like(x, x.dtype) for x in (phi_q, phi_k, v))
     if phi_q.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    query_grad, key_grad = _kernels()[2:]
-    block_n, launch, upcast = _launch(phi_q)
+    query_grad, summary_grad, key_grad = _kernels()[2:]
+    block_n, launch, upcast = _launch(phi_q, GRAD_KERNEL_OPTIONS)
     # the output's gradient in its own dtype (read as fp32); the inputs as the forward read them
     q, k, vv = (x.to(dtype) if x.dtype != dtype else x for x in (phi_q, phi_k, v))
     q, k, vv, do = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, vv, grad_out))
@@ -271,17 +281,25 @@ def kernel_attention_mixing_backward(
     gq, gk, gv = (g if g.dtype == dtype else _grad_like(g, dtype) for g in (dq, dk, dv))
     D = kv.shape[-1]
     flags = {
-        "BLOCK_N": block_n, "D": D, "HEAD": h, "ROUND": ROUND[dtype], "UPCAST": upcast,
+        "BLOCK_N": block_n, "D": D, "HEAD": h, "UPCAST": upcast,
         "FP32_PRECISION": _fp32_precision(upcast),
     }  # fmt: skip
     tiles = -(-N // block_n)
+    r = torch.empty(B * H, N, dtype=torch.float32, device=q.device)
+    dden = torch.empty(B * H, N, dtype=torch.float32, device=q.device)
+    query_grad[(B * H, tiles)](
+        q, do, kv, z, gq, r, dden,
+        q.stride(0), q.stride(1), q.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        gq.stride(0), gq.stride(1), gq.stride(2), N, H, eps,
+        ROUND=ROUND[dtype], **flags, **launch,
+    )  # fmt: skip
     slices, per_slice = _slices(B, H, tiles)
     dkv = torch.empty(slices, B * H, D, D, dtype=torch.float32, device=q.device)
     dz = torch.empty(slices, B * H, D, dtype=torch.float32, device=q.device)
-    query_grad[(B * H, slices)](
-        q, do, kv, z, gq, dkv, dz,
+    summary_grad[(B * H, slices)](
+        q, do, r, dden, dkv, dz,
         q.stride(0), q.stride(1), q.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        gq.stride(0), gq.stride(1), gq.stride(2), N, H, eps, tiles, per_slice,
+        N, H, tiles, per_slice,
         **flags, **launch,
     )  # fmt: skip
     dkv, dz = dkv.sum(0), dz.sum(0)
@@ -291,7 +309,7 @@ def kernel_attention_mixing_backward(
         k.stride(0), k.stride(1), k.stride(2), vv.stride(0), vv.stride(1), vv.stride(2),
         valid.stride(0), gk.stride(0), gk.stride(1), gk.stride(2),
         gv.stride(0), gv.stride(1), gv.stride(2), N, H,
-        HAS_MASK=key_valid is not None, **flags, **launch,
+        HAS_MASK=key_valid is not None, ROUND=ROUND[dtype], **flags, **launch,
     )  # fmt: skip
     for grad, written in ((dq, gq), (dk, gk), (dv, gv)):
         if written is not grad:

@@ -175,25 +175,63 @@ def query_output(
 
 @triton.jit
 def query_grad(
-    Q, DO, KV, Z, DQ, DKV, DZ,
-    sqb, sqh, sqn, sdob, sdoh, sdon, sdqb, sdqh, sdqn, N, H, eps, TILES, TILES_PER,
+    Q, DO, KV, Z, DQ, R, DDEN,
+    sqb, sqh, sqn, sdob, sdoh, sdon, sdqb, sdqh, sdqn, N, H, eps,
     BLOCK_N: tl.constexpr, D: tl.constexpr, HEAD: tl.constexpr, ROUND: tl.constexpr,
     UPCAST: tl.constexpr, FP32_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """The training mixing's backward on the queries' side, over one slice s of the queries of
-    bh (grid: B H, slices). With the features f_i = phi(q_i) given (Q), [KV | z] the forward's
-    fp32 summary, num_i = f_i KV, r_i = 1 / (f_i . z + eps) and out_i = num_i r_i:
-    dnum_i = dout_i r_i, dden_i = -(dout_i . num_i) r_i^2,
-    DQ_i = dnum_i KV^T + dden_i z (rounded to the compute dtype ROUND), and the slice's partial sums
-    DKV[s, bh] = sum_i f_i^T dnum_i, DZ[s, bh] = sum_i dden_i f_i (fp32). Every product of an
-    fp32 tile in FP32_PRECISION, as the default path's fp32 products."""
+    """The training mixing's backward on the queries' side, for a tile of the queries of bh
+    (grid: B H, tiles). With the features f_i = phi(q_i) given (Q), [KV | z] the forward's fp32
+    summary, num_i = f_i KV, r_i = 1 / (f_i . z + eps) and out_i = num_i r_i:
+    dnum_i = dout_i r_i, dden_i = -(dout_i . num_i) r_i^2 and
+    DQ_i = dnum_i KV^T + dden_i z (rounded to the compute dtype ROUND); r_i and dden_i are
+    written (fp32, (B H, N)) for `summary_grad`. The products of fp32 tiles in FP32_PRECISION,
+    as the default path's fp32 products."""
     bh = tl.program_id(0)
-    s = tl.program_id(1)
+    pid = tl.program_id(1)
     b = (bh // H).to(tl.int64)  # 64-bit offsets: a large batch passes 2^31 elements
     head = bh % H
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     kv = tl.load(KV + bh.to(tl.int64) * D * D + offs_d[:, None] * D + offs_d[None, :])
     z = tl.load(Z + bh.to(tl.int64) * D + offs_d)
+    f = load_rows(Q + b * sqb + head * sqh, offs_n, offs_d, sqn, N, HEAD, D, UPCAST)
+    f = f.to(tl.float32)
+    do = load_rows(DO + b * sdob + head * sdoh, offs_n, offs_d, sdon, N, HEAD, D, UPCAST)
+    do = do.to(tl.float32)
+    num = tl.dot(f, kv, input_precision=FP32_PRECISION)
+    r = 1.0 / (tl.sum(f * z[None, :], 1) + eps)
+    dden = -tl.sum(do * num, 1) * r * r
+    dq = tl.dot(do * r[:, None], tl.trans(kv), input_precision=FP32_PRECISION)
+    dq += dden[:, None] * z[None, :]
+    if HEAD < D:
+        mask = (offs_n[:, None] < N) & (offs_d[None, :] < HEAD)
+    else:
+        mask = offs_n[:, None] < N
+    ptr = DQ + b * sdqb + head * sdqh + offs_n[:, None] * sdqn + offs_d[None, :]
+    tl.store(ptr, round_to(dq, ROUND, UPCAST).to(DQ.dtype.element_ty), mask=mask)
+    row = bh.to(tl.int64) * N + offs_n
+    tl.store(R + row, r, mask=offs_n < N)
+    tl.store(DDEN + row, dden, mask=offs_n < N)
+
+
+@triton.jit
+def summary_grad(
+    Q, DO, R, DDEN, DKV, DZ,
+    sqb, sqh, sqn, sdob, sdoh, sdon, N, H, TILES, TILES_PER,
+    BLOCK_N: tl.constexpr, D: tl.constexpr, HEAD: tl.constexpr, UPCAST: tl.constexpr,
+    FP32_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The gradient of the summary [KV | z], partial sums over one slice s of the queries of bh
+    (grid: B H, slices): DKV[s, bh] = sum_i f_i^T (dout_i r_i) and DZ[s, bh] = sum_i dden_i f_i
+    in fp32, from `query_grad`'s r and dden. (A pass of its own: with the summary's h x h
+    gradient accumulated beside KV and the tiles of `query_grad`, a program needs more
+    registers than a thread has at the recipe's head width.)"""
+    bh = tl.program_id(0)
+    s = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    head = bh % H
+    offs_d = tl.arange(0, D)
     dkv = tl.zeros([D, D], tl.float32)
     dz = tl.zeros([D], tl.float32)
     for t in range(s * TILES_PER, tl.minimum((s + 1) * TILES_PER, TILES)):
@@ -201,18 +239,10 @@ def query_grad(
         f = load_rows(Q + b * sqb + head * sqh, offs_n, offs_d, sqn, N, HEAD, D, UPCAST)
         f = f.to(tl.float32)
         do = load_rows(DO + b * sdob + head * sdoh, offs_n, offs_d, sdon, N, HEAD, D, UPCAST)
-        do = do.to(tl.float32)
-        num = tl.dot(f, kv, input_precision=FP32_PRECISION)
-        r = 1.0 / (tl.sum(f * z[None, :], 1) + eps)
-        dnum = do * r[:, None]
-        dden = -tl.sum(do * num, 1) * r * r
-        dq = tl.dot(dnum, tl.trans(kv), input_precision=FP32_PRECISION) + dden[:, None] * z[None, :]
-        if HEAD < D:
-            mask = (offs_n[:, None] < N) & (offs_d[None, :] < HEAD)
-        else:
-            mask = offs_n[:, None] < N
-        ptr = DQ + b * sdqb + head * sdqh + offs_n[:, None] * sdqn + offs_d[None, :]
-        tl.store(ptr, round_to(dq, ROUND, UPCAST).to(DQ.dtype.element_ty), mask=mask)
+        row = bh.to(tl.int64) * N + offs_n
+        r = tl.load(R + row, mask=offs_n < N, other=0.0)
+        dden = tl.load(DDEN + row, mask=offs_n < N, other=0.0)
+        dnum = do.to(tl.float32) * r[:, None]
         dkv += tl.dot(tl.trans(f), dnum, input_precision=FP32_PRECISION)
         dz += tl.sum(f * dden[:, None], 0)
     part = s.to(tl.int64) * tl.num_programs(0) + bh
