@@ -38,9 +38,12 @@ KINDS = (
     # (its matrix products and attention kernels stay aten operators, counted as such).
     ("fused by the compiler", ("compiledfxgraph", "triton_"), ()),
     # row_lse, diagonal_grad: TISA's split backend (model/attention/tisa_split_kernels.py);
-    # key_summary, query_output: kernel attention's inference kernels (kernel_triton_kernels.py)
+    # key_summary, query_output: kernel attention's inference kernels and its training
+    # mixing's forward; query_grad, summary_grad, key_grad: that mixing's backward
+    # (kernel_triton_kernels.py)
     ("attention", ("attention", "flash", "cudnn", "flex", "fmha", "row_lse", "diagonal_grad",
-                   "key_summary", "query_output"), ()),
+                   "key_summary", "query_output", "query_grad", "summary_grad", "key_grad"),
+     ()),
     # gauss_jordan_inverse: the Cayley maps' leaves (model/orthogonal_kernels.py)
     ("linear algebra",
      ("linalg", "lu_factor", "lu_solve", "_lu", "solve", "inverse", "gauss_jordan"), ()),

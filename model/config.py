@@ -134,16 +134,16 @@ class KernelConfig:
     over the keys for the [KV | z] summary, one over the queries for the output; the features
     never reach memory), equal to `torch` up to the order of sums (docs/performance.md). Needs
     Triton and a head width of at most 128; training steps and forwards that need a gradient
-    or drop out the feature maps' inputs always run `torch`."""
+    or drop out the feature maps' inputs run as `training_backend` says."""
 
     training_backend: Literal["torch", "triton"] = "torch"
     """How the mixing of forwards that need a gradient or drop out (training steps) runs on
     CUDA: `torch`, separate operators (fp32 copies of the features, two fp32 products, the
     normalisation, each writing its result); `triton`, the feature maps as in `torch` (their
-    operators and dropout) and the mixing after them as one operator of four Triton kernels, two
-    in the forward and two in the backward, which keeps only its inputs and a per-head summary
-    for the backward. Equal to `torch` up to the order of sums (docs/performance.md). Needs
-    Triton and a head width of at most 128."""
+    operators and dropout) and the mixing after them as one operator of Triton kernels, two in
+    the forward and three in the backward, which keeps only its inputs and a per-head summary
+    for the backward. Equal to `torch` up to the order of sums and rounding (docs/performance.md).
+    Needs Triton and a head width of at most 128."""
 
     def __post_init__(self) -> None:
         _check_choice(

@@ -118,6 +118,7 @@ RESUMABLE_CHANGES = (
     "engine.compile_mode",
     "engine.compile_options",
     "model.kernel.inference_backend",  # forwards without a gradient only (validation)
+    "model.kernel.training_backend",  # the same function as `torch`, up to rounding
     *TRACKER_KEYS,
     # These do change the order of the examples, but the loader state records them and refuses
     # a checkpoint saved with another setting (a clear error when it loads); listed here so that

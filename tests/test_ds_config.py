@@ -315,7 +315,8 @@ def test_deepspeed_trains_with_the_file(tmp_path):
 
 def test_run_directories_from_before_the_new_keys_still_resume(tmp_path):
     """A pretraining run dir whose config.yaml has neither engine.deepspeed_config nor the
-    tracker keys nor engine.compile_options resumes, and may set model.kernel.inference_backend; a fine-tuning run's identity without a
+    tracker keys nor engine.compile_options resumes, and may set kernel attention's backends
+    (model.kernel.inference_backend, training_backend); a fine-tuning run's identity without a
     file or Inductor options is what it was."""
     import copy
 
@@ -337,8 +338,8 @@ def test_run_directories_from_before_the_new_keys_still_resume(tmp_path):
     tuned = copy.deepcopy(resolved)
     tuned["engine"]["compile_options"] = {"max_autotune_gemm": True}
     assert check_run_dir(tmp_path, tuned) is True
-    # nor does kernel attention's inference backend change the training trajectory
-    tuned["model"]["kernel"] = {"inference_backend": "triton"}
+    # nor do kernel attention's backends change the training trajectory (beyond rounding)
+    tuned["model"]["kernel"] = {"inference_backend": "triton", "training_backend": "triton"}
     assert check_run_dir(tmp_path, tuned) is True
     tuned["model"]["kernel"]["feature_map"] = "glu"  # but the model's other keys do
     with pytest.raises(ValueError, match=r"model\.kernel\.feature_map"):

@@ -41,6 +41,10 @@ sys.path.insert(0, str(REPO / "bench"))
         ("key_summary", "attention"),  # kernel attention's inference kernels
         ("query_output", "attention"),
         ("albatross::kernel_attention_inference", "attention"),
+        ("query_grad", "attention"),  # kernel attention's training mixing, backward
+        ("summary_grad", "attention"),
+        ("key_grad", "attention"),
+        ("albatross::kernel_attention_mixing_backward", "attention"),
         ("gauss_jordan_inverse", "linear algebra"),  # the Cayley maps' leaves
     ],
 )

@@ -1,4 +1,5 @@
-"""Kernel attention's inference forward in two Triton kernels (`kernel.inference_backend: triton`).
+"""Kernel attention in Triton kernels: the inference forward (`kernel.inference_backend: triton`)
+and the training mixing (`kernel.training_backend: triton`).
 
 Legend as in kernel.py: B batch, H heads, N tokens, h head width, U stacked units, c a unit's
 product width (h, 2h or h + r), r the low-rank gate's rank.
@@ -21,6 +22,24 @@ summaries (kilobytes per head). Numerics: the kernels round to the compute dtype
 does (kernel_triton_kernels.py), so the result equals the `torch` path's up to the order of the
 sums (tests/test_kernel_triton.py runs the kernels in Triton's interpreter against it). Only
 forwards that need no gradient and no dropout take this path (`KernelAttention.forward`).
+
+Training (`kernel.training_backend: triton`): the feature maps run as torch operators (their
+dropout, their autograd), and the mixing after them is one operator with its own backward
+(`kernel_attention_mixing`). Its forward is the two kernels above with the identity as feature
+map; it keeps phi(q), phi(k), v and the fp32 summary [KV | z] for the backward, nothing else of
+size N (the `torch` path keeps fp32 copies of the features and [V | 1] for its products). The
+backward, with r_i = 1 / (phi(q_i)^T z + eps) and out_i = r_i phi(q_i)^T KV:
+
+* `query_grad`, per tile of queries: dphi(q_i) = r_i KV dout_i - r_i^2 (dout_i . num_i) z,
+  num_i recomputed from phi(q_i) and KV; writes r_i and the normaliser's gradient per row;
+* `summary_grad`, per slice of queries: the partial [dKV | dz] = sum_i phi(q_i) [r_i dout_i |
+  dden_i]; the slices' sums are then added;
+* `key_grad`, per tile of keys: dphi(k_j) = dKV v_j + dz and dv_j = dKV^T phi(k_j), zero at
+  padding keys.
+
+The products of fp32 tiles (the summary, its gradient, the normaliser's) run at fp32 accuracy
+(`_fp32_precision`), as the `torch` path's fp32 products; each gradient is rounded to the
+compute dtype where the `torch` path rounds it. Tiles and launches: `GRAD_KERNEL_OPTIONS`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The Triton kernels of kernel attention's inference forward (kernel_triton.py explains what
-they compute).
+"""The Triton kernels of kernel attention's inference forward and of its training mixing's
+backward (kernel_triton.py explains what they compute).
 
 Imported on first use by `kernel_triton._kernels`: Triton is needed only on CUDA, and it reads
 TRITON_INTERPRET when these are defined (tests run them on CPU tensors in its interpreter).
