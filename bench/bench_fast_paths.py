@@ -21,6 +21,7 @@ untimed ones (CUDA: synchronised). Ratios compare two paths in the same process.
     python bench/bench_fast_paths.py objective --batch 16 --vocab 30000   # the loss terms compiled
     python bench/bench_fast_paths.py eigen-products --hidden 768 --heads 12 --batch 4 --seq 512
     python bench/bench_fast_paths.py norm-output --families softmax --seq 128 --compiled  # LN's dtype
+    python bench/bench_fast_paths.py kernel-mixing --device cuda --dtype bf16 --hidden 768 --heads 12 --seq 512 4096
 
 `gpu-verify` checks on CUDA (and fails loudly otherwise): TISA flex == SDPA bias in forward and
 in every gradient (fp32 and bf16 autocast) and that training steps do not recompile; the
@@ -1509,6 +1510,105 @@ def bench_tisa_backends(args) -> dict:
     return report
 
 
+@contextlib.contextmanager
+def mixing_kernel_options(variant: str):
+    """`triton:BLOCK:WARPS:STAGES` -> those `GRAD_KERNEL_OPTIONS` (the training mixing's
+    backward kernels) while the block runs; any other name: the shipped options."""
+    from model.attention import kernel_triton
+
+    shipped = dict(kernel_triton.GRAD_KERNEL_OPTIONS)
+    if variant.startswith("triton:"):
+        block, warps, stages = (int(x) for x in variant.split(":")[1:])
+        kernel_triton.GRAD_KERNEL_OPTIONS.update(BLOCK_N=block, num_warps=warps, num_stages=stages)
+    try:
+        yield
+    finally:
+        kernel_triton.GRAD_KERNEL_OPTIONS.update(shipped)
+
+
+def bench_kernel_mixing(args) -> dict:
+    """Kernel attention's mixing alone (what follows the feature maps in a training step),
+    forward + backward into phi(q), phi(k) and v, per sequence length, in bf16 features as the
+    model makes them (heads-first tensors; v a view of the fused projection): the torch
+    operators (`kernel_mixing`, `kernel.training_backend: torch`), eager and compiled, against
+    the Triton operator (`training_backend: triton`; `--mixing-options` adds variants of its
+    backward kernels' tiles and launches), beside softmax's SDPA forward + backward on q, k, v
+    of the same shape (the kernel target's peer). On CUDA it first checks, on a padded and an
+    unpadded batch, that the Triton operator's output and gradients are within 2^-8 (relative
+    norm) of the torch path's, then times the unpadded batch. On the CPU only `torch` and
+    `softmax` run (the Triton kernels need CUDA, or Triton's interpreter: TRITON_INTERPRET=1
+    runs them too, slowly, a smoke run of this benchmark)."""
+    from model.attention.kernel import kernel_mixing
+    from model.attention.kernel_triton import interpreting, kernel_attention_train
+
+    dev, dtype = args.device, torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    H, h, B = args.heads, args.hidden // args.heads, args.batch
+    tritons = ["triton", *(f"triton:{o}" for o in args.mixing_options)]
+    if dev != "cuda" and not interpreting():  # TRITON_INTERPRET=1: a (slow) smoke run
+        tritons = []
+    compiled_mixing = torch.compile(kernel_mixing, dynamic=False)
+    rows = []
+    for N in args.seq:
+        torch.manual_seed(0)
+        feats = [  # positive features, heads first as the feature maps leave them
+            F.softplus(torch.randn(H, B, N, h, device=dev)).to(dtype).transpose(0, 1)
+            for _ in range(2)
+        ]
+        qkv = torch.randn(B, N, 3, H, h, device=dev, dtype=dtype)
+        v = qkv[:, :, 2].transpose(1, 2)
+        leaves = [x.detach().requires_grad_() for x in (*feats, qkv)]
+        g = torch.randn(B, H, N, h, device=dev, dtype=dtype)
+        padded = torch.ones(B, N, dtype=torch.bool, device=dev)
+        padded[: max(1, B // 4), N // 2 :] = False
+
+        def step(variant, mask=None, leaves=leaves, g=g):
+            phi_q, phi_k, qkv_ = leaves
+            q_, k_, v_ = (x.transpose(1, 2) for x in qkv_.unbind(2))
+
+            def run():
+                with mixing_kernel_options(variant):
+                    if variant == "softmax":
+                        out = F.scaled_dot_product_attention(q_, k_, v_)
+                        return out, torch.autograd.grad(out, [qkv_], g)
+                    mix = {"torch": kernel_mixing, "torch_compiled": compiled_mixing}.get(
+                        variant, kernel_attention_train
+                    )
+                    out = mix(phi_q, phi_k, v_, mask, 1e-6, dtype)
+                    return out, torch.autograd.grad(out, leaves, g)
+
+            return run
+
+        del v
+        row: dict = {"seq": N}
+        for variant in tritons:  # agreement with the torch path first
+            for name, mask in (("padded", padded), ("unpadded", None)):
+                (o_t, g_t), (o_r, g_r) = step(variant, mask)(), step("torch", mask)()
+                errs = [
+                    ((a.float() - b.float()).norm() / b.float().norm()).item()
+                    for a, b in zip((o_t, *g_t), (o_r, *g_r))
+                ]
+                row[f"{variant}_rel_err_{name}"] = max(errs)
+                assert max(errs) <= 2**-8, (variant, N, name, errs)
+        for variant in ("softmax", "torch", "torch_compiled", *tritons):
+            try:
+                t = time_steps({variant: step(variant)}, args.warmup, args.repeats, dev)
+                row[f"{variant}_ms"] = 1000 * t[variant]
+            except torch.OutOfMemoryError:
+                row[f"{variant}_ms"] = None
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+        for variant in ("torch", "torch_compiled", *tritons):
+            t, soft = row[f"{variant}_ms"], row["softmax_ms"]
+            row[f"{variant}_speedup_over_softmax"] = soft / t if t and soft else None
+        for variant in tritons:
+            t, ref = row[f"{variant}_ms"], row["torch_compiled_ms"]
+            row[f"{variant}_speedup_over_torch_compiled"] = ref / t if t and ref else None
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    device = torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu"
+    return {"rows": rows, "device": device}
+
+
 # ----------------------------------------------------------------------------- attention checks
 
 
@@ -1730,6 +1830,7 @@ def main() -> None:
             "tisa", "compile", "grouping", "pretrain-padding", "orthogonal-cache", "gpu-verify",
             "tisa-backends", "attention-checks", "orthogonal-step", "orthogonal-shard", "cayley",
             "transject-experts", "tisa-bias-grad", "objective", "eigen-products", "norm-output",
+            "kernel-mixing",
         ],
     )  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -1793,6 +1894,13 @@ def main() -> None:
         metavar="BLOCK:WARPS:STAGES",
         help="tisa-backends: the split backend with these kernel options too (e.g. 128:8:2)",
     )
+    p.add_argument(
+        "--mixing-options",
+        nargs="*",
+        default=[],
+        metavar="BLOCK:WARPS:STAGES",
+        help="kernel-mixing: the training mixing's backward kernels with these options too",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -1823,6 +1931,7 @@ def main() -> None:
         "objective": bench_objective,
         "eigen-products": bench_eigen_products,
         "norm-output": bench_norm_output,
+        "kernel-mixing": bench_kernel_mixing,
     }[args.what]
     result = {"what": args.what, "args": {k: str(v) for k, v in vars(args).items()}}
     result.update(run(args))

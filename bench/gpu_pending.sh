@@ -34,7 +34,8 @@
 #    compiled, unpadded: softmax and kernel attention as before, then kernel attention with
 #    model.kernel.training_backend=triton (its mixing after the feature maps as one operator of
 #    Triton kernels, forward and backward): what the fused mixing gives a training step where
-#    kernel attention is to pass softmax;
+#    kernel attention is to pass softmax; and kernelmixing: the mixing alone, forward and
+#    backward, torch operators vs the Triton operator (checked against them first) at 512-8192;
 #  0 tisa_split: softmax and the TISA step on the split backend (SDPA with the bias detached, so
 #    cuDNN stays eligible; f's gradient by its own Triton kernels), compiled, unpadded: does it
 #    meet the 1.2x target? and tisasplit: its mixing step alone at the recipe's shape, with
@@ -135,7 +136,7 @@ pass autotune_gemm 150 260 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=engine.
   "PRETRAIN=--configs albert-base-512 --families softmax --padding none --steps 6 --timeout 250"
 pass kernel_triton 120 200 ENV_PART= PARTS=scaling \
   "SCALING=--no-mask --compile --families softmax kernel kernel-triton --lengths 512 4096 8192"
-pass kernel_train_4096 150 230 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=model.max_position_embeddings=4096 \
+pass kernel_train_4096 150 230 ENV_PART= PARTS="kernelmixing pretrain" COMPILE=recipe EXTRA=model.max_position_embeddings=4096 \
   "PRETRAIN=--configs albert-base-512 --families softmax kernel --seq 4096 --batch 8 --padding none --steps 6 --timeout 110"
 pass kernel_train_4096_triton 120 150 ENV_PART= PARTS=pretrain COMPILE=recipe \
   EXTRA="model.max_position_embeddings=4096 model.kernel.training_backend=triton" \

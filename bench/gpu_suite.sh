@@ -77,6 +77,11 @@
 #   normoutput  bench_fast_paths.py norm-output: softmax's albert-base forward + backward at the
 #             recipe's shape, compiled, the LayerNorms returning bf16 (model.norm_output: compute,
 #             the default) vs fp32 (torch's autocast rule)              -> norm_output_gpu.json
+#   kernelmixing  bench_fast_paths.py kernel-mixing: kernel attention's mixing alone (after the
+#             feature maps), forward + backward, 8 x 512-8192, albert-base width: the torch
+#             operators eager and compiled vs the Triton operator (kernel.training_backend) and
+#             variants of its backward kernels' options, softmax's SDPA beside; checked against
+#             the torch path first                                     -> kernel_mixing_gpu.json
 #   eigenproducts  bench_fast_paths.py eigen-products: TransJect's eigen-state at the recipe's
 #             shape (64 x 512, d = 768), its products in fp32 vs three bf16 products each
 #             (transject.eigen_products), errors against fp64 and times -> eigen_products_gpu.json
@@ -97,7 +102,7 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 SMOKE=${SMOKE:-0}
-PARTS=${PARTS:-jit cayley tjexperts lamb model qkv scaling pretrain pretrain2 syncs depth loader tisa tisabackends tisasplit tisabiasgrad objective normoutput eigenproducts orthocache fastpaths}
+PARTS=${PARTS:-jit cayley tjexperts lamb model qkv scaling pretrain pretrain2 syncs depth loader tisa tisabackends tisasplit tisabiasgrad objective normoutput kernelmixing eigenproducts orthocache fastpaths}
 # LAMB=auto: what a recipe picks by itself, the foreach LAMB (engine/lamb.py: per tensor on every
 # ZeRO stage 0-2, no host synchronisation, nothing to build). LAMB=torch: pytorch_optimizer.Lamb.
 # LAMB=deepspeed: DeepSpeed's FusedLamb, JIT-built by the `jit` part first (ZeRO-0 only: the
@@ -254,6 +259,10 @@ else
   part objective 60 python3 bench/bench_fast_paths.py objective --device cuda --batch 64 \
     --vocab 30000 --warmup 3 --repeats 10 --out "$OUT/objective_gpu.json"
   # The LayerNorms' output under autocast: bf16 (the default) vs fp32, softmax compiled.
+  # Kernel attention's training mixing alone: the torch operators vs the Triton operator.
+  part kernelmixing 90 python3 bench/bench_fast_paths.py kernel-mixing --device cuda --dtype bf16 \
+    --hidden 768 --heads 12 --batch 8 --seq 512 2048 4096 8192 --warmup 3 --repeats 10 \
+    --mixing-options 64:4:2 64:8:3 32:8:2 --out "$OUT/kernel_mixing_gpu.json"
   part normoutput 150 python3 bench/bench_fast_paths.py norm-output --device cuda --families softmax \
     --hidden 768 --heads 12 --layers 12 --batch 64 --seq 512 --vocab 30000 --compiled \
     --warmup 3 --repeats 10 --out "$OUT/norm_output_gpu.json"

@@ -112,6 +112,41 @@ def matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
     return a.float() @ b.float()
 
 
+def kernel_mixing(
+    phi_q_BHNh: Tensor,
+    phi_k_BHNh: Tensor,
+    v_BHNh: Tensor,
+    key_valid_BN: Tensor | None,
+    eps: float,
+    dtype: torch.dtype,
+) -> Tensor:
+    """The mixing after the feature maps, as torch operators (`kernel.training_backend:
+    torch`): phi(q_i)^T KV / (phi(q_i)^T z + eps) with [KV | z] = sum over real keys j of
+    phi(k_j) [v_j | 1]. The features come in the compute dtype `dtype` (bf16 under autocast:
+    half the memory traffic of fp32 ones); the sums over keys, the numerator and the
+    normaliser are fp32 products of the upcast features (`matmul_fp32`). Runs heads first on
+    views (the features are heads-first tensors, v a view of the fused projection). Returns
+    (B, H, N, h) in v's dtype. Call with autocast off."""
+    phi_q_HBNh, phi_k_HBNh = phi_q_BHNh.transpose(0, 1), phi_k_BHNh.transpose(0, 1)
+    v_HBNh = v_BHNh.transpose(0, 1)
+    if key_valid_BN is not None:
+        # Padding keys contribute nothing (masked_fill, not a product: safe if phi is inf).
+        phi_k_HBNh = phi_k_HBNh.masked_fill(~key_valid_BN[None, :, :, None], 0.0)
+    # [KV | z] = phi(K)^T [V | 1] (h, h + 1) in one product: KV = sum_j phi(k_j) v_j^T and
+    # z = sum_j phi(k_j), both summed over the tokens in fp32. [V | 1] is made in fp32 in one
+    # pass (a concatenation that upcasts), not padded and then upcast.
+    ones_HBN1 = v_HBNh.new_ones((*v_HBNh.shape[:-1], 1), dtype=torch.float32)
+    v1_HBNH1 = torch.cat([v_HBNh.to(dtype), ones_HBN1], dim=-1)
+    kvz_HBhH1 = matmul_fp32(phi_k_HBNh.mT, v1_HBNH1)
+    # Numerator phi(q_i)^T KV and normaliser phi(q_i)^T z in one product.
+    numden_HBNH1 = matmul_fp32(phi_q_HBNh, kvz_HBhH1)
+    num_HBNh, den_HBN1 = numden_HBNH1.split([v_BHNh.size(-1), 1], dim=-1)
+    # Times the reciprocal of the (B, H, N, 1) normaliser, not divided by it: the backward
+    # then makes no (B, H, N, h) quotient of the normaliser's gradient.
+    out_HBNh = (num_HBNh * (den_HBN1 + eps).reciprocal()).to(v_BHNh.dtype)
+    return out_HBNh.transpose(0, 1)
+
+
 def _he_normal_(w: Tensor) -> None:
     """The authors' HWLinear init for a stack of (fan_in, fan_out) matrices: N(0, 2 / fan_in)."""
     nn.init.normal_(w, mean=0.0, std=math.sqrt(2.0 / w.size(-2)))
@@ -348,42 +383,17 @@ class KernelAttention(ScoreKernel):
                 q_BHNh, k_BHNh, v_BHNh, win, bw, key_valid_BN, self.eps, dtype
             )
             return out_BHNh, self._aux(ctx)
-        if self.fused_training(q_BHNh, v_BHNh):
-            # The feature maps as below (their operators, their dropout), the mixing fused.
-            phi_q_BHNh, phi_k_BHNh = self.phi(q_BHNh), self.phi(k_BHNh)
-            with torch.autocast(q_BHNh.device.type, enabled=False):
-                out_BHNh = kernel_triton.kernel_attention_train(
-                    phi_q_BHNh.to(dtype), phi_k_BHNh.to(dtype), v_BHNh, key_valid_BN, self.eps,
-                    dtype,
-                )  # fmt: skip
-            return out_BHNh, self._aux(ctx)
-        # Heads first (views): the feature maps' products and the two products below batch
+        # Heads first (views): the feature maps' products and the mixing's products batch
         # over (H, B) without copying the projection's strided q, k, v.
-        phi_q_HBNh = self.phi(q_BHNh).transpose(0, 1)  # each unit drops out its own input
-        phi_k_HBNh = self.phi(k_BHNh).transpose(0, 1)
-        v_HBNh = v_BHNh.transpose(0, 1)
-        # The feature maps ran in the compute dtype (bf16 under autocast: half the memory
-        # traffic); the sums over keys, the numerator and the normaliser are fp32 products of
-        # the upcast features (`matmul_fp32`).
+        phi_q_BHNh = self.phi(q_BHNh)  # each unit drops out its own input
+        phi_k_BHNh = self.phi(k_BHNh)
+        fused = self.fused_training(q_BHNh, v_BHNh)
+        mix = kernel_triton.kernel_attention_train if fused else kernel_mixing
         with torch.autocast(q_BHNh.device.type, enabled=False):
-            phi_q_HBNh = phi_q_HBNh.to(dtype)
-            phi_k_HBNh = phi_k_HBNh.to(dtype)
-            if ctx.padded:
-                # Padding keys contribute nothing (masked_fill, not a product: safe if phi is inf).
-                phi_k_HBNh = phi_k_HBNh.masked_fill(~ctx.mask_BN[None, :, :, None], 0.0)
-            # [KV | z] = phi(K)^T [V | 1] (h, h + 1) in one product: KV = sum_j phi(k_j) v_j^T
-            # and z = sum_j phi(k_j), both summed over the tokens in fp32. [V | 1] is made in
-            # fp32 in one pass (a concatenation that upcasts), not padded and then upcast.
-            ones_HBN1 = v_HBNh.new_ones((*v_HBNh.shape[:-1], 1), dtype=torch.float32)
-            v1_HBNH1 = torch.cat([v_HBNh.to(dtype), ones_HBN1], dim=-1)
-            kvz_HBhH1 = matmul_fp32(phi_k_HBNh.mT, v1_HBNH1)
-            # Numerator phi(q_i)^T KV and normaliser phi(q_i)^T z in one product.
-            numden_HBNH1 = matmul_fp32(phi_q_HBNh, kvz_HBhH1)
-            num_HBNh, den_HBN1 = numden_HBNH1.split([v_BHNh.size(-1), 1], dim=-1)
-            # Times the reciprocal of the (B, H, N, 1) normaliser, not divided by it: the
-            # backward then makes no (B, H, N, h) quotient of the normaliser's gradient.
-            out_HBNh = (num_HBNh * (den_HBN1 + self.eps).reciprocal()).to(v_BHNh.dtype)
-        return out_HBNh.transpose(0, 1), self._aux(ctx)
+            out_BHNh = mix(
+                phi_q_BHNh.to(dtype), phi_k_BHNh.to(dtype), v_BHNh, key_valid_BN, self.eps, dtype
+            )
+        return out_BHNh, self._aux(ctx)
 
     def _aux(self, ctx: LayerContext) -> AuxLosses:
         """The orthogonality penalty, at the first application of this layer's weights."""
@@ -456,6 +466,7 @@ __all__ = [
     "FeatureMapUnit",
     "FeedForwardFeatureMap",
     "KernelAttention",
+    "kernel_mixing",
     "kernel_mixing_flops",
     "naive_kernel_attention",
 ]
