@@ -15,7 +15,7 @@ rounding to bf16 (to nearest, ties to even, as on the GPU) is done on the bits.
 import triton
 import triton.language as tl
 
-from model.attention.triton_tiles import load_rows
+from model.attention.triton_tiles import load_rows, load_summary, store_rows
 
 
 @triton.jit
@@ -160,17 +160,11 @@ def query_output(
     ).to(tl.float32)
     if HEAD < D:
         f = tl.where(offs_d[None, :] < HEAD, f, 0.0)
-    kv = tl.load(KV + bh.to(tl.int64) * D * D + offs_d[:, None] * D + offs_d[None, :])
-    z = tl.load(Z + bh.to(tl.int64) * D + offs_d)
+    kv, z = load_summary(KV, Z, bh, offs_d, D)
     num = tl.dot(f, kv, input_precision=FP32_PRECISION)
     den = tl.sum(f * z[None, :], 1)
     out = round_to(num * (1.0 / (den + eps))[:, None], OUT_ROUND, UPCAST)
-    if HEAD < D:
-        mask = (offs_n[:, None] < N) & (offs_d[None, :] < HEAD)
-    else:
-        mask = offs_n[:, None] < N
-    ptr = OUT + b * sob + head * soh + offs_n[:, None] * son + offs_d[None, :]
-    tl.store(ptr, out.to(OUT.dtype.element_ty), mask=mask)
+    store_rows(OUT + b * sob + head * soh, out, offs_n, offs_d, son, N, HEAD, D)
 
 
 @triton.jit
@@ -193,8 +187,7 @@ def query_grad(
     head = bh % H
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    kv = tl.load(KV + bh.to(tl.int64) * D * D + offs_d[:, None] * D + offs_d[None, :])
-    z = tl.load(Z + bh.to(tl.int64) * D + offs_d)
+    kv, z = load_summary(KV, Z, bh, offs_d, D)
     f = load_rows(Q + b * sqb + head * sqh, offs_n, offs_d, sqn, N, HEAD, D, UPCAST)
     f = f.to(tl.float32)
     do = load_rows(DO + b * sdob + head * sdoh, offs_n, offs_d, sdon, N, HEAD, D, UPCAST)
@@ -204,12 +197,8 @@ def query_grad(
     dden = -tl.sum(do * num, 1) * r * r
     dq = tl.dot(do * r[:, None], tl.trans(kv), input_precision=FP32_PRECISION)
     dq += dden[:, None] * z[None, :]
-    if HEAD < D:
-        mask = (offs_n[:, None] < N) & (offs_d[None, :] < HEAD)
-    else:
-        mask = offs_n[:, None] < N
-    ptr = DQ + b * sdqb + head * sdqh + offs_n[:, None] * sdqn + offs_d[None, :]
-    tl.store(ptr, round_to(dq, ROUND, UPCAST).to(DQ.dtype.element_ty), mask=mask)
+    store_rows(DQ + b * sdqb + head * sdqh, round_to(dq, ROUND, UPCAST), offs_n, offs_d, sdqn, N,
+               HEAD, D)  # fmt: skip
     row = bh.to(tl.int64) * N + offs_n
     tl.store(R + row, r, mask=offs_n < N)
     tl.store(DDEN + row, dden, mask=offs_n < N)
@@ -269,8 +258,7 @@ def key_grad(
     offs_d = tl.arange(0, D)
     g = load_rows(K + b * skb + head * skh, offs_n, offs_d, skn, N, HEAD, D, UPCAST)
     v = load_rows(V + b * svb + head * svh, offs_n, offs_d, svn, N, HEAD, D, UPCAST)
-    dkv = tl.load(DKV + bh.to(tl.int64) * D * D + offs_d[:, None] * D + offs_d[None, :])
-    dz = tl.load(DZ + bh.to(tl.int64) * D + offs_d)
+    dkv, dz = load_summary(DKV, DZ, bh, offs_d, D)
     keep = offs_n < N
     if HAS_MASK:
         keep = keep & (tl.load(VALID + b * s_valid + offs_n, mask=offs_n < N, other=0) != 0)
@@ -279,12 +267,7 @@ def key_grad(
     dk = tl.where(keep, dk, 0.0)
     g = tl.where(keep, g.to(tl.float32), 0.0)
     dv = tl.dot(g, dkv, input_precision=FP32_PRECISION)
-    if HEAD < D:
-        mask = (offs_n[:, None] < N) & (offs_d[None, :] < HEAD)
-    else:
-        mask = offs_n[:, None] < N
-    rows = offs_n[:, None]
-    tl.store(DK + b * sdkb + head * sdkh + rows * sdkn + offs_d[None, :],
-             round_to(dk, ROUND, UPCAST).to(DK.dtype.element_ty), mask=mask)  # fmt: skip
-    tl.store(DV + b * sdvb + head * sdvh + rows * sdvn + offs_d[None, :],
-             round_to(dv, ROUND, UPCAST).to(DV.dtype.element_ty), mask=mask)  # fmt: skip
+    store_rows(DK + b * sdkb + head * sdkh, round_to(dk, ROUND, UPCAST), offs_n, offs_d, sdkn, N,
+               HEAD, D)  # fmt: skip
+    store_rows(DV + b * sdvb + head * sdvh, round_to(dv, ROUND, UPCAST), offs_n, offs_d, sdvn, N,
+               HEAD, D)  # fmt: skip

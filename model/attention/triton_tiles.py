@@ -1,5 +1,5 @@
-"""Tile loads shared by the attention families' Triton kernels (TISA's split backend, kernel
-attention's inference kernels).
+"""Tile loads and stores shared by the attention families' Triton kernels (TISA's split
+backend, kernel attention's kernels).
 
 Imported by those kernel modules, which are imported on first use: Triton is needed only on
 CUDA, and it reads TRITON_INTERPRET when a kernel is defined.
@@ -25,3 +25,23 @@ def load_rows(
     if UPCAST:
         x = x.to(tl.float32)
     return x
+
+
+@triton.jit
+def store_rows(ptr, x, offs_n, offs_d, stride_n, N, HEAD: tl.constexpr, D: tl.constexpr):
+    """Stores the (len(offs_n), D) tile x as rows offs_n of an (N, h) head, in ptr's dtype: the
+    rows past N and the padded columns (HEAD < D, masked only then, as in `load_rows`) left out.
+    """
+    if HEAD < D:
+        mask = (offs_n[:, None] < N) & (offs_d[None, :] < HEAD)
+    else:
+        mask = offs_n[:, None] < N
+    tl.store(ptr + offs_n[:, None] * stride_n + offs_d[None, :], x.to(ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
+
+
+@triton.jit
+def load_summary(KV, Z, bh, offs_d, D: tl.constexpr):
+    """The (D, D) and (D,) fp32 per-head summaries (or their gradients) of batch x head bh."""
+    kv = tl.load(KV + bh.to(tl.int64) * D * D + offs_d[:, None] * D + offs_d[None, :])
+    return kv, tl.load(Z + bh.to(tl.int64) * D + offs_d)
