@@ -152,19 +152,25 @@ def tisa_mixing(backend: str, q, k, v, values, mask, dtype):
 
 
 @contextlib.contextmanager
-def split_kernel_options(backend: str):
-    """`split:BLOCK:WARPS:STAGES` -> those `SPLIT_KERNEL_OPTIONS` while the block runs (run the
-    backward inside it too); any other backend name: the shipped options."""
-    from model.attention import tisa_split
-
-    shipped = dict(tisa_split.SPLIT_KERNEL_OPTIONS)
-    if backend.startswith("split:"):
-        block, warps, stages = (int(x) for x in backend.split(":")[1:])
-        tisa_split.SPLIT_KERNEL_OPTIONS.update(BLOCK=block, num_warps=warps, num_stages=stages)
+def kernel_options(options: dict, variant: str, block_key: str):
+    """`name:BLOCK:WARPS:STAGES` -> those tile and launch options in the `options` dict of a
+    module's Triton kernels while the block runs (run the backward inside it too); a name
+    without them: the shipped options."""
+    shipped = dict(options)
+    if variant.count(":") == 3:
+        block, warps, stages = (int(x) for x in variant.split(":")[1:])
+        options.update({block_key: block, "num_warps": warps, "num_stages": stages})
     try:
         yield
     finally:
-        tisa_split.SPLIT_KERNEL_OPTIONS.update(shipped)
+        options.update(shipped)
+
+
+def split_kernel_options(backend: str):
+    """`split:BLOCK:WARPS:STAGES` -> those `SPLIT_KERNEL_OPTIONS` while the block runs."""
+    from model.attention import tisa_split
+
+    return kernel_options(tisa_split.SPLIT_KERNEL_OPTIONS, backend, "BLOCK")
 
 
 def first_line(error: Exception) -> str:
@@ -1510,20 +1516,12 @@ def bench_tisa_backends(args) -> dict:
     return report
 
 
-@contextlib.contextmanager
 def mixing_kernel_options(variant: str):
     """`triton:BLOCK:WARPS:STAGES` -> those `GRAD_KERNEL_OPTIONS` (the training mixing's
-    backward kernels) while the block runs; any other name: the shipped options."""
+    backward kernels) while the block runs."""
     from model.attention import kernel_triton
 
-    shipped = dict(kernel_triton.GRAD_KERNEL_OPTIONS)
-    if variant.startswith("triton:"):
-        block, warps, stages = (int(x) for x in variant.split(":")[1:])
-        kernel_triton.GRAD_KERNEL_OPTIONS.update(BLOCK_N=block, num_warps=warps, num_stages=stages)
-    try:
-        yield
-    finally:
-        kernel_triton.GRAD_KERNEL_OPTIONS.update(shipped)
+    return kernel_options(kernel_triton.GRAD_KERNEL_OPTIONS, variant, "BLOCK_N")
 
 
 def bench_kernel_mixing(args) -> dict:
