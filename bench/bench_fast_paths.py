@@ -1516,6 +1516,39 @@ def bench_tisa_backends(args) -> dict:
     return report
 
 
+def saved_bytes(forward, inputs: list[torch.Tensor]) -> int:
+    """Bytes that autograd keeps for the backward of `forward()` beyond the storage of
+    `inputs`: the distinct storages of the tensors it saves (activation memory)."""
+    owned = {x.untyped_storage().data_ptr() for x in inputs}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in owned:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(kept.values())
+
+
+def layer_saved_bytes(args, N: int, backend: str) -> int:
+    """Activation memory of one kernel attention (aoglu) layer's training forward, one sequence
+    of N tokens, `kernel.training_backend` = backend, under the autocast of `--dtype`: every
+    storage autograd keeps for the backward (embeddings included, the same in both)."""
+    from model import Encoder
+
+    torch.manual_seed(0)
+    one_layer = argparse.Namespace(**{**vars(args), "layers": 1})
+    kernel = {"feature_map": "aoglu", "training_backend": backend}
+    cfg = model_config("kernel", one_layer, kernel=kernel)
+    model = Encoder(cfg).to(args.device).train()
+    ids = torch.randint(5, cfg.vocab_size, (1, N), device=args.device)
+    with autocast_for(args)():
+        return saved_bytes(lambda: model(ids, None), [])
+
+
 def mixing_kernel_options(variant: str):
     """`triton:BLOCK:WARPS:STAGES` -> those `GRAD_KERNEL_OPTIONS` (the training mixing's
     backward kernels) while the block runs."""
@@ -1531,7 +1564,10 @@ def bench_kernel_mixing(args) -> dict:
     operators (`kernel_mixing`, `kernel.training_backend: torch`), eager and compiled, against
     the Triton operator (`training_backend: triton`; `--mixing-options` adds variants of its
     backward kernels' tiles and launches), beside softmax's SDPA forward + backward on q, k, v
-    of the same shape (the kernel target's peer). On CUDA it first checks, on a padded and an
+    of the same shape (the kernel target's peer), and the activation memory each keeps for its
+    backward beyond its inputs (`saved_mb`, eager), and a whole layer's per sequence with each
+    backend (`layer_*_saved_mb`: the features and the fused projection that the operator keeps
+    count there). On CUDA it first checks, on a padded and an
     unpadded batch, that the Triton operator's output and gradients are within 2^-8 (relative
     norm) of the torch path's, then times the unpadded batch. On the CPU only `torch` and
     `softmax` run (the Triton kernels need CUDA, or Triton's interpreter: TRITON_INTERPRET=1
@@ -1559,25 +1595,30 @@ def bench_kernel_mixing(args) -> dict:
         padded = torch.ones(B, N, dtype=torch.bool, device=dev)
         padded[: max(1, B // 4), N // 2 :] = False
 
-        def step(variant, mask=None, leaves=leaves, g=g):
+        def forward(variant, mask=None, leaves=leaves):
             phi_q, phi_k, qkv_ = leaves
             q_, k_, v_ = (x.transpose(1, 2) for x in qkv_.unbind(2))
+            if variant == "softmax":
+                return F.scaled_dot_product_attention(q_, k_, v_), [qkv_]
+            mix = {"torch": kernel_mixing, "torch_compiled": compiled_mixing}.get(
+                variant, kernel_attention_train
+            )
+            return mix(phi_q, phi_k, v_, mask, 1e-6, dtype), leaves
 
+        def step(variant, mask=None, g=g):
             def run():
                 with mixing_kernel_options(variant):
-                    if variant == "softmax":
-                        out = F.scaled_dot_product_attention(q_, k_, v_)
-                        return out, torch.autograd.grad(out, [qkv_], g)
-                    mix = {"torch": kernel_mixing, "torch_compiled": compiled_mixing}.get(
-                        variant, kernel_attention_train
-                    )
-                    out = mix(phi_q, phi_k, v_, mask, 1e-6, dtype)
-                    return out, torch.autograd.grad(out, leaves, g)
+                    out, inputs = forward(variant, mask)
+                    return out, torch.autograd.grad(out, inputs, g)
 
             return run
 
         del v
         row: dict = {"seq": N}
+        for variant in ("softmax", "torch", *tritons[:1]):  # eager: the hooks see every tensor
+            row[f"{variant}_saved_mb"] = saved_bytes(lambda v=variant: forward(v), leaves) / 1e6
+        for backend in ("torch", *tritons[:1]):  # a whole layer's, per sequence
+            row[f"layer_{backend}_saved_mb"] = layer_saved_bytes(args, N, backend) / 1e6
         for variant in tritons:  # agreement with the torch path first
             for name, mask in (("padded", padded), ("unpadded", None)):
                 (o_t, g_t), (o_r, g_r) = step(variant, mask)(), step("torch", mask)()
