@@ -19,6 +19,11 @@
 #    unpadded; the passes below then say which option gives what (each alone, and their parts
 #    timed alone). The LAMB stays the recipes' (foreach): compiling LAMB on the GPU outlasted
 #    the lamb part's 60 s once, too long a risk for this pass; transject_lamb times it;
+#  K kernel_triton: one layer's forward at 8 x 512 / 4096 / 8192 (no grad, compiled, unpadded):
+#    softmax, kernel attention (aoglu) as before, and with kernel.inference_backend=triton (its
+#    mixing in two fused Triton kernels): the kernel target, kernel >= softmax from N = 4096
+#    (0.91x compiled before); the scaling part's figures of that target, the fourth one
+#    (second: with targets, one call of 15 minutes measures all four);
 #  P profile_targets: bench/profile_step.py on the targets pass's three steps (its options on,
 #    compiled; Inductor's cache has their graphs by then): where each step's device time goes
 #    now, kernel by kernel, for the next levers;
@@ -26,10 +31,6 @@
 #    products autotuned against Inductor's Triton templates with the bias and GELU fused into
 #    them; not the pointwise tuning that kept max-autotune-no-cudagraphs from compiling within
 #    230 s): the 45% MFU target's lever (GELU and its backward 5.0 ms, LayerNorms 4.9 ms);
-#  0a kernel_triton: one layer's forward at 8 x 512 / 4096 / 8192 (no grad, compiled, unpadded):
-#    softmax, kernel attention (aoglu) as before, and with kernel.inference_backend=triton (its
-#    mixing in two fused Triton kernels): the kernel target, kernel >= softmax from N = 4096
-#    (0.91x compiled before); the scaling part's figures of that target;
 #  0t kernel_train_4096, kernel_train_4096_triton: the albert-base training step at 8 x 4096,
 #    compiled, unpadded: softmax and kernel attention as before, then kernel attention with
 #    model.kernel.training_backend=triton (its mixing after the feature maps as one operator of
@@ -83,9 +84,9 @@
 #  8 large_transject_compiled: TransJect albert-large compiled, finite? its peak at batch 64;
 #  9 h100_suite: the eager pretraining table on an H100, every family, albert-base 128 / 512 and
 #    albert-large 512, and ZeRO-2.
-# A first call (BUDGET 540) runs targets, profile_targets and autotune_gemm (15 minutes of
-# device time, the start included, leave room for one call); a second one goes on
-# (ONLY="kernel_triton tisa_split transject_gj norm_output ...").
+# A first call (BUDGET 540) runs targets, kernel_triton and profile_targets as far as the budget
+# goes (15 minutes of device time, the start included, leave room for one call); a second one
+# goes on (ONLY="autotune_gemm kernel_train_4096 kernel_train_4096_triton tisa_split ...").
 # What the budget leaves out is named in pending.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -130,12 +131,12 @@ pass() { # pass NAME MIN_S LIMIT_S VAR=VALUE...: one run of the suite into $OUT/
 pass targets 240 380 PARTS=pretrain COMPILE=recipe \
   EXTRA="model.tisa.backend=split model.cayley_leaf_inverse=gauss_jordan model.transject.eigen_products=bf16x3 model.transject.residual_stream=compute" \
   "PRETRAIN=--configs albert-base-512 --families softmax tisa transject --padding none --steps 6 --timeout 150"
+pass kernel_triton 120 200 ENV_PART= PARTS=scaling \
+  "SCALING=--no-mask --compile --families softmax kernel kernel-triton --lengths 512 4096 8192"
 pass profile_targets 150 220 ENV_PART= PARTS=profile \
   "PROFILE=--families softmax tisa transject --padding none --steps 3 --warmup 2 --override engine.compile=true model.tisa.backend=split model.cayley_leaf_inverse=gauss_jordan model.transject.eigen_products=bf16x3 model.transject.residual_stream=compute"
 pass autotune_gemm 150 260 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=engine.compile_options.max_autotune_gemm=true \
   "PRETRAIN=--configs albert-base-512 --families softmax --padding none --steps 6 --timeout 250"
-pass kernel_triton 120 200 ENV_PART= PARTS=scaling \
-  "SCALING=--no-mask --compile --families softmax kernel kernel-triton --lengths 512 4096 8192"
 pass kernel_train_4096 150 230 ENV_PART= PARTS="kernelmixing pretrain" COMPILE=recipe EXTRA=model.max_position_embeddings=4096 \
   "PRETRAIN=--configs albert-base-512 --families softmax kernel --seq 4096 --batch 8 --padding none --steps 6 --timeout 110"
 pass kernel_train_4096_triton 120 150 ENV_PART= PARTS=pretrain COMPILE=recipe \

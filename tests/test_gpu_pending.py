@@ -62,7 +62,7 @@ def test_every_pass_is_well_formed(tmp_path):
     from pretrain.config import PretrainConfig
 
     passes = planned_passes(tmp_path)
-    assert list(passes)[:3] == ["targets", "profile_targets", "autotune_gemm"]
+    assert list(passes)[:3] == ["targets", "kernel_triton", "profile_targets"]
     assert len(passes) >= 15
     parts = suite_parts()
     base_of = {entry[0]: entry[1] for entries in PRESETS.values() for entry in entries}
