@@ -346,6 +346,48 @@ def test_encoder_training_runs_the_fused_mixing_eager_and_compiled():
     assert out.count("ok ") == 2, out
 
 
+TRAINER_CHECK = """
+import os, shutil, sys, tempfile
+from pathlib import Path
+sys.path.insert(0, "tests")
+from pretrain_support import FAMILY, base_overrides, free_port, make_shards
+import model.attention.kernel_triton as kt
+from engine.metrics import read_jsonl
+from pretrain.__main__ import main
+
+tmp = Path(tempfile.mkdtemp())
+shards = make_shards(tmp / "data")
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+calls = []
+real = kt._kernels  # looked up by the operators at each call
+kt._kernels = lambda: calls.append(1) or real()
+losses = {}
+for backend in ("torch", "triton"):
+    run_dir = tmp / backend
+    args = ["--config", "configs/pretrain/debug.yaml", *base_overrides(shards, run_dir, 3),
+            *FAMILY["kernel"], f"model.kernel.training_backend={backend}"]
+    assert main(args) == 0, backend
+    rows = read_jsonl(run_dir / "tensorboard")
+    losses[backend] = [rows[step]["loss/total"] for step in (1, 2, 3)]
+    print(backend, len(calls), losses[backend])
+assert len(calls) == 3 * 2 * 2, calls  # 3 steps x 2 layers x (forward, backward), triton only
+for a, b in zip(losses["triton"], losses["torch"]):
+    assert abs(a - b) <= 1e-5 * abs(b), losses
+shutil.rmtree(tmp)
+print("ok trainer")
+"""
+
+
+@pytest.mark.integration
+def test_the_trainer_runs_the_fused_mixing_on_deepspeed():
+    """`python -m pretrain` (in-process, the DeepSpeed engine, one rank) with the kernel
+    recipe and `model.kernel.training_backend=triton`, in Triton's interpreter: each step calls
+    the operator's forward and backward once per layer, and the losses of 3 steps (the recipe's
+    dropout on, fp32) equal those of the torch path to 1e-5."""
+    out = run_in_triton_interpreter(TRAINER_CHECK, timeout=600)
+    assert "ok trainer" in out, out
+
 def _attention(**kernel) -> KernelAttention:
     cfg = EncoderConfig.preset(
         "debug",
