@@ -388,6 +388,7 @@ def test_the_trainer_runs_the_fused_mixing_on_deepspeed():
     out = run_in_triton_interpreter(TRAINER_CHECK, timeout=600)
     assert "ok trainer" in out, out
 
+
 def _attention(**kernel) -> KernelAttention:
     cfg = EncoderConfig.preset(
         "debug",
