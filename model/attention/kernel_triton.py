@@ -157,7 +157,8 @@ def _mix(
     D = _width(h)
     if q.numel() == 0:  # nothing to launch
         out = v.new_zeros(B, N, H, h).transpose(1, 2)
-        return out, q.new_zeros(B * H, D, D, dtype=torch.float32), q.new_zeros(B * H, D)
+        kv = q.new_zeros(B * H, D, D, dtype=torch.float32)
+        return out, kv, q.new_zeros(B * H, D, dtype=torch.float32)
     key_summary, query_output = _kernels()[:2]
     block_n, launch, upcast = _launch(q, KERNEL_OPTIONS)
     out_dtype = v.dtype

@@ -109,7 +109,7 @@ def key_summary(
     bh = tl.program_id(0)
     s = tl.program_id(1)
     b = (bh // H).to(tl.int64)  # 64-bit offsets: a large batch passes 2^31 elements
-    head = bh % H
+    head = (bh % H).to(tl.int64)  # heads-first inputs: a head's offset may pass 2^31
     offs_d = tl.arange(0, D)
     offs_g = tl.arange(0, DG)
     kv = tl.zeros([D, D], tl.float32)
@@ -150,7 +150,7 @@ def query_output(
     bh = tl.program_id(0)
     pid = tl.program_id(1)
     b = (bh // H).to(tl.int64)  # 64-bit offsets: a large batch passes 2^31 elements
-    head = bh % H
+    head = (bh % H).to(tl.int64)  # heads-first inputs: a head's offset may pass 2^31
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     offs_g = tl.arange(0, DG)
@@ -184,7 +184,7 @@ def query_grad(
     bh = tl.program_id(0)
     pid = tl.program_id(1)
     b = (bh // H).to(tl.int64)  # 64-bit offsets: a large batch passes 2^31 elements
-    head = bh % H
+    head = (bh % H).to(tl.int64)  # heads-first inputs: a head's offset may pass 2^31
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     kv, z = load_summary(KV, Z, bh, offs_d, D)
@@ -219,7 +219,7 @@ def summary_grad(
     bh = tl.program_id(0)
     s = tl.program_id(1)
     b = (bh // H).to(tl.int64)
-    head = bh % H
+    head = (bh % H).to(tl.int64)  # heads-first inputs: a head's offset may pass 2^31
     offs_d = tl.arange(0, D)
     dkv = tl.zeros([D, D], tl.float32)
     dz = tl.zeros([D], tl.float32)
@@ -253,7 +253,7 @@ def key_grad(
     bh = tl.program_id(0)
     pid = tl.program_id(1)
     b = (bh // H).to(tl.int64)
-    head = bh % H
+    head = (bh % H).to(tl.int64)  # heads-first inputs: a head's offset may pass 2^31
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     g = load_rows(K + b * skb + head * skh, offs_n, offs_d, skn, N, HEAD, D, UPCAST)
