@@ -130,7 +130,7 @@ class KernelConfig:
 
     inference_backend: Literal["torch", "triton"] = "torch"
     """How forwards that need no gradient (evaluation, inference, the scaling benchmark) run on
-    CUDA: `torch`, the same operators as training; `triton`, two fused Triton kernels (one pass
+    CUDA: `torch`, the default path's operators; `triton`, two fused Triton kernels (one pass
     over the keys for the [KV | z] summary, one over the queries for the output; the features
     never reach memory), equal to `torch` up to the order of sums (docs/performance.md). Needs
     Triton and a head width of at most 128; training steps and forwards that need a gradient
