@@ -35,8 +35,10 @@
 #    compiled, unpadded: softmax and kernel attention as before, then kernel attention with
 #    model.kernel.training_backend=triton (its mixing after the feature maps as one operator of
 #    Triton kernels, forward and backward): what the fused mixing gives a training step where
-#    kernel attention is to pass softmax; and kernelmixing: the mixing alone, forward and
-#    backward, torch operators vs the Triton operator (checked against them first) at 512-8192;
+#    kernel attention is to pass softmax;
+#  0m kernel_mixing: the suite's kernelmixing part, the mixing alone, forward and backward,
+#    torch operators vs the Triton operator and variants of its backward options (checked
+#    against the torch operators first on the GPU) at 8 x 512-8192, softmax's SDPA beside;
 #  0 tisa_split: softmax and the TISA step on the split backend (SDPA with the bias detached, so
 #    cuDNN stays eligible; f's gradient by its own Triton kernels), compiled, unpadded: does it
 #    meet the 1.2x target? and tisasplit: its mixing step alone at the recipe's shape, with
@@ -137,11 +139,12 @@ pass profile_targets 150 220 ENV_PART= PARTS=profile \
   "PROFILE=--families softmax tisa transject --padding none --steps 3 --warmup 2 --override engine.compile=true model.tisa.backend=split model.cayley_leaf_inverse=gauss_jordan model.transject.eigen_products=bf16x3 model.transject.residual_stream=compute"
 pass autotune_gemm 150 260 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=engine.compile_options.max_autotune_gemm=true \
   "PRETRAIN=--configs albert-base-512 --families softmax --padding none --steps 6 --timeout 250"
-pass kernel_train_4096 150 230 ENV_PART= PARTS="kernelmixing pretrain" COMPILE=recipe EXTRA=model.max_position_embeddings=4096 \
+pass kernel_train_4096 150 230 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=model.max_position_embeddings=4096 \
   "PRETRAIN=--configs albert-base-512 --families softmax kernel --seq 4096 --batch 8 --padding none --steps 6 --timeout 110"
 pass kernel_train_4096_triton 120 150 ENV_PART= PARTS=pretrain COMPILE=recipe \
   EXTRA="model.max_position_embeddings=4096 model.kernel.training_backend=triton" \
   "PRETRAIN=--configs albert-base-512 --families kernel --seq 4096 --batch 8 --padding none --steps 6 --timeout 140"
+pass kernel_mixing 120 180 ENV_PART= PARTS=kernelmixing
 pass tisa_split 150 250 ENV_PART= PARTS="pretrain tisasplit objective" COMPILE=recipe EXTRA="model.tisa.backend=split" \
   "PRETRAIN=--configs albert-base-512 --families softmax tisa --padding none --steps 6 --timeout 115"
 pass transject_gj 200 300 ENV_PART= PARTS="pretrain cayley eigenproducts" COMPILE=recipe \

@@ -260,7 +260,7 @@ else
     --vocab 30000 --warmup 3 --repeats 10 --out "$OUT/objective_gpu.json"
   # The LayerNorms' output under autocast: bf16 (the default) vs fp32, softmax compiled.
   # Kernel attention's training mixing alone: the torch operators vs the Triton operator.
-  part kernelmixing 90 python3 bench/bench_fast_paths.py kernel-mixing --device cuda --dtype bf16 \
+  part kernelmixing 170 python3 bench/bench_fast_paths.py kernel-mixing --device cuda --dtype bf16 \
     --hidden 768 --heads 12 --batch 8 --seq 512 2048 4096 8192 --warmup 3 --repeats 10 \
     --mixing-options 64:4:2 64:8:3 32:8:2 --out "$OUT/kernel_mixing_gpu.json"
   part normoutput 150 python3 bench/bench_fast_paths.py norm-output --device cuda --families softmax \
