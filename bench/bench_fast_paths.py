@@ -1589,7 +1589,6 @@ def bench_kernel_mixing(args) -> dict:
             for _ in range(2)
         ]
         qkv = torch.randn(B, N, 3, H, h, device=dev, dtype=dtype)
-        v = qkv[:, :, 2].transpose(1, 2)
         leaves = [x.detach().requires_grad_() for x in (*feats, qkv)]
         g = torch.randn(B, H, N, h, device=dev, dtype=dtype)
         padded = torch.ones(B, N, dtype=torch.bool, device=dev)
@@ -1613,7 +1612,6 @@ def bench_kernel_mixing(args) -> dict:
 
             return run
 
-        del v
         row: dict = {"seq": N}
         for variant in ("softmax", "torch", *tritons[:1]):  # eager: the hooks see every tensor
             row[f"{variant}_saved_mb"] = saved_bytes(lambda v=variant: forward(v), leaves) / 1e6

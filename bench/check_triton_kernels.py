@@ -14,8 +14,9 @@ Kernels: TISA's split backend (`row_lse`, `diagonal_grad`; bf16 inputs, padded a
 head width 64), the Cayley map's Gauss-Jordan leaves (`gauss_jordan_inverse`, 96 and 128
 wide), kernel attention's inference kernels (`key_summary`, `query_output`; bf16, the
 albert-base and LRA feature maps and elu+1) and its training backward kernels (`query_grad`,
-`summary_grad`, `key_grad`; bf16, head widths 64 and 32). Exit status 1 when a kernel fails to compile or
-needs more shared memory than the target allows per block. Spills are reported, not failed (a spilling kernel runs, slower).
+`summary_grad`, `key_grad`; bf16, head widths 64 and 32). Exit status 1 when a kernel fails to
+compile or needs more shared memory than the target allows per block. Spills are reported, not
+failed (a spilling kernel runs, slower).
 """
 
 from __future__ import annotations
@@ -226,15 +227,8 @@ def check(config: dict, arch: int) -> dict:
     from model import orthogonal_kernels
     from model.attention import kernel_triton_kernels, tisa_split_kernels
 
-    module = {
-        "gauss_jordan_inverse": orthogonal_kernels,
-        "key_summary": kernel_triton_kernels,
-        "query_output": kernel_triton_kernels,
-        "query_grad": kernel_triton_kernels,
-        "summary_grad": kernel_triton_kernels,
-        "key_grad": kernel_triton_kernels,
-    }.get(config["kernel"], tisa_split_kernels)
-    fn = getattr(module, config["kernel"])
+    modules = (orthogonal_kernels, kernel_triton_kernels, tisa_split_kernels)
+    fn = getattr(next(m for m in modules if hasattr(m, config["kernel"])), config["kernel"])
     row = {"kernel": config["kernel"], "arch": f"sm_{arch}", **config["constexprs"]}
     row.update(config["launch"])
     try:

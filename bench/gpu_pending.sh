@@ -96,11 +96,15 @@ OUT=${OUT:-bench/results/gpu_pending}
 BUDGET=${BUDGET:-540}
 SUITE=${SUITE:-bench/gpu_suite.sh}
 ONLY=${ONLY:-} # pass names to run (a second call: ONLY="compile_check backend_torch"); empty: all
-mkdir -p "$OUT/passes"
-LOG=$OUT/pending.log
-: >"$LOG"
-START=$(date +%s)
 PLAN=${PLAN:-0}
+if [ "$PLAN" = 1 ]; then
+  LOG=/dev/null # a plan prints, and writes nothing where the results go
+else
+  mkdir -p "$OUT/passes"
+  LOG=$OUT/pending.log
+  : >"$LOG"
+fi
+START=$(date +%s)
 SPENT=0 # PLAN=1: the seconds the passes so far would take at their time limits
 left() {
   if [ "$PLAN" = 1 ]; then echo $((BUDGET - SPENT)); else echo $((BUDGET - ($(date +%s) - START))); fi

@@ -258,11 +258,11 @@ else
   # The pretraining loss terms, eager vs compiled (what engine.compile adds beside the encoder).
   part objective 60 python3 bench/bench_fast_paths.py objective --device cuda --batch 64 \
     --vocab 30000 --warmup 3 --repeats 10 --out "$OUT/objective_gpu.json"
-  # The LayerNorms' output under autocast: bf16 (the default) vs fp32, softmax compiled.
   # Kernel attention's training mixing alone: the torch operators vs the Triton operator.
   part kernelmixing 170 python3 bench/bench_fast_paths.py kernel-mixing --device cuda --dtype bf16 \
     --hidden 768 --heads 12 --batch 8 --seq 512 2048 4096 8192 --warmup 3 --repeats 10 \
     --mixing-options 64:4:2 64:8:3 32:8:2 --out "$OUT/kernel_mixing_gpu.json"
+  # The LayerNorms' output under autocast: bf16 (the default) vs fp32, softmax compiled.
   part normoutput 150 python3 bench/bench_fast_paths.py norm-output --device cuda --families softmax \
     --hidden 768 --heads 12 --layers 12 --batch 64 --seq 512 --vocab 30000 --compiled \
     --warmup 3 --repeats 10 --out "$OUT/norm_output_gpu.json"

@@ -36,8 +36,8 @@ distinct W once, whatever the depth. Without sharing this is the authors' sum ov
 
 Forwards without a gradient or dropout may run the feature maps and the mixing as two fused
 Triton kernels instead (`KernelConfig.inference_backend`, kernel_triton.py); training forwards
-may run the mixing after the feature maps as one fused operator, four Triton kernels with its
-backward (`KernelConfig.training_backend`).
+may run the mixing after the feature maps as one fused operator with its own backward, Triton
+kernels in both (`KernelConfig.training_backend`).
 
 Legend: B batch, H heads, N tokens, h head width, r gate rank, c a unit's product width (h,
 2h or h + r). `q_BHNh` is (B, H, N, h), `w_Hhh` is (H, h, h); the feature maps and the sums run
