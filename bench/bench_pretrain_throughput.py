@@ -241,6 +241,7 @@ class Measurement:
         self.splits: list[list[float]] = []
         self.skipped = 0
         self.steady_s: float | None = None  # `steady`, when run
+        self.first_step_s: float | None = None  # compilation included, when compiled
 
     def step(self, i: int) -> tuple[float, list[float], bool]:
         """(seconds, [data, forward, backward, optimizer] seconds, skipped) of one step."""
@@ -265,7 +266,10 @@ class Measurement:
             gaps = [marks[j + 1] - marks[j] for j in range(len(marks) - 1)]
         # gaps: (data, forward, backward) per micro-batch, then the optimizer step
         phases = [sum(gaps[k : len(gaps) - 1 : 3]) for k in range(3)] + [gaps[-1]]
-        return time.perf_counter() - start, phases, bool(result.skipped)
+        seconds = time.perf_counter() - start
+        if self.first_step_s is None:
+            self.first_step_s = seconds
+        return seconds, phases, bool(result.skipped)
 
     def _step(self, i: int, mark):
         """One optimizer step (``accumulation`` micro-batches), ``mark()`` before and after
@@ -309,6 +313,11 @@ class Measurement:
         self.splits.append(phases)
         self.skipped += int(skipped)
 
+    def _cache_counts(self) -> dict:
+        """The compiler's cache folder and the graphs loaded from it / compiled since this
+        engine started (``engine.compile_cache_dir``)."""
+        return {"dir": str(self.engine.compile_cache), **self.engine.compile_cache_activity()}
+
     def row(self) -> dict:
         import torch
 
@@ -351,6 +360,10 @@ class Measurement:
             else mfu(self.flops_per_step / self.steady_s, self.peak),
             "skipped_steps": self.skipped,
             "sdpa_priority": self.args.sdpa_priority,
+            # the first step of this engine: with engine.compile, the compilation too
+            "first_step_s": self.first_step_s,
+            "compiled": self.engine.compiled,
+            "compile_cache": self._cache_counts(),
         }
         if self.cuda:
             row["leftover_gb"] = self.base_gb

@@ -236,6 +236,21 @@ class EngineConfig:
     ``max-autotune-no-cudagraphs`` adds: that mode did not finish compiling ALBERT-base within
     230 s on an H100. An unknown key or a value of the wrong type is refused at start-up,
     naming the key. Needs ``compile_backend: inductor``. A resumed run may change it."""
+    compile_cache_dir: str | None = None
+    """Where the compiler keeps what it has compiled, for the next process to load instead of
+    compiling again: Inductor's compiled graphs (its FX-graph and AOTAutograd caches) and
+    Triton's GPU kernels (in ``<dir>/triton``). Null: torch's own place, which is
+    ``TORCHINDUCTOR_CACHE_DIR`` when that is set and otherwise a folder under ``/tmp`` of each
+    machine, so a run that starts on another node (a requeued or resumed Slurm job, the next
+    phase, each GLUE task) compiles everything again. A path (``~`` and ``$VARS`` expanded;
+    created if missing) on storage that every node sees lets those runs load the graphs: the
+    same model, shapes, options and torch version load them, anything else compiles and adds
+    its own. Measured on the CPU (albert-base recipes, first step of a new process, seq 128):
+    see docs/performance.md. Every process of the run points its compiler there at start-up
+    (the environment variables ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` of the
+    process, which this overrides); a path that cannot be created or written is refused at
+    start-up. Nothing in it is ever deleted by the project: it grows with each new model or
+    torch version, and may be removed whole at any time. A resumed run may change it."""
     device: str = "auto"
     """``"auto"`` (CUDA when available, else CPU), ``"cpu"`` or ``"cuda"``."""
     fp16_initial_scale_power: int = 16
@@ -316,6 +331,12 @@ class EngineConfig:
                 f"inductor (got {self.compile_backend!r}): the modes are Inductor's"
             )
         inductor_options(self)  # checks engine.compile_options now: a typo fails at start-up
+        cache = self.compile_cache_dir
+        if cache is not None and (not isinstance(cache, str) or not cache.strip()):
+            raise ValueError(
+                f"engine.compile_cache_dir={cache!r} is invalid; valid: a directory path, or "
+                "null for torch's own cache folder"
+            )
         if self.compile is True and self.zero3:
             raise ValueError(
                 "engine.compile=true with engine.zero_stage=3 is not supported: ZeRO-3 "
@@ -603,6 +624,45 @@ def _compile_kwargs(mode: str, options: dict[str, Any] | None) -> dict[str, Any]
     return {"options": {**base, **options}}
 
 
+def use_compile_cache(path: str | None) -> Path:
+    """Points this process's compiler caches at ``path`` (``engine.compile_cache_dir``): sets
+    ``TORCHINDUCTOR_CACHE_DIR`` to it and ``TRITON_CACHE_DIR`` to its ``triton`` folder, before
+    anything is compiled (Inductor reads both when it compiles; the compile workers it starts
+    inherit them). ``None`` leaves torch's choice alone. Returns the cache folder in use.
+    A path that cannot be created or written is a ValueError naming the key, at start-up rather
+    than at the first compilation."""
+    if path is None:  # where torch will put it (without creating it: nothing may compile)
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()).absolute()
+    folder = Path(os.path.expandvars(os.path.expanduser(path))).absolute()
+    try:
+        (folder / "triton").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"engine.compile_cache_dir={path!r}: cannot create {folder}: "
+            f"{e.strerror or e}"
+        ) from e
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"engine.compile_cache_dir={path!r}: {folder} is not writable")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    os.environ["TRITON_CACHE_DIR"] = str(folder / "triton")
+    return folder
+
+
+def compile_cache_counts() -> dict[str, int]:
+    """Process-wide counts of Inductor's compiled graphs so far: ``loaded`` from its FX-graph
+    cache, ``compiled`` (looked up and missed), ``uncached`` (not cacheable, compiled)."""
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return {
+        "loaded": int(inductor["fxgraph_cache_hit"]),
+        "compiled": int(inductor["fxgraph_cache_miss"]),
+        "uncached": int(inductor["fxgraph_cache_bypass"]),
+    }
+
+
 def inductor_options(cfg: EngineConfig) -> dict[str, Any]:
     """``engine.compile_options`` as flat Inductor option names (nested mappings joined with
     dots, as OmegaConf's dotted overrides nest them), each checked against
@@ -731,6 +791,10 @@ class Engine:
                     "with enable_activation_checkpointing()"
                 )
             encoder.enable_activation_checkpointing()
+        self.compile_cache = use_compile_cache(cfg.compile_cache_dir)
+        """The folder of the compiler's caches in this process (``engine.compile_cache_dir``
+        or torch's own)."""
+        self._cache_counts_at_start = compile_cache_counts()
         self.compiled = compile_wanted(cfg, model, self.device.type)
         """Whether the encoder is compiled (``engine.compile``, ``auto`` resolved)."""
         if self.compiled:
@@ -826,6 +890,28 @@ class Engine:
         (``orthogonal_step_cache``) and/or in shards over the ranks (``orthogonal_shard_maps``;
         then once per micro-batch without the step cache); None where every forward evaluates
         them itself."""
+
+    def compile_cache_activity(self) -> dict[str, int]:
+        """Graphs Inductor loaded from its cache (``loaded``), compiled into it (``compiled``)
+        or compiled without it (``uncached``) since this engine started."""
+        now = compile_cache_counts()
+        return {k: now[k] - self._cache_counts_at_start[k] for k in now}
+
+    def compile_cache_summary(self) -> str:
+        """One line for the run's log: the compiler's cache folder and how many of the graphs
+        compiled since this engine started were loaded from it."""
+        counts = self.compile_cache_activity()
+        where = (
+            "engine.compile_cache_dir"
+            if self.cfg.compile_cache_dir is not None
+            else "torch's default; engine.compile_cache_dir on shared storage keeps it across "
+            "nodes"
+        )
+        return (
+            f"compiler cache {self.compile_cache} ({where}): {counts['loaded']} graph(s) "
+            f"loaded from it, {counts['compiled']} compiled into it"
+            + (f", {counts['uncached']} not cacheable" if counts["uncached"] else "")
+        )
 
     @property
     def orthogonal_summary(self) -> str | None:

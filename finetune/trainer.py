@@ -168,6 +168,7 @@ RESUMABLE_KEYS = (
     "train.keep_checkpoints",
     "train.time_budget_minutes",
     "engine.dist_timeout_minutes",
+    "engine.compile_cache_dir",
     *TRACKER_KEYS,
 )
 """Config keys that are not part of a run's identity: where it is, the sweep around it, and

@@ -630,7 +630,8 @@ class Trainer:
                         else ""
                     )
                     + "): the first "
-                    "steps pay the compilation (up to about 85 s per family on an H200); "
+                    "steps pay the compilation (up to about 85 s per family on an H200) unless "
+                    f"the compiler's cache has it ({self.engine.compile_cache}); "
                     "engine.compile=false turns it off"
                 )
             elif cfg.engine.compile == "auto":
@@ -656,6 +657,7 @@ class Trainer:
         state, reason = "completed", ""
         ended: str | None = None
         self.engine.train()
+        first_step = True  # this process's first step: it compiles, when compiled
         try:
             while self.step < total:
                 if self.step >= self.phase.end:  # the next phase: its data, its first batch
@@ -668,9 +670,17 @@ class Trainer:
                             f"({self.phase.max_seq_length} tokens, micro-batch "
                             f"{self.phase.micro_batch_size}, until step {self.phase.end})"
                         )
+                first_started = time.perf_counter() if first_step else None
                 result, batch, step_tokens, step_samples, step_flops, micro = self._train_step(
                     batches, sums, timers
                 )
+                if first_started is not None:
+                    first_step = False
+                    if self.is_main and self.engine.compiled:  # the host's time: no sync
+                        progress.write(
+                            f"pretrain: first step {time.perf_counter() - first_started:.1f} s, "
+                            f"compilation included; {self.engine.compile_cache_summary()}"
+                        )
                 self.step += 1
                 self.tokens += step_tokens
                 self.samples += step_samples
