@@ -82,6 +82,10 @@
 #             operators eager and compiled vs the Triton operator (kernel.training_backend) and
 #             variants of its backward kernels' options, softmax's SDPA beside; checked against
 #             the torch path first                                     -> kernel_mixing_gpu.json
+#   compilecache  bench_compile_cache.py: the first step of a new process compiled with
+#             engine.compile_cache_dir empty (cold) and then holding the first process's
+#             graphs (warm), softmax and TransJect's albert-base recipes at seq 512 (not in the
+#             default PARTS)                                           -> compile_cache_gpu.json
 #   eigenproducts  bench_fast_paths.py eigen-products: TransJect's eigen-state at the recipe's
 #             shape (64 x 512, d = 768), its products in fp32 vs three bf16 products each
 #             (transject.eigen_products), errors against fp64 and times -> eigen_products_gpu.json
@@ -281,6 +285,9 @@ else
   # seq 512: which kind of work holds TransJect's gap to softmax.
   part profile "${PROFILE_LIMIT:-120}" python3 bench/profile_step.py --device cuda --families softmax transject \
     "${PROFILE_ARGS[@]}" --out "$OUT/profile_gpu.json"
+  # The compiler's cache across processes: a new process's first step, cold vs warm.
+  part compilecache 230 python3 bench/bench_compile_cache.py --device cuda --families softmax transject \
+    --config albert-base-512 --steps 3 --timeout 150 --out "$OUT/compile_cache_gpu.json"
   # Where compiled TransJect steps stop being finite (an H200 skipped every one with inductor).
   part compilecheck 360 python3 bench/check_compiled_steps.py --device cuda --family transject \
     --steps 3 --out "$OUT/compile_check_gpu.json"

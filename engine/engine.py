@@ -652,14 +652,19 @@ def use_compile_cache(path: str | None) -> Path:
 
 def compile_cache_counts() -> dict[str, int]:
     """Process-wide counts of Inductor's compiled graphs so far: ``loaded`` from its FX-graph
-    cache, ``compiled`` (looked up and missed), ``uncached`` (not cacheable, compiled)."""
+    cache, ``compiled`` (looked up and missed), ``uncached`` (not cacheable, compiled); and of
+    AOTAutograd's joint graphs (forward and backward of one compiled region): ``joint_loaded``
+    from its cache, ``joint_traced`` traced again (missed, or not cacheable: in torch 2.13 a
+    graph that switches autocast off inside, as kernel attention's and TransJect's do)."""
     from torch._dynamo.utils import counters
 
-    inductor = counters["inductor"]
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
     return {
         "loaded": int(inductor["fxgraph_cache_hit"]),
         "compiled": int(inductor["fxgraph_cache_miss"]),
         "uncached": int(inductor["fxgraph_cache_bypass"]),
+        "joint_loaded": int(aot["autograd_cache_hit"]),
+        "joint_traced": int(aot["autograd_cache_miss"] + aot["autograd_cache_bypass"]),
     }
 
 

@@ -124,6 +124,8 @@ def test_a_second_run_loads_every_graph_from_the_folder(tmp_path, monkeypatch, c
 
     second, second_line = _run(shards, tmp_path / "run2", shared, capsys)
     assert second["loaded"] == first["compiled"] and second["compiled"] == 0, (first, second)
+    # softmax's graphs switch autocast nowhere: AOTAutograd's joint graphs load too
+    assert second["joint_loaded"] >= 1 and second["joint_traced"] == 0, second
     assert f"{second['loaded']} graph(s) loaded from it, 0 compiled" in second_line
 
     other = tmp_path / "other-cache"  # the control: the loads came from the folder

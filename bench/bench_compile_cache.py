@@ -1,0 +1,134 @@
+"""What ``engine.compile_cache_dir`` saves: the first training step of a new process, compiled,
+with the compiler's cache folder empty (cold) and then holding the graphs of an earlier process
+(warm), as a requeued or resumed job, the next phase or another fine-tuning task on another node
+would find it on shared storage.
+
+For each family, ``bench/bench_pretrain_throughput.py`` runs twice in new processes on the same
+recipe (``--configs``, e.g. ``albert-base-512``), ``engine.compile=true`` and
+``engine.compile_cache_dir`` pointing both at one folder made empty for the family: the first
+compiles into it, the second loads from it. Reported per run: the first step's seconds (the
+compilation included; the throughput benchmark's ``first_step_s``), the later steps' median
+(the same in both, unless the cache changed the code: a check), the graphs loaded from and
+compiled into the folder, and the whole process's wall time; then warm / cold ratios. The
+peer is the same command without the cache (cold), in the same run. The folders are removed
+at the end unless ``--keep``.
+
+    python bench/bench_compile_cache.py --device cpu --families softmax tisa kernel transject \
+        --seq 128 --batch 2 --out bench/results/compile_cache_cpu.json
+    python bench/bench_compile_cache.py --device cuda --families softmax tisa transject \
+        --out compile_cache_gpu.json      # the suite's part `compilecache`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = ("softmax", "tisa", "kernel", "transject")
+
+
+def one_run(args, family: str, cache: Path, out: Path) -> dict:
+    """One process of the throughput benchmark; its row and the process's wall seconds."""
+    cmd = [
+        sys.executable, str(ROOT / "bench" / "bench_pretrain_throughput.py"),
+        "--device", args.device, "--preset", "albert", "--configs", args.config,
+        "--families", family, "--padding", "none", "--warmup", "0", "--steps", str(args.steps),
+        "--steady-steps", "0", "--threads", str(args.threads), "--out", str(out),
+    ]  # fmt: skip
+    if args.seq:
+        cmd += ["--seq", str(args.seq)]
+    if args.batch:
+        cmd += ["--batch", str(args.batch)]
+    if args.timeout:
+        cmd += ["--timeout", str(args.timeout)]
+    cmd += ["--override", "engine.compile=true", f"engine.compile_cache_dir={cache}",
+            *args.override]  # fmt: skip
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    rows = json.loads(out.read_text())["rows"] if out.is_file() else []
+    if done.returncode != 0 or not rows or "error" in rows[0]:
+        error = rows[0].get("error") if rows else (done.stderr or done.stdout)[-800:]
+        return {"error": error, "process_s": wall}
+    row = rows[0]
+    later = row["step_s_all"][1:]  # the first timed step is the first step
+    return {
+        "first_step_s": row["first_step_s"],
+        "later_step_s": statistics.median(later) if later else None,
+        "process_s": wall,
+        "encoder_compiled": row["compiled"],
+        **{k: v for k, v in row["compile_cache"].items() if k != "dir"},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    p.add_argument("--config", default="albert-base-512", help="a name of the albert preset")
+    p.add_argument("--seq", type=int, default=None, help="override the config's length")
+    p.add_argument("--batch", type=int, default=None, help="override the micro-batch")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per run, the first included")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=None, help="seconds per run")
+    p.add_argument("--override", nargs="*", default=[], help="recipe overrides key=value")
+    p.add_argument("--root", type=Path, default=None, help="where the cache folders go")
+    p.add_argument("--keep", action="store_true", help="keep the cache folders")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="compile_cache_", dir=args.root))
+    results = []
+    try:
+        for family in args.families:
+            cache = root / family
+            runs = {}
+            for kind in ("cold", "warm"):
+                runs[kind] = one_run(args, family, cache, root / f"{family}_{kind}.json")
+                print(f"{family} {kind}: {json.dumps(runs[kind])}", flush=True)
+            cold, warm = runs["cold"], runs["warm"]
+            row = {"family": family, "cold": cold, "warm": warm}
+            if "error" not in cold and "error" not in warm:
+                row["first_step_ratio"] = warm["first_step_s"] / cold["first_step_s"]
+                row["process_ratio"] = warm["process_s"] / cold["process_s"]
+                if cold["later_step_s"] and warm["later_step_s"]:
+                    row["later_step_ratio"] = warm["later_step_s"] / cold["later_step_s"]
+            results.append(row)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    meta = {"args": {k: str(v) for k, v in vars(args).items()}, "cache_root": str(root)}
+    print_table(results)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "rows": results}, indent=1) + "\n")
+
+
+def print_table(results: list[dict]) -> None:
+    print("\n| family | first step cold s | warm s | warm / cold | process cold s | warm s "
+          "| graphs compiled cold / loaded warm | joint graphs loaded warm | "
+          "later steps warm / cold |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        cold, warm = r["cold"], r["warm"]
+        if "error" in cold or "error" in warm:
+            print(f"| {r['family']} | error: {cold.get('error') or warm.get('error')} |")
+            continue
+        print(
+            f"| {r['family']} | {cold['first_step_s']:.1f} | {warm['first_step_s']:.1f} | "
+            f"{r['first_step_ratio']:.2f} | {cold['process_s']:.1f} | {warm['process_s']:.1f} | "
+            f"{cold['compiled']} / {warm['loaded']} (warm compiled {warm['compiled']}) | "
+            f"{warm['joint_loaded']} of {warm['joint_loaded'] + warm['joint_traced']} | "
+            f"{r.get('later_step_ratio', float('nan')):.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
