@@ -582,6 +582,7 @@ class Finetuner:
         start = time.perf_counter()
         self.engine.train(True)
         ended: str | None = None
+        first_started = time.perf_counter()  # this process's first step compiles, if any
         try:
             while self.step < self.total_steps:
                 for _ in range(self.engine.cfg.gradient_accumulation_steps):
@@ -594,6 +595,13 @@ class Finetuner:
                     count += 1
                 step = self.engine.step()
                 self.step += 1
+                if first_started is not None:
+                    if self.is_main and self.engine.compiled:
+                        progress.write(
+                            f"finetune: first step {time.perf_counter() - first_started:.1f} s, "
+                            f"compilation included; {self.engine.compile_cache_summary()}"
+                        )
+                    first_started = None
                 if self.step % max(cfg.log_every, 1) == 0 or self.step == self.total_steps:
                     mean = loss_sum / max(count, 1)
                     writer.scalars(

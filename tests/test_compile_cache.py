@@ -18,10 +18,12 @@ import time
 import pytest
 import torch._dynamo
 from pretrain_support import FAMILY, base_overrides, make_shards, one_process_rendezvous
+from test_glue_finetune import tiny_release, tokenizer_file, write_sst2  # noqa: F401
 
 import pretrain.train as train_module
 from engine.engine import EngineConfig, use_compile_cache
 from engine.recipe import load_recipe
+from finetune.__main__ import main as finetune_main
 from pretrain.config import RESUMABLE_CHANGES, pretrain_config
 
 CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
@@ -131,3 +133,35 @@ def test_a_second_run_loads_every_graph_from_the_folder(tmp_path, monkeypatch, c
     other = tmp_path / "other-cache"  # the control: the loads came from the folder
     third, _ = _run(shards, tmp_path / "run3", other, capsys)
     assert third["loaded"] == 0 and third["compiled"] == first["compiled"], third
+
+
+@pytest.mark.integration
+def test_a_compiled_fine_tuning_run_logs_its_first_step_and_the_cache(
+    tmp_path,
+    cache_env,
+    capsys,
+    tokenizer_file,  # noqa: F811  (test_glue_finetune's fixture)
+):
+    release = tiny_release(tmp_path / "release", tokenizer_file)
+    cache = tmp_path / "shared-cache"
+    torch._dynamo.reset()
+    args = ["glue", "--task", "sst2", "--data", str(write_sst2(tmp_path / "glue")),
+            "--init", str(release)]  # fmt: skip
+    overrides = [
+        "schedule.warmup_steps=1",
+        "schedule.total_steps=3",
+        "train.eval_every=3",
+        "engine.micro_batch_size=8",
+        "engine.precision=fp32",
+        "engine.compile=true",
+        "engine.compile_backend=aot_eager",
+        f"engine.compile_cache_dir={cache}",
+        "data.max_length=32",
+        f"train.run_dir={tmp_path / 'runs'}",
+    ]
+    assert finetune_main([*args, *overrides, "--seeds", "0", "--lrs", "0.002"]) == 0
+    torch._dynamo.reset()
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("finetune: first step")]
+    assert f"compiler cache {cache} (engine.compile_cache_dir)" in line, line
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache)
