@@ -597,9 +597,37 @@ def compile_encoder(
     (`inductor_options`). Returns the compiled module. With `compile_function`, the one place
     the project applies ``torch.compile``."""
     target = getattr(model, "encoder", model)
+    _cache_autocast_regions(backend)
     with _named_backend(backend):
         target.compile(backend=backend, **_compile_kwargs(mode, options))
     return target
+
+
+AUTOCAST_REGION_FUNCTIONS = (
+    "torch.amp.autocast_mode._enter_autocast",
+    "torch.amp.autocast_mode._exit_autocast",
+)
+"""What a ``with torch.autocast(...)`` inside a compiled region becomes in TorchDynamo's graph
+(kernel attention's and TransJect's fp32 products switch autocast off so)."""
+
+
+def _cache_autocast_regions(backend: str) -> None:
+    """Lets AOTAutograd's cache keep graphs that switch autocast on or off inside
+    (`AUTOCAST_REGION_FUNCTIONS`), which torch 2.13 leaves out of its allow-list, so that every
+    such graph was traced and partitioned again in each new process (about 10 s of kernel
+    attention's and TransJect's 13-16 s warm first step on the CPU, albert-base, seq 128).
+    Sound because the cache key holds what these calls depend on: each call's arguments (device,
+    dtype, on or off) are constants of the hashed graph, and the key records the autocast state
+    around the graph. Inductor's ``unsafe_marked_cacheable_functions`` is torch's way to mark
+    a function so; added to, never replaced (a user's own entries stay)."""
+    if backend != "inductor":
+        return
+    from torch._inductor import config as inductor_config
+
+    marked = inductor_config.unsafe_marked_cacheable_functions
+    missing = {name: torch.__version__ for name in AUTOCAST_REGION_FUNCTIONS if name not in marked}
+    if missing:
+        inductor_config.unsafe_marked_cacheable_functions = {**marked, **missing}
 
 
 def compile_function(
@@ -611,6 +639,7 @@ def compile_function(
     """``fn`` compiled (``torch.compile``) with the encoder's backend, mode and options: for a
     function of tensors that runs beside the model, such as the pretraining objective's loss
     terms (``pretrain.objective.objective_terms``). Compiled lazily, at its first call."""
+    _cache_autocast_regions(backend)
     with _named_backend(backend):
         return torch.compile(fn, backend=backend, **_compile_kwargs(mode, options))
 

@@ -22,6 +22,7 @@ from test_glue_finetune import tiny_release, tokenizer_file, write_sst2  # noqa:
 
 import pretrain.train as train_module
 from engine.engine import EngineConfig, use_compile_cache
+from engine.metrics import read_jsonl
 from engine.recipe import load_recipe
 from finetune.__main__ import main as finetune_main
 from pretrain.config import RESUMABLE_CHANGES, pretrain_config
@@ -91,12 +92,13 @@ def test_a_resumed_run_may_change_it():
     assert "engine.compile_cache_dir" in RESUMABLE_KEYS
 
 
-def _run(shards, run_dir, cache, capsys) -> tuple[dict[str, int], str]:
+def _run(shards, run_dir, cache, capsys, family="softmax", extra=()) -> tuple[dict, str]:
     """A 2-step compiled run; (graphs loaded / compiled by Inductor, the cache line it logged)."""
     torch._dynamo.reset()
     overrides = [
         *base_overrides(shards, run_dir, 2),
-        *FAMILY["softmax"],
+        *FAMILY[family],
+        *extra,
         "data.verify_checksums=false",
         "train.export_at_end=false",
         "engine.compile=true",
@@ -107,6 +109,8 @@ def _run(shards, run_dir, cache, capsys) -> tuple[dict[str, int], str]:
     result = trainer.run()
     assert result.state == "completed"
     counts = trainer.engine.compile_cache_activity()
+    rows = read_jsonl(run_dir / "tensorboard")
+    counts["losses"] = [rows[step]["loss/total"] for step in sorted(rows)]
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "compiler cache" in line]
     torch._dynamo.reset()
@@ -126,6 +130,7 @@ def test_a_second_run_loads_every_graph_from_the_folder(tmp_path, monkeypatch, c
 
     second, second_line = _run(shards, tmp_path / "run2", shared, capsys)
     assert second["loaded"] == first["compiled"] and second["compiled"] == 0, (first, second)
+    assert second["losses"] == first["losses"]  # the same code
     # softmax's graphs switch autocast nowhere: AOTAutograd's joint graphs load too
     assert second["joint_loaded"] >= 1 and second["joint_traced"] == 0, second
     assert f"{second['loaded']} graph(s) loaded from it, 0 compiled" in second_line
@@ -133,6 +138,24 @@ def test_a_second_run_loads_every_graph_from_the_folder(tmp_path, monkeypatch, c
     other = tmp_path / "other-cache"  # the control: the loads came from the folder
     third, _ = _run(shards, tmp_path / "run3", other, capsys)
     assert third["loaded"] == 0 and third["compiled"] == first["compiled"], third
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_graphs_that_switch_autocast_inside_load_whole(tmp_path, monkeypatch, cache_env, capsys):
+    """Kernel attention's fp32 products switch autocast off inside the graph, under the run's
+    bf16 autocast: AOTAutograd's cache, which torch leaves such graphs out of, keeps them too
+    (``engine.engine._cache_autocast_regions``), and the warm run computes what the cold one
+    did."""
+    one_process_rendezvous(monkeypatch)
+    shards = make_shards(tmp_path / "data")
+    shared, bf16 = tmp_path / "shared-cache", ["engine.precision=bf16-mixed"]
+    cold, _ = _run(shards, tmp_path / "run1", shared, capsys, "kernel", bf16)
+    assert cold["joint_traced"] >= 1 and cold["joint_loaded"] == 0, cold
+    warm, _ = _run(shards, tmp_path / "run2", shared, capsys, "kernel", bf16)
+    assert warm["compiled"] == 0 and warm["loaded"] == cold["compiled"], (cold, warm)
+    assert warm["joint_traced"] == 0 and warm["joint_loaded"] == cold["joint_traced"], warm
+    assert len(cold["losses"]) == 2 and warm["losses"] == cold["losses"]
 
 
 @pytest.mark.integration
