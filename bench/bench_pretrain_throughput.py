@@ -313,11 +313,6 @@ class Measurement:
         self.splits.append(phases)
         self.skipped += int(skipped)
 
-    def _cache_counts(self) -> dict:
-        """The compiler's cache folder and the graphs loaded from it / compiled since this
-        engine started (``engine.compile_cache_dir``)."""
-        return {"dir": str(self.engine.compile_cache), **self.engine.compile_cache_activity()}
-
     def row(self) -> dict:
         import torch
 
@@ -363,7 +358,11 @@ class Measurement:
             # the first step of this engine: with engine.compile, the compilation too
             "first_step_s": self.first_step_s,
             "compiled": self.engine.compiled,
-            "compile_cache": self._cache_counts(),
+            # its folder, and the graphs loaded from it / compiled since the engine started
+            "compile_cache": {
+                "dir": str(self.engine.compile_cache),
+                **self.engine.compile_cache_activity(),
+            },
         }
         if self.cuda:
             row["leftover_gb"] = self.base_gb

@@ -933,6 +933,13 @@ class Engine:
         now = compile_cache_counts()
         return {k: now[k] - self._cache_counts_at_start[k] for k in now}
 
+    def first_step_report(self, seconds: float) -> str | None:
+        """The run log's line after this process's first step (``seconds``, the host's time:
+        the compilation is inside it), or None when nothing was compiled."""
+        if not self.compiled:
+            return None
+        return f"first step {seconds:.1f} s, compilation included; {self.compile_cache_summary()}"
+
     def compile_cache_summary(self) -> str:
         """One line for the run's log: the compiler's cache folder and how many of the graphs
         compiled since this engine started were loaded from it."""

@@ -582,7 +582,7 @@ class Finetuner:
         start = time.perf_counter()
         self.engine.train(True)
         ended: str | None = None
-        first_started = time.perf_counter()  # this process's first step compiles, if any
+        first_started: float | None = time.perf_counter()  # this process's first step compiles
         try:
             while self.step < self.total_steps:
                 for _ in range(self.engine.cfg.gradient_accumulation_steps):
@@ -596,12 +596,10 @@ class Finetuner:
                 step = self.engine.step()
                 self.step += 1
                 if first_started is not None:
-                    if self.is_main and self.engine.compiled:
-                        progress.write(
-                            f"finetune: first step {time.perf_counter() - first_started:.1f} s, "
-                            f"compilation included; {self.engine.compile_cache_summary()}"
-                        )
+                    report = self.engine.first_step_report(time.perf_counter() - first_started)
                     first_started = None
+                    if report and self.is_main:
+                        progress.write(f"finetune: {report}")
                 if self.step % max(cfg.log_every, 1) == 0 or self.step == self.total_steps:
                     mean = loss_sum / max(count, 1)
                     writer.scalars(

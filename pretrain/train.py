@@ -657,7 +657,7 @@ class Trainer:
         state, reason = "completed", ""
         ended: str | None = None
         self.engine.train()
-        first_step = True  # this process's first step: it compiles, when compiled
+        first_started: float | None = time.perf_counter()  # this process's first step compiles
         try:
             while self.step < total:
                 if self.step >= self.phase.end:  # the next phase: its data, its first batch
@@ -670,17 +670,14 @@ class Trainer:
                             f"({self.phase.max_seq_length} tokens, micro-batch "
                             f"{self.phase.micro_batch_size}, until step {self.phase.end})"
                         )
-                first_started = time.perf_counter() if first_step else None
                 result, batch, step_tokens, step_samples, step_flops, micro = self._train_step(
                     batches, sums, timers
                 )
                 if first_started is not None:
-                    first_step = False
-                    if self.is_main and self.engine.compiled:  # the host's time: no sync
-                        progress.write(
-                            f"pretrain: first step {time.perf_counter() - first_started:.1f} s, "
-                            f"compilation included; {self.engine.compile_cache_summary()}"
-                        )
+                    report = self.engine.first_step_report(time.perf_counter() - first_started)
+                    first_started = None
+                    if report and self.is_main:
+                        progress.write(f"pretrain: {report}")
                 self.step += 1
                 self.tokens += step_tokens
                 self.samples += step_samples
