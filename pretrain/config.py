@@ -117,6 +117,7 @@ RESUMABLE_CHANGES = (
     "engine.compile_backend",
     "engine.compile_mode",
     "engine.compile_options",
+    "engine.compile_scope",
     "engine.compile_cache_dir",
     "model.kernel.inference_backend",  # forwards without a gradient only (validation)
     "model.kernel.training_backend",  # the same function as `torch`, up to rounding

@@ -623,7 +623,8 @@ class Trainer:
                 progress.write(
                     "pretrain: encoder and loss terms compiled "
                     f"(engine.compile={str(cfg.engine.compile).lower()}, "
-                    f"{cfg.engine.compile_backend}, mode {cfg.engine.compile_mode}"
+                    f"{cfg.engine.compile_backend}, mode {cfg.engine.compile_mode}, "
+                    f"scope {cfg.engine.compile_scope}"
                     + (
                         f", options {cfg.engine.compile_options}"
                         if cfg.engine.compile_options
