@@ -204,4 +204,3 @@ def test_trainer_with_layers_scope_equals_eager(
     assert 2 <= graphs <= 5, graphs  # the layer's, the loss terms'
     tol = 1e-5 if backend == "aot_eager" else 1e-4
     torch.testing.assert_close(compiled, eager, rtol=tol, atol=tol)
-
