@@ -35,13 +35,20 @@ ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("softmax", "tisa", "kernel", "transject")
 
 
-def one_run(args, family: str, cache: Path, out: Path) -> dict:
-    """One process of the throughput benchmark; its row and the process's wall seconds."""
+def family_point(args, family: str) -> list[str]:
+    """The throughput benchmark's arguments for ``family`` on the recipe ``args.config``."""
+    return ["--preset", "albert", "--configs", args.config, "--families", family]
+
+
+def one_run(args, point: list[str], cache: Path, out: Path, overrides: tuple = ()) -> dict:
+    """One process of the throughput benchmark on ``point`` (its arguments naming what to
+    run, e.g. `family_point`), compiled, with the compiler's cache in ``cache``; its row and
+    the process's wall seconds. ``overrides``: recipe overrides before ``args.override``."""
     cmd = [
         sys.executable, str(ROOT / "bench" / "bench_pretrain_throughput.py"),
-        "--device", args.device, "--preset", "albert", "--configs", args.config,
-        "--families", family, "--padding", "none", "--warmup", "0", "--steps", str(args.steps),
-        "--steady-steps", "0", "--threads", str(args.threads), "--out", str(out),
+        "--device", args.device, *point, "--padding", "none", "--warmup", "0",
+        "--steps", str(args.steps), "--steady-steps", "0", "--threads", str(args.threads),
+        "--out", str(out),
     ]  # fmt: skip
     if args.seq:
         cmd += ["--seq", str(args.seq)]
@@ -50,7 +57,7 @@ def one_run(args, family: str, cache: Path, out: Path) -> dict:
     if args.timeout:
         cmd += ["--timeout", str(args.timeout)]
     cmd += ["--override", "engine.compile=true", f"engine.compile_cache_dir={cache}",
-            *args.override]  # fmt: skip
+            *overrides, *args.override]  # fmt: skip
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -65,6 +72,7 @@ def one_run(args, family: str, cache: Path, out: Path) -> dict:
         "later_step_s": statistics.median(later) if later else None,
         "process_s": wall,
         "encoder_compiled": row["compiled"],
+        "peak_gb": row.get("peak_gb", row.get("max_rss_gb")),  # GPU: allocated; CPU: RSS
         **{k: v for k, v in row["compile_cache"].items() if k != "dir"},
     }
 
@@ -91,7 +99,8 @@ def main() -> None:
             cache = root / family
             runs = {}
             for kind in ("cold", "warm"):
-                runs[kind] = one_run(args, family, cache, root / f"{family}_{kind}.json")
+                point = family_point(args, family)
+                runs[kind] = one_run(args, point, cache, root / f"{family}_{kind}.json")
                 print(f"{family} {kind}: {json.dumps(runs[kind])}", flush=True)
             cold, warm = runs["cold"], runs["warm"]
             row = {"family": family, "cold": cold, "warm": warm}

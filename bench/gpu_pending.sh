@@ -78,6 +78,9 @@
 #    (albert-base, compiled): kernel attention's step where it is to pass softmax's speed;
 #  3c compile_cache: a new process's first compiled step with engine.compile_cache_dir empty
 #    and then warm (softmax, TransJect): what a requeued job on another node saves at start;
+#  3d compile_scope: engine.compile_scope=layers against the unrolled encoder, cold: the first
+#    step (compilation) and the later steps of softmax's recipe and of one shared layer applied
+#    48 times (does compiling each layer once cost step time on a GPU?);
 #  4 lamb: the LAMB step alone on the recipes' parameters, foreach and compiled;
 #  5 compile_check: TransJect's compiled steps finite and equal to eager on the GPU
 #    (check_compiled_steps.py, eager / aot_eager / inductor);
@@ -173,6 +176,7 @@ pass tisa_backends 100 200 ENV_PART= PARTS="tisabackends tisabiasgrad"
 pass profile_4096 150 220 ENV_PART= PARTS=profile \
   "PROFILE=--families softmax kernel --seq 4096 --batch 8 --padding none --steps 3 --warmup 2 --override engine.compile=true model.max_position_embeddings=4096"
 pass compile_cache 200 250 ENV_PART= PARTS=compilecache
+pass compile_scope 250 320 ENV_PART= PARTS=compilescope
 pass lamb 100 160 ENV_PART= PARTS=lamb
 pass compile_check 150 360 ENV_PART= PARTS=compilecheck
 pass backend_torch 90 120 ENV_PART= PARTS=pretrain COMPILE=recipe EXTRA=engine.backend=torch \

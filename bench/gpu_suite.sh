@@ -86,6 +86,10 @@
 #             engine.compile_cache_dir empty (cold) and then holding the first process's
 #             graphs (warm), softmax and TransJect's albert-base recipes at seq 512 (not in the
 #             default PARTS)                                           -> compile_cache_gpu.json
+#   compilescope  bench_compile_scope.py: engine.compile_scope=layers (each distinct layer
+#             compiled once) vs encoder (the unrolled encoder, the default), every run cold:
+#             the first step and later steps, softmax's albert-base recipe at seq 512 and one
+#             shared layer applied 48 times (not in the default PARTS) -> compile_scope_gpu.json
 #   eigenproducts  bench_fast_paths.py eigen-products: TransJect's eigen-state at the recipe's
 #             shape (64 x 512, d = 768), its products in fp32 vs three bf16 products each
 #             (transject.eigen_products), errors against fp64 and times -> eigen_products_gpu.json
@@ -288,6 +292,9 @@ else
   # The compiler's cache across processes: a new process's first step, cold vs warm.
   part compilecache 230 python3 bench/bench_compile_cache.py --device cuda --families softmax transject \
     --config albert-base-512 --steps 3 --timeout 150 --out "$OUT/compile_cache_gpu.json"
+  # Compiling each distinct layer once vs the unrolled encoder: compile time and step time.
+  part compilescope 300 python3 bench/bench_compile_scope.py --device cuda --families softmax \
+    --depth 48 --steps 4 --timeout 200 --out "$OUT/compile_scope_gpu.json"
   # Where compiled TransJect steps stop being finite (an H200 skipped every one with inductor).
   part compilecheck 360 python3 bench/check_compiled_steps.py --device cuda --family transject \
     --steps 3 --out "$OUT/compile_check_gpu.json"

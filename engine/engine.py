@@ -243,16 +243,18 @@ class EngineConfig:
     """What is compiled as one graph. ``"encoder"``: the whole encoder, every layer application
     unrolled (embeddings to pooler), so its compilation grows with the depth. ``"layers"``:
     each distinct layer module on its own, compiled once and reused by every application of it
-    (ALBERT's shared layer: once, whatever the depth), the rest of the encoder (embeddings,
-    the maps and weights evaluated once per forward, the pooler) eager. On the CPU (albert-base
-    width, seq 128, the first step of a new process, compilation included,
-    ``bench/bench_compile_scope.py``): 2.1x faster at 12 applications for every family, 4.2x
-    at 48 and 8.7x at 96 for the shared softmax layer; later steps
-    about as fast (within a few percent; with activation checkpointing up to 9% slower on the
-    CPU); GPU time pending. Distinct layers (``num_hidden_groups`` > 1, the LRA recipes) are
-    each compiled (their graphs are alike, so Inductor's cache serves all but the first); the
-    engine raises TorchDynamo's recompile limits of this process to the number of distinct
-    layers times 8, so that none of them falls back to eager. A resumed run may change it."""
+    (ALBERT's shared layer: once, whatever the depth); the rest of the encoder (embeddings, the
+    per-forward work such as TISA's scores or TransJect's maps, the pooler) runs eagerly. On
+    the CPU (albert-base width, seq 128, a new process's first step, compilation included,
+    ``bench/bench_compile_scope.py``): 1.7-2.1x faster at the recipes' 12 applications, 4.2x
+    at 48 and 7.2x at 96 (175 s -> 24 s); later steps within 2% for softmax, kernel attention
+    and TransJect, 9% slower for TISA and up to 12% with activation checkpointing (the
+    recomputation runs the compiled layer again instead of inside the compiled backward), and
+    less peak memory with checkpointing at depth (0.99 instead of 2.20 GB at 96); GPU time
+    pending. Distinct layers (``num_hidden_groups`` > 1, as TransJect's recipes) are each
+    compiled (alike, their graphs come from Inductor's cache after the first); the engine
+    raises TorchDynamo's recompile limits of the process to 8 per distinct layer, so that none
+    runs eagerly for want of room. A resumed run may change it."""
     compile_cache_dir: str | None = None
     """Where the compiler keeps what it has compiled, for the next process to load instead of
     compiling again: Inductor's compiled graphs (its FX-graph and AOTAutograd caches) and
