@@ -662,9 +662,10 @@ variants a compiled layer may need (training and evaluation, padded batches and 
 def _allow_recompiles(layers: int) -> None:
     """Raises TorchDynamo's per-function and total recompile limits of this process to
     `COMPILES_PER_LAYER` times ``layers`` where they are lower. Distinct layers of one class
-    run one ``forward`` whose compiled entries TorchDynamo counts together: each layer's
-    entry is guarded on the layer's own weights (the per-forward caches look them up), so
-    with torch's limit of 8 the ninth distinct layer would run eagerly, silently."""
+    run one ``forward`` whose compiled entries TorchDynamo counts together, and each layer
+    needs an entry of its own (the per-forward caches of the encoder are looked up by module,
+    so each entry is guarded on its layer's modules): with torch's limit of 8 the ninth
+    distinct layer would run eagerly, silently."""
     from torch._dynamo import config as dynamo_config
 
     wanted = COMPILES_PER_LAYER * layers
