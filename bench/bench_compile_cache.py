@@ -102,41 +102,61 @@ def main() -> None:
                 point = family_point(args, family)
                 runs[kind] = one_run(args, point, cache, root / f"{family}_{kind}.json")
                 print(f"{family} {kind}: {json.dumps(runs[kind])}", flush=True)
-            cold, warm = runs["cold"], runs["warm"]
-            row = {"family": family, "cold": cold, "warm": warm}
-            if "error" not in cold and "error" not in warm:
-                row["first_step_ratio"] = warm["first_step_s"] / cold["first_step_s"]
-                row["process_ratio"] = warm["process_s"] / cold["process_s"]
-                if cold["later_step_s"] and warm["later_step_s"]:
-                    row["later_step_ratio"] = warm["later_step_s"] / cold["later_step_s"]
-            results.append(row)
+            results.append(paired({"family": family}, "cold", runs["cold"], "warm", runs["warm"]))
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     meta = {"args": {k: str(v) for k, v in vars(args).items()}, "cache_root": str(root)}
     print_table(results)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"meta": meta, "rows": results}, indent=1) + "\n")
+    write_results(args.out, meta, results)
+
+
+def paired(row: dict, a: str, first: dict, b: str, second: dict) -> dict:
+    """``row`` with the runs ``first`` (under key ``a``) and ``second`` (``b``), and the
+    ratios second / first of their first steps, processes and later steps."""
+    row = {**row, a: first, b: second}
+    if "error" not in first and "error" not in second:
+        row["first_step_ratio"] = second["first_step_s"] / first["first_step_s"]
+        row["process_ratio"] = second["process_s"] / first["process_s"]
+        if first["later_step_s"] and second["later_step_s"]:
+            row["later_step_ratio"] = second["later_step_s"] / first["later_step_s"]
+    return row
+
+
+def write_results(out: Path | None, meta: dict, results: list[dict]) -> None:
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"meta": meta, "rows": results}, indent=1) + "\n")
+
+
+def print_pairs(results: list[dict], name: str, a: str, b: str, header: list[str], cells) -> None:
+    """A markdown table of `paired` rows: the row's ``name``, then ``cells(row, first,
+    second)``; a row whose runs failed shows the error."""
+    print("\n| " + " | ".join([name, *header]) + " |")
+    print("|---" * (len(header) + 1) + "|")
+    for r in results:
+        first, second = r[a], r[b]
+        if "error" in first or "error" in second:
+            print(f"| {r[name]} | error: {first.get('error') or second.get('error')} |")
+            continue
+        print("| " + " | ".join([str(r[name]), *cells(r, first, second)]) + " |")
 
 
 def print_table(results: list[dict]) -> None:
-    print("\n| family | first step cold s | warm s | warm / cold | process cold s | warm s "
-          "| graphs compiled cold / loaded warm | joint graphs loaded warm | "
-          "later steps warm / cold |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        cold, warm = r["cold"], r["warm"]
-        if "error" in cold or "error" in warm:
-            print(f"| {r['family']} | error: {cold.get('error') or warm.get('error')} |")
-            continue
-        print(
-            f"| {r['family']} | {cold['first_step_s']:.1f} | {warm['first_step_s']:.1f} | "
-            f"{r['first_step_ratio']:.2f} | {cold['process_s']:.1f} | {warm['process_s']:.1f} | "
-            f"{cold['compiled']} / {warm['loaded']} (warm compiled {warm['compiled']}) | "
-            f"{warm['joint_loaded']} of {warm['joint_loaded'] + warm['joint_traced']} | "
-            f"{r.get('later_step_ratio', float('nan')):.2f} |"
-        )
+    header = [
+        "first step cold s", "warm s", "warm / cold", "process cold s", "warm s",
+        "graphs compiled cold / loaded warm", "joint graphs loaded warm", "later steps warm / cold",
+    ]  # fmt: skip
+    print_pairs(
+        results, "family", "cold", "warm", header,
+        lambda r, cold, warm: [
+            f"{cold['first_step_s']:.1f}", f"{warm['first_step_s']:.1f}",
+            f"{r['first_step_ratio']:.2f}", f"{cold['process_s']:.1f}", f"{warm['process_s']:.1f}",
+            f"{cold['compiled']} / {warm['loaded']} (warm compiled {warm['compiled']})",
+            f"{warm['joint_loaded']} of {warm['joint_loaded'] + warm['joint_traced']}",
+            f"{r.get('later_step_ratio', float('nan')):.2f}",
+        ],
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

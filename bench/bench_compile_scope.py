@@ -25,7 +25,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from bench_compile_cache import FAMILIES, family_point, one_run
+from bench_compile_cache import (
+    FAMILIES,
+    family_point,
+    one_run,
+    paired,
+    print_pairs,
+    write_results,
+)
 
 SCOPES = ("encoder", "layers")
 
@@ -68,41 +75,32 @@ def main() -> None:
                 overrides = (f"engine.compile_scope={scope}",)
                 runs[scope] = one_run(args, point, cache, out, overrides)
                 print(f"{name} {scope}: {json.dumps(runs[scope])}", flush=True)
-            whole, layers = runs["encoder"], runs["layers"]
-            row = {"point": name, "encoder": whole, "layers": layers}
-            if "error" not in whole and "error" not in layers:
-                row["first_step_ratio"] = layers["first_step_s"] / whole["first_step_s"]
-                row["process_ratio"] = layers["process_s"] / whole["process_s"]
-                if whole["later_step_s"] and layers["later_step_s"]:
-                    row["later_step_ratio"] = layers["later_step_s"] / whole["later_step_s"]
+            row = paired({"point": name}, "encoder", runs["encoder"], "layers", runs["layers"])
             results.append(row)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     meta = {"args": {k: str(v) for k, v in vars(args).items()}}
     print_table(results)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"meta": meta, "rows": results}, indent=1) + "\n")
+    write_results(args.out, meta, results)
 
 
 def print_table(results: list[dict]) -> None:
-    print("\n| point | first step, encoder s | layers s | encoder / layers | later step, encoder s "
-          "| layers s | layers / encoder | process, encoder s | layers s | peak GB encoder / "
-          "layers | graphs compiled encoder / layers |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        whole, layers = r["encoder"], r["layers"]
-        if "error" in whole or "error" in layers:
-            print(f"| {r['point']} | error: {whole.get('error') or layers.get('error')} |")
-            continue
-        print(
-            f"| {r['point']} | {whole['first_step_s']:.1f} | {layers['first_step_s']:.1f} | "
-            f"{1 / r['first_step_ratio']:.2f}x | {whole['later_step_s']:.3f} | "
-            f"{layers['later_step_s']:.3f} | {r.get('later_step_ratio', float('nan')):.3f} | "
-            f"{whole['process_s']:.1f} | {layers['process_s']:.1f} | "
-            f"{whole['peak_gb']:.2f} / {layers['peak_gb']:.2f} | "
-            f"{whole['compiled']} / {layers['compiled']} |"
-        )
+    header = [
+        "first step, encoder s", "layers s", "encoder / layers", "later step, encoder s",
+        "layers s", "layers / encoder", "process, encoder s", "layers s",
+        "peak GB encoder / layers", "graphs compiled encoder / layers",
+    ]  # fmt: skip
+    print_pairs(
+        results, "point", "encoder", "layers", header,
+        lambda r, whole, layers: [
+            f"{whole['first_step_s']:.1f}", f"{layers['first_step_s']:.1f}",
+            f"{1 / r['first_step_ratio']:.2f}x", f"{whole['later_step_s']:.3f}",
+            f"{layers['later_step_s']:.3f}", f"{r.get('later_step_ratio', float('nan')):.3f}",
+            f"{whole['process_s']:.1f}", f"{layers['process_s']:.1f}",
+            f"{whole['peak_gb']:.2f} / {layers['peak_gb']:.2f}",
+            f"{whole['compiled']} / {layers['compiled']}",
+        ],
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

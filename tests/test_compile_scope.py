@@ -16,6 +16,8 @@ import torch
 import torch._dynamo
 from pretrain_support import make_shards, one_process_rendezvous
 from test_compile_trainer import run as run_trainer
+from test_fast_paths import batch
+from test_fast_paths import tiny as fast_paths_tiny
 from torch._dynamo.utils import counters
 
 from engine.engine import (
@@ -32,21 +34,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 
 
 def tiny(attention: str = "softmax", **kw) -> EncoderConfig:
-    kw.setdefault("hidden_dropout_prob", 0.0)
-    kw.setdefault("attention_probs_dropout_prob", 0.0)
-    if attention == "kernel":
-        kw.setdefault("kernel", {"dropout": 0.0})
-    if attention == "transject":
-        kw.setdefault("transject", {"num_experts": 2})
-    return EncoderConfig.preset("debug", attention=attention, **kw)
-
-
-def batch(B=2, N=12, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, 512, (B, N), generator=g)
-    mask = torch.ones(B, N, dtype=torch.bool)
-    mask[1, N - 4 :] = False
-    return ids, mask
+    """The fast-path tests' tiny model, attention dropout off too (compiled == eager)."""
+    return fast_paths_tiny(attention, attention_probs_dropout_prob=0.0, **kw)
 
 
 def forward_backward(model, ids, mask):
