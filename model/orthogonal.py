@@ -81,6 +81,13 @@ from model.config import CayleyLeafInverse
 _STACK: list[dict[int, Any]] = []
 """Active caches, innermost last (see the module docstring for why not a ContextVar)."""
 
+_ACTIVE: list[dict[int, Any] | None] = [None]
+"""The innermost cache of `_STACK` (None outside every block), in a list of one entry: what
+`active_orthogonal_cache` returns. Compiled code reading it is guarded on which cache is
+active, not on how deep the blocks nest, which it would be through ``_STACK[-1]``: a layer
+compiled on its own (``engine.compile_scope: layers``) and recomputed by activation
+checkpointing re-enters its forward's cache one block shallower, and was compiled again."""
+
 _STEPS: list[OrthogonalStepCache] = []
 """Active step caches (`OrthogonalStepCache.micro_batch`), innermost last."""
 
@@ -99,17 +106,19 @@ def orthogonal_cache(
     `store`, that dict becomes the active cache (to re-enter a forward's cache in a recompute).
     """
     if store is None:
-        store = _STACK[-1] if _STACK else {}
+        store = _ACTIVE[0] if _ACTIVE[0] is not None else {}
     _STACK.append(store)
+    _ACTIVE[0] = store
     try:
         yield store
     finally:
         _STACK.pop()
+        _ACTIVE[0] = _STACK[-1] if _STACK else None
 
 
 def active_orthogonal_cache() -> dict[int, torch.Tensor] | None:
     """The cache of the enclosing `orthogonal_cache()` block, or None outside one."""
-    return _STACK[-1] if _STACK else None
+    return _ACTIVE[0]
 
 
 def active_step_cache() -> OrthogonalStepCache | None:

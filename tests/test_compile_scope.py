@@ -120,6 +120,31 @@ def test_layers_scope_traces_one_layer_whatever_the_depth(fresh_dynamo):
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("family", ["softmax", "transject"])
+def test_checkpointed_layer_compiles_once(fresh_dynamo, family):
+    """Activation checkpointing recomputes each application in the backward, re-entering the
+    forward's caches (orthogonal maps, fused Q/K/V weights) from outside the forward: the
+    compiled layer must not be guarded on how deep those caches nest (it was compiled twice),
+    and equals the eager checkpointed model."""
+    torch.manual_seed(0)
+    model = EncoderForPretraining(tiny(family, num_hidden_layers=3))
+    model.encoder.enable_activation_checkpointing()
+    ids, mask = batch()
+
+    def step(ids, mask):  # the whole model, as the trainer runs it (the heads nest a cache)
+        model.zero_grad(set_to_none=True)
+        model(ids, mask).logits.square().mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    eager = step(ids, mask)
+    compile_encoder(model, "aot_eager", scope="layers")
+    compiled = step(ids, mask)
+    step(*batch(seed=1))
+    assert counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.integration
 def test_distinct_layers_beyond_the_recompile_limit_all_compile(fresh_dynamo):
     from torch._dynamo import config as dynamo_config
 
