@@ -246,9 +246,9 @@ class EngineConfig:
     (ALBERT's shared layer: once, whatever the depth); the rest of the encoder (embeddings, the
     per-forward work such as TISA's scores or TransJect's maps, the pooler) runs eagerly. On
     the CPU (albert-base width, seq 128, a new process's first step, compilation included,
-    ``bench/bench_compile_scope.py``): 1.7-2.1x faster at the recipes' 12 applications, 4.2x
-    at 48 and 7.2x at 96 (175 s -> 24 s); later steps within 2% for softmax, kernel attention
-    and TransJect, 9% slower for TISA and up to 12% with activation checkpointing (the
+    ``bench/bench_compile_scope.py``): 1.7-2.1x faster at the recipes' 12 applications, 4.8x
+    at 48 and 7.0x at 96 (144 s -> 21 s); later steps within 2% for softmax, kernel attention
+    and TransJect, 9% slower for TISA and 2-6% with activation checkpointing (the
     recomputation runs the compiled layer again instead of inside the compiled backward), and
     less peak memory with checkpointing at depth (0.99 instead of 2.20 GB at 96); GPU time
     pending. Distinct layers (``num_hidden_groups`` > 1, as TransJect's recipes) are each
