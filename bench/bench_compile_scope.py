@@ -13,7 +13,7 @@ later steps' median, the process's wall time, peak memory; then layers / encoder
 
     python bench/bench_compile_scope.py --device cpu --families softmax tisa kernel transject \
         --depth 12 48 96 --seq 128 --batch 2 --out bench/results/compile_scope_cpu.json
-    python bench/bench_compile_scope.py --device cuda --families softmax transject --depth 48 \
+    python bench/bench_compile_scope.py --device cuda --families softmax --depth 48 \
         --out compile_scope_gpu.json      # the suite's part `compilescope`
 """
 
@@ -34,7 +34,10 @@ from bench_compile_cache import (
     write_results,
 )
 
-SCOPES = ("encoder", "layers")
+SCOPES = (
+    "encoder",
+    "layers",
+)  # engine.engine.COMPILE_SCOPES (this script runs outside the package)
 
 
 def points(args) -> list[tuple[str, list[str]]]:

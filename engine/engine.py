@@ -143,6 +143,14 @@ COMPILE_SCOPES = ("encoder", "layers")
 """What ``engine.compile`` compiles as one graph (``EngineConfig.compile_scope``)."""
 
 
+def check_compile_scope(scope: str) -> None:
+    """A ValueError naming ``engine.compile_scope`` unless ``scope`` is one of `COMPILE_SCOPES`."""
+    if scope not in COMPILE_SCOPES:
+        raise ValueError(
+            f"engine.compile_scope={scope!r} is invalid; valid: " + ", ".join(COMPILE_SCOPES)
+        )
+
+
 @dataclass
 class EngineConfig:
     """How the model is trained across processes: backend, ZeRO, precision, batch layout."""
@@ -352,11 +360,7 @@ class EngineConfig:
                 f"engine.compile_mode={self.compile_mode!r} needs engine.compile_backend="
                 f"inductor (got {self.compile_backend!r}): the modes are Inductor's"
             )
-        if self.compile_scope not in COMPILE_SCOPES:
-            raise ValueError(
-                f"engine.compile_scope={self.compile_scope!r} is invalid; valid: "
-                + ", ".join(COMPILE_SCOPES)
-            )
+        check_compile_scope(self.compile_scope)
         inductor_options(self)  # checks engine.compile_options now: a typo fails at start-up
         cache = self.compile_cache_dir
         if cache is not None and (not isinstance(cache, str) or not cache.strip()):
@@ -623,21 +627,17 @@ def compile_encoder(
     ``"layers"`` compiles each distinct module of the encoder's ``layer_applications()``
     instead of the encoder. Returns the encoder. With `compile_function`, the one place the
     project applies ``torch.compile``."""
+    check_compile_scope(scope)
     target = getattr(model, "encoder", model)
+    modules = [target]
+    if scope == "layers":
+        modules = distinct_layers(target)
+        _allow_recompiles(len(modules))
     kwargs = _compile_kwargs(mode, options)
     _cache_autocast_regions(backend)
     with _named_backend(backend):
-        if scope == "encoder":
-            target.compile(backend=backend, **kwargs)
-        elif scope == "layers":
-            layers = distinct_layers(target)
-            _allow_recompiles(len(layers))
-            for layer in layers:
-                layer.compile(backend=backend, **kwargs)
-        else:
-            raise ValueError(
-                f"engine.compile_scope={scope!r} is invalid; valid: " + ", ".join(COMPILE_SCOPES)
-            )
+        for module in modules:
+            module.compile(backend=backend, **kwargs)
     return target
 
 

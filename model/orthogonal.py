@@ -27,7 +27,7 @@ update through `.data`, which leaves the version counter alone, is still seen), 
 drops it.
 Training, or any forward that records gradients, always evaluates the map.
 
-The active cache is the top of a module-level stack (not a `contextvars.ContextVar`): TorchDynamo
+The active cache is held in a module-level list (not a `contextvars.ContextVar`): TorchDynamo
 traces list and dict operations but graph-breaks on `ContextVar.get`, so with a ContextVar a
 compiled encoder (`EngineConfig.compile`) would split at every orthogonal weight. Like
 `torch.nn.utils.parametrize.cached()`, which also keeps global state, it assumes that threads of
@@ -78,15 +78,13 @@ from torch.nn.utils.parametrizations import _OrthMaps, _Orthogonal
 
 from model.config import CayleyLeafInverse
 
-_STACK: list[dict[int, Any]] = []
-"""Active caches, innermost last (see the module docstring for why not a ContextVar)."""
-
 _ACTIVE: list[dict[int, Any] | None] = [None]
-"""The innermost cache of `_STACK` (None outside every block), in a list of one entry: what
-`active_orthogonal_cache` returns. Compiled code reading it is guarded on which cache is
-active, not on how deep the blocks nest, which it would be through ``_STACK[-1]``: a layer
-compiled on its own (``engine.compile_scope: layers``) and recomputed by activation
-checkpointing re-enters its forward's cache one block shallower, and was compiled again."""
+"""The cache of the innermost `orthogonal_cache()` block (None outside every block), in a list
+of one entry (see the module docstring for why not a ContextVar); each block restores the
+outer one. Compiled code reading it is guarded on which cache is active, not on how deep the
+blocks nest, as it was through a stack's top: a layer compiled on its own
+(``engine.compile_scope: layers``) and recomputed by activation checkpointing re-enters its
+forward's cache one block shallower, and was compiled again."""
 
 _STEPS: list[OrthogonalStepCache] = []
 """Active step caches (`OrthogonalStepCache.micro_batch`), innermost last."""
@@ -105,15 +103,14 @@ def orthogonal_cache(
     Without `store`, an already active cache is reused (nesting) or a new one started; with
     `store`, that dict becomes the active cache (to re-enter a forward's cache in a recompute).
     """
+    outer = _ACTIVE[0]
     if store is None:
-        store = _ACTIVE[0] if _ACTIVE[0] is not None else {}
-    _STACK.append(store)
+        store = outer if outer is not None else {}
     _ACTIVE[0] = store
     try:
         yield store
     finally:
-        _STACK.pop()
-        _ACTIVE[0] = _STACK[-1] if _STACK else None
+        _ACTIVE[0] = outer
 
 
 def active_orthogonal_cache() -> dict[int, torch.Tensor] | None:
