@@ -124,6 +124,7 @@ from engine.orthogonal_sharding import DataParallelMapSharding
 from model.orthogonal import (
     OrthogonalStepCache,
     evaluate_orthogonal_maps,
+    name_forward_cache_keys,
     orthogonal_cache,
     orthogonal_modules,
 )
@@ -274,9 +275,8 @@ class EngineConfig:
     same model, shapes, options and torch version load them, anything else compiles and adds
     its own. On the CPU (albert-base recipes at seq 128, the first step of a new process, cold
     against warm, ``bench/bench_compile_cache.py``): 7.8x faster for softmax, 9.1x for TISA,
-    9.7x for kernel attention, 2.8x for TransJect (its encoder's forward-backward graph holds
-    custom autograd Functions, which AOTAutograd's cache leaves out: that graph is traced again,
-    its compiled kernels still load); GPU time pending. Every process of the run points its
+    9.7x for kernel attention, 5.3x for TransJect (whose warm first step is mostly its step);
+    GPU time pending. Every process of the run points its
     compiler there at start-up (the environment variables ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` of the
     process, which this overrides); a path that cannot be created or written is refused at
     start-up. Nothing in it is ever deleted by the project: it grows with each new model or
@@ -635,6 +635,10 @@ def compile_encoder(
         _allow_recompiles(len(modules))
     kwargs = _compile_kwargs(mode, options)
     _cache_autocast_regions(backend)
+    _cache_custom_functions(backend)
+    # Stable keys of the forward's cache: what the compiled graphs read from it becomes part
+    # of their key in AOTAutograd's cache (model.orthogonal, `forward_cache_key`).
+    name_forward_cache_keys(model)
     with _named_backend(backend):
         for module in modules:
             module.compile(backend=backend, **kwargs)
@@ -702,6 +706,23 @@ def _cache_autocast_regions(backend: str) -> None:
         inductor_config.unsafe_marked_cacheable_functions = {**marked, **missing}
 
 
+def _cache_custom_functions(backend: str) -> None:
+    """Lets AOTAutograd's cache keep graphs with custom autograd Functions inside
+    (``torch._functorch.config.autograd_cache_allow_custom_autograd_functions``; torch 2.13
+    leaves them out by default), so that TransJect's encoder graph (its gate's `PooledAt`,
+    its eigen-state's `Bf16x3Product`) is loaded by a new process instead of traced and
+    partitioned again (on the CPU, albert-base at seq 128, with the forward cache's keys by
+    name, `model.orthogonal.forward_cache_key`: the warm first step 15.7 -> 8.8 s).
+    Sound because TorchDynamo traces a Function's forward and backward into subgraphs of the
+    hashed graph (the higher-order operator ``autograd_function_apply``, pure in its inputs):
+    a changed forward or backward is a new key (tested). Set, never unset, for the process."""
+    if backend != "inductor":
+        return
+    from torch._functorch import config as functorch_config
+
+    functorch_config.autograd_cache_allow_custom_autograd_functions = True
+
+
 def compile_function(
     fn: Callable,
     backend: str = "inductor",
@@ -757,8 +778,7 @@ def compile_cache_counts() -> dict[str, int]:
     """Process-wide counts of Inductor's compiled graphs so far: ``loaded`` from its FX-graph
     cache, ``compiled`` (looked up and missed), ``uncached`` (not cacheable, compiled); and of
     AOTAutograd's joint graphs (forward and backward of one compiled region): ``joint_loaded``
-    from its cache, ``joint_traced`` traced again (missed, or left out of the cache: a graph
-    with custom autograd Functions inside, as TransJect's)."""
+    from its cache, ``joint_traced`` traced again (missed, or left out of the cache)."""
     from torch._dynamo.utils import counters
 
     inductor, aot = counters["inductor"], counters["aot_autograd"]

@@ -27,6 +27,14 @@ update through `.data`, which leaves the version counter alone, is still seen), 
 drops it.
 Training, or any forward that records gradients, always evaluates the map.
 
+Entries of the cache are keyed by `forward_cache_key(module)`: the module's name in the model
+once `name_forward_cache_keys` has named it (the engine names the model it compiles), its `id`
+before that. A compiled graph that reads an entry made before it runs (the engine's maps, put
+there before the compiled encoder; the fused Q/K/V weights before each compiled layer) records
+the key in the source of that input, and AOTAutograd's cache key holds the sources: with `id`
+keys, memory addresses, no new process ever found the graph it had saved, and traced and
+partitioned it again; names are the same in every process.
+
 The active cache is held in a module-level list (not a `contextvars.ContextVar`): TorchDynamo
 traces list and dict operations but graph-breaks on `ContextVar.get`, so with a ContextVar a
 compiled encoder (`EngineConfig.compile`) would split at every orthogonal weight. Like
@@ -78,7 +86,7 @@ from torch.nn.utils.parametrizations import _OrthMaps, _Orthogonal
 
 from model.config import CayleyLeafInverse
 
-_ACTIVE: list[dict[int, Any] | None] = [None]
+_ACTIVE: list[dict[str | int, Any] | None] = [None]
 """The cache of the innermost `orthogonal_cache()` block (None outside every block), in a list
 of one entry (see the module docstring for why not a ContextVar); each block restores the
 outer one. Compiled code reading it is guarded on which cache is active, not on how deep the
@@ -86,17 +94,39 @@ blocks nest, as it was through a stack's top: a layer compiled on its own
 (``engine.compile_scope: layers``) and recomputed by activation checkpointing re-enters its
 forward's cache one block shallower, and was compiled again."""
 
+FORWARD_CACHE_KEY = "_forward_cache_key"
+"""The attribute `name_forward_cache_keys` sets on a module: its key in the forward's cache."""
+
+
+def forward_cache_key(module: nn.Module) -> str | int:
+    """The key of `module`'s entries in the forward's cache (`orthogonal_cache`): its name in
+    the model `name_forward_cache_keys` named, the same in every process, or its `id` if it was
+    never named (then a compiled graph that reads the entry cannot be found again by a new
+    process in the compiler's cache; eager code does not mind)."""
+    return getattr(module, FORWARD_CACHE_KEY, None) or id(module)
+
+
+def name_forward_cache_keys(model: nn.Module) -> None:
+    """Keys every module of `model` in the forward's cache by its qualified name in `model`
+    (the root by its class name), so that a compiled graph reading cached entries has the same
+    cache key in every process (module docstring). Names are unique within `model`, so two of
+    its modules never share an entry; call it on the whole model a forward runs (the engine
+    calls it on the model it compiles), not on two models whose forwards share one cache."""
+    for name, module in model.named_modules():
+        object.__setattr__(module, FORWARD_CACHE_KEY, name or f"<{type(model).__name__}>")
+
+
 _STEPS: list[OrthogonalStepCache] = []
 """Active step caches (`OrthogonalStepCache.micro_batch`), innermost last."""
 
 
 @contextlib.contextmanager
 def orthogonal_cache(
-    store: dict[int, torch.Tensor] | None = None,
-) -> Iterator[dict[int, torch.Tensor]]:
+    store: dict[str | int, Any] | None = None,
+) -> Iterator[dict[str | int, Any]]:
     """Within the block each orthogonal map is evaluated at most once; yields the cache dict.
 
-    The dict is the forward's cache, keyed by module id: besides the orthogonal matrices it
+    The dict is the forward's cache, keyed by `forward_cache_key(module)`: besides the orthogonal matrices it
     holds what else a forward makes once for all applications of a shared layer (the fused
     Q/K/V weight and bias of `model.attention.base.MultiHeadAttention`, a tuple).
 
@@ -113,7 +143,7 @@ def orthogonal_cache(
         _ACTIVE[0] = outer
 
 
-def active_orthogonal_cache() -> dict[int, torch.Tensor] | None:
+def active_orthogonal_cache() -> dict[str | int, Any] | None:
     """The cache of the enclosing `orthogonal_cache()` block, or None outside one."""
     return _ACTIVE[0]
 
@@ -165,11 +195,11 @@ class OrthogonalStepCache:
 
     def reset(self) -> None:
         """Drops the step's matrices, their graph and the gradients gathered on the leaves."""
-        self._graph: dict[int, torch.Tensor] = {}  # Q = map(X), with its graph to X
-        self._leaf: dict[int, torch.Tensor] = {}  # Q' = Q.detach(): dL/dQ of earlier batches
-        self._current: dict[int, torch.Tensor] = {}  # what this micro-batch's forwards use
+        self._graph: dict[str | int, torch.Tensor] = {}  # Q = map(X), with its graph to X
+        self._leaf: dict[str | int, torch.Tensor] = {}  # Q' = Q.detach(): dL/dQ of earlier batches
+        self._current: dict[str | int, torch.Tensor] = {}  # what this micro-batch's forwards use
         self._micro: tuple[int, bool] | None = None
-        self._delivered: set[int] = set()
+        self._delivered: set[str | int] = set()
 
     @property
     def empty(self) -> bool:
@@ -191,12 +221,14 @@ class OrthogonalStepCache:
         finally:
             _STEPS.pop()
 
-    def matrices(self, pairs: list[tuple[FP32Orthogonal, torch.Tensor]]) -> dict[int, torch.Tensor]:
-        """{id(map): matrix} for this micro-batch of the (map, free parameters) pairs: the
+    def matrices(
+        self, pairs: list[tuple[FP32Orthogonal, torch.Tensor]]
+    ) -> dict[str | int, torch.Tensor]:
+        """{forward_cache_key(map): matrix} for this micro-batch of the (map, free parameters) pairs: the
         step's Q (evaluated now, batched, if this is its first use in the step), as the leaf
         Q' before the last micro-batch, through `_AddStepGradient` in the last."""
         assert self._micro is not None, "matrices() outside micro_batch()"
-        missing = [(orth, X) for orth, X in pairs if id(orth) not in self._graph]
+        missing = [(orth, X) for orth, X in pairs if forward_cache_key(orth) not in self._graph]
         if missing:
             matrices, evaluated = _evaluate_grouped_counted(missing, self.sharding)
             self.evaluations += evaluated
@@ -204,7 +236,7 @@ class OrthogonalStepCache:
         last = self._micro[1]
         out = {}
         for orth, _ in pairs:
-            key = id(orth)
+            key = forward_cache_key(orth)
             M = self._current.get(key)
             if M is None:
                 Q, leaf = self._graph[key], self._leaf.get(key)
@@ -243,7 +275,7 @@ class OrthogonalStepCache:
         finally:
             self.reset()
 
-    def _gradient(self, key: int) -> torch.Tensor | None:
+    def _gradient(self, key: str | int) -> torch.Tensor | None:
         self._delivered.add(key)
         leaf = self._leaf.get(key)
         return None if leaf is None else leaf.grad
@@ -254,7 +286,7 @@ class _AddStepGradient(torch.autograd.Function):
     gathered on the leaf Q' (`OrthogonalStepCache`)."""
 
     @staticmethod
-    def forward(ctx, Q: torch.Tensor, cache: OrthogonalStepCache, key: int) -> torch.Tensor:
+    def forward(ctx, Q: torch.Tensor, cache: OrthogonalStepCache, key: str | int) -> torch.Tensor:
         ctx.cache, ctx.key = cache, key
         return Q.view_as(Q)
 
@@ -276,15 +308,16 @@ class FP32Orthogonal(_Orthogonal):
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         store = active_orthogonal_cache()
-        Q = None if store is None else store.get(id(self))
+        key = forward_cache_key(self)
+        Q = None if store is None else store.get(key)
         if Q is None:
             step = active_step_cache()
             if step is not None and not _zero3_partitioned(X):
-                Q = step.matrices([(self, X)])[id(self)]
+                Q = step.matrices([(self, X)])[key]
             else:
                 Q = self._evaluate_or_reuse(X)
             if store is not None:
-                store[id(self)] = Q
+                store[key] = Q
         return Q
 
     def train(self, mode: bool = True) -> FP32Orthogonal:
@@ -559,7 +592,7 @@ def _zero3_partitioned(t: torch.Tensor) -> bool:
 
 
 def evaluate_orthogonal_maps(
-    model: nn.Module, store: dict[int, torch.Tensor] | None, required: bool = False
+    model: nn.Module, store: dict[str | int, Any] | None, required: bool = False
 ) -> None:
     """Evaluates every fp32-orthogonal map of `model` into `store` (the active cache), maps of
     one kind, shape, dtype and device in ONE evaluation: their free parameters are
@@ -582,7 +615,7 @@ def evaluate_orthogonal_maps(
     for _, module, name in orthogonal_modules(model):
         plist = module.parametrizations[name]
         orth = plist[0]
-        if id(orth) in store:
+        if forward_cache_key(orth) in store:
             continue
         X = plist.original
         if _zero3_partitioned(X):
@@ -599,22 +632,22 @@ def evaluate_orthogonal_maps(
 
 def _evaluate_grouped(
     pairs: list[tuple[FP32Orthogonal, torch.Tensor]],
-) -> dict[int, torch.Tensor]:
-    """{id(map): matrix} of (map, free parameters) pairs, maps of one kind, shape, dtype and
+) -> dict[str | int, torch.Tensor]:
+    """{forward_cache_key(map): matrix} of (map, free parameters) pairs, maps of one kind, shape, dtype and
     device in one evaluation (`evaluate_orthogonal_maps`)."""
     return _evaluate_grouped_counted(pairs, None)[0]
 
 
 def _evaluate_grouped_counted(
     pairs: list[tuple[FP32Orthogonal, torch.Tensor]], sharding: MapSharding | None
-) -> tuple[dict[int, torch.Tensor], int]:
+) -> tuple[dict[str | int, torch.Tensor], int]:
     """`_evaluate_grouped`, each group's batch spread over the ranks by `sharding` (module
     docstring) when given; also returns how many matrices this rank mapped."""
     groups: dict[tuple, list[tuple[FP32Orthogonal, torch.Tensor]]] = {}
     for orth, X in pairs:
         key = (orth.orthogonal_map, orth.leaf_inverse, tuple(X.shape[-2:]), X.dtype, X.device)
         groups.setdefault(key, []).append((orth, X))
-    out: dict[int, torch.Tensor] = {}
+    out: dict[str | int, torch.Tensor] = {}
     evaluated = 0
     for members in groups.values():
         shape = members[0][1].shape[-2:]
@@ -623,7 +656,7 @@ def _evaluate_grouped_counted(
         rows = None if sharding is None else sharding.bounds(total, tuple(shape))
         if rows is None and len(members) == 1:
             orth, X = members[0]
-            out[id(orth)] = orth._evaluate_or_reuse(X)
+            out[forward_cache_key(orth)] = orth._evaluate_or_reuse(X)
             evaluated += total
             continue
         X_all = torch.cat(flat) if len(flat) > 1 else flat[0]
@@ -636,7 +669,7 @@ def _evaluate_grouped_counted(
             Q_all = sharding.gather(evaluate(X_all[lo:hi]), total)
             evaluated += hi - lo
         for (orth, X), Q in zip(members, Q_all.split([f.size(0) for f in flat])):
-            out[id(orth)] = Q.reshape(X.shape)
+            out[forward_cache_key(orth)] = Q.reshape(X.shape)
     return out, evaluated
 
 

@@ -32,6 +32,7 @@ from model.attention.tisa import (
 from model.orthogonal import (
     FP32Orthogonal,
     evaluate_orthogonal_maps,
+    forward_cache_key,
     orthogonal_cache,
     orthogonal_modules,
 )
@@ -456,7 +457,7 @@ def test_grouped_maps_equal_per_map_evaluation_values_and_gradients(cfg):
 
     with orthogonal_cache() as store:
         evaluate_orthogonal_maps(model.encoder, store)
-        grouped = [store[id(m.parametrizations[n][0])] for _, m, n in found]
+        grouped = [store[forward_cache_key(m.parametrizations[n][0])] for _, m, n in found]
     refs = [
         reference_map(m.parametrizations[n][0], m.parametrizations[n].original) for _, m, n in found
     ]

@@ -159,6 +159,34 @@ def test_graphs_that_switch_autocast_inside_load_whole(tmp_path, monkeypatch, ca
 
 
 @pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family, scope",
+    [("transject", "encoder"), ("softmax", "layers")],
+    ids=["transject-encoder", "softmax-layers"],
+)
+def test_graphs_reading_the_forward_cache_load_whole(
+    tmp_path, monkeypatch, cache_env, capsys, family, scope
+):
+    """Graphs that take entries of the forward's cache as inputs (TransJect's orthogonal maps,
+    evaluated by the engine before the compiled encoder; with ``compile_scope: layers`` the
+    fused Q/K/V weights, made before each compiled layer), and TransJect's custom autograd
+    Functions: the second run, a new model, loads AOTAutograd's joint graphs too. Before the
+    cache's keys were module names (`model.orthogonal.forward_cache_key`) they were ids, part
+    of the graph's key, and the joint graphs were traced again; TransJect's were also left out
+    of the cache for their Functions (`engine.engine._cache_custom_functions`)."""
+    one_process_rendezvous(monkeypatch)
+    shards = make_shards(tmp_path / "data")
+    shared, extra = tmp_path / "shared-cache", [f"engine.compile_scope={scope}"]
+    cold, _ = _run(shards, tmp_path / "run1", shared, capsys, family, extra)
+    assert cold["joint_traced"] >= 1 and cold["joint_loaded"] == 0, cold
+    warm, _ = _run(shards, tmp_path / "run2", shared, capsys, family, extra)
+    assert warm["compiled"] == 0 and warm["loaded"] == cold["compiled"], (cold, warm)
+    assert warm["joint_traced"] == 0 and warm["joint_loaded"] == cold["joint_traced"], warm
+    assert len(cold["losses"]) == 2 and warm["losses"] == cold["losses"]
+
+
+@pytest.mark.integration
 def test_a_compiled_fine_tuning_run_logs_its_first_step_and_the_cache(
     tmp_path,
     cache_env,

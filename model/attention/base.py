@@ -40,7 +40,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import EncoderConfig
-from model.orthogonal import Linear, active_orthogonal_cache, make_orthogonal
+from model.orthogonal import (
+    Linear,
+    active_orthogonal_cache,
+    forward_cache_key,
+    make_orthogonal,
+)
 
 if TYPE_CHECKING:  # annotations only: the encoder imports this module
     from model.attention.hf_export import HFExport
@@ -194,7 +199,7 @@ class MultiHeadAttention(Attention):
         if not self.projects_fused:
             return tuple(self._split(lin(x_BND)) for lin in (self.query, self.key, self.value))
         store = active_orthogonal_cache()
-        cached = None if store is None else store.get(id(self))
+        cached = None if store is None else store.get(forward_cache_key(self))
         weight, bias = self.qkv_weight() if cached is None else cached
         B, N, _ = x_BND.shape
         qkv_BN3Hh = F.linear(x_BND, weight, bias).view(B, N, 3, self.num_heads, -1)
@@ -291,7 +296,7 @@ class AttentionRegistry:
 
 def cache_fused_qkv(model: nn.Module, store: dict | None, device_type: str) -> None:
     """Puts the fused Q/K/V weight and bias of every `MultiHeadAttention` of `model` that
-    projects fused into `store` (the forward's cache, keyed by the module's id), cast to the
+    projects fused into `store` (the forward's cache, keyed by `forward_cache_key`), cast to the
     autocast dtype when autocast is on for `device_type` (the same rounding autocast would
     apply at the product). Called by the encoder once per forward, before the first layer."""
     if store is None:
@@ -303,7 +308,7 @@ def cache_fused_qkv(model: nn.Module, store: dict | None, device_type: str) -> N
             if cast is not None and weight.is_floating_point():
                 weight = weight.to(cast)
                 bias = None if bias is None else bias.to(cast)
-            store[id(module)] = (weight, bias)
+            store[forward_cache_key(module)] = (weight, bias)
 
 
 def batch_is_padded(attention_mask: Tensor | None) -> bool:
