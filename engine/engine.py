@@ -720,7 +720,8 @@ def _cache_custom_functions(backend: str) -> None:
         return
     from torch._functorch import config as functorch_config
 
-    functorch_config.autograd_cache_allow_custom_autograd_functions = True
+    if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):  # torch 2.7+
+        functorch_config.autograd_cache_allow_custom_autograd_functions = True
 
 
 def compile_function(
