@@ -126,9 +126,10 @@ def orthogonal_cache(
 ) -> Iterator[dict[str | int, Any]]:
     """Within the block each orthogonal map is evaluated at most once; yields the cache dict.
 
-    The dict is the forward's cache, keyed by `forward_cache_key(module)`: besides the orthogonal matrices it
-    holds what else a forward makes once for all applications of a shared layer (the fused
-    Q/K/V weight and bias of `model.attention.base.MultiHeadAttention`, a tuple).
+    The dict is the forward's cache, keyed by `forward_cache_key(module)`: besides the
+    orthogonal matrices it holds what else a forward makes once for all applications of a
+    shared layer (the fused Q/K/V weight and bias of
+    `model.attention.base.MultiHeadAttention`, a tuple).
 
     Without `store`, an already active cache is reused (nesting) or a new one started; with
     `store`, that dict becomes the active cache (to re-enter a forward's cache in a recompute).
@@ -196,7 +197,7 @@ class OrthogonalStepCache:
     def reset(self) -> None:
         """Drops the step's matrices, their graph and the gradients gathered on the leaves."""
         self._graph: dict[str | int, torch.Tensor] = {}  # Q = map(X), with its graph to X
-        self._leaf: dict[str | int, torch.Tensor] = {}  # Q' = Q.detach(): dL/dQ of earlier batches
+        self._leaf: dict[str | int, torch.Tensor] = {}  # Q' = Q.detach(): earlier dL/dQ
         self._current: dict[str | int, torch.Tensor] = {}  # what this micro-batch's forwards use
         self._micro: tuple[int, bool] | None = None
         self._delivered: set[str | int] = set()
@@ -224,9 +225,10 @@ class OrthogonalStepCache:
     def matrices(
         self, pairs: list[tuple[FP32Orthogonal, torch.Tensor]]
     ) -> dict[str | int, torch.Tensor]:
-        """{forward_cache_key(map): matrix} for this micro-batch of the (map, free parameters) pairs: the
-        step's Q (evaluated now, batched, if this is its first use in the step), as the leaf
-        Q' before the last micro-batch, through `_AddStepGradient` in the last."""
+        """{forward_cache_key(map): matrix} for this micro-batch of the (map, free
+        parameters) pairs: the step's Q (evaluated now, batched, if this is its first use in the
+        step), as the leaf Q' before the last micro-batch, through `_AddStepGradient` in the
+        last."""
         assert self._micro is not None, "matrices() outside micro_batch()"
         missing = [(orth, X) for orth, X in pairs if forward_cache_key(orth) not in self._graph]
         if missing:
@@ -633,8 +635,8 @@ def evaluate_orthogonal_maps(
 def _evaluate_grouped(
     pairs: list[tuple[FP32Orthogonal, torch.Tensor]],
 ) -> dict[str | int, torch.Tensor]:
-    """{forward_cache_key(map): matrix} of (map, free parameters) pairs, maps of one kind, shape, dtype and
-    device in one evaluation (`evaluate_orthogonal_maps`)."""
+    """{forward_cache_key(map): matrix} of (map, free parameters) pairs, maps of one kind,
+    shape, dtype and device in one evaluation (`evaluate_orthogonal_maps`)."""
     return _evaluate_grouped_counted(pairs, None)[0]
 
 
