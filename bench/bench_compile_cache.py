@@ -77,20 +77,28 @@ def one_run(args, point: list[str], cache: Path, out: Path, overrides: tuple = (
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_args(p: argparse.ArgumentParser, steps: int) -> None:
+    """The options `one_run` and `family_point` read (``steps``: the default of ``--steps``),
+    and ``--root`` and ``--out``; shared with ``bench_compile_scope.py``."""
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     p.add_argument("--config", default="albert-base-512", help="a name of the albert preset")
     p.add_argument("--seq", type=int, default=None, help="override the config's length")
     p.add_argument("--batch", type=int, default=None, help="override the micro-batch")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per run, the first included")
+    p.add_argument(
+        "--steps", type=int, default=steps, help="timed steps per run, the first included"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--timeout", type=float, default=None, help="seconds per run")
     p.add_argument("--override", nargs="*", default=[], help="recipe overrides key=value")
     p.add_argument("--root", type=Path, default=None, help="where the cache folders go")
-    p.add_argument("--keep", action="store_true", help="keep the cache folders")
     p.add_argument("--out", type=Path, default=None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_args(p, steps=3)
+    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    p.add_argument("--keep", action="store_true", help="keep the cache folders")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="compile_cache_", dir=args.root))
     results = []

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from bench_compile_cache import (
     FAMILIES,
+    add_run_args,
     family_point,
     one_run,
     paired,
@@ -53,19 +54,10 @@ def points(args) -> list[tuple[str, list[str]]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    add_run_args(p, steps=4)
     p.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES)
-    p.add_argument("--config", default="albert-base-512", help="a name of the albert preset")
     p.add_argument("--depth", type=int, nargs="*", default=[], help="shared-layer applications")
     p.add_argument("--no-checkpointing", action="store_true", help="depth points without it")
-    p.add_argument("--seq", type=int, default=None, help="override the config's length")
-    p.add_argument("--batch", type=int, default=None, help="override the micro-batch")
-    p.add_argument("--steps", type=int, default=4, help="timed steps per run, the first included")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--timeout", type=float, default=None, help="seconds per run")
-    p.add_argument("--override", nargs="*", default=[], help="recipe overrides key=value")
-    p.add_argument("--root", type=Path, default=None, help="where the cache folders go")
-    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="compile_scope_", dir=args.root))
     results = []

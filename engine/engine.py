@@ -634,8 +634,7 @@ def compile_encoder(
         modules = distinct_layers(target)
         _allow_recompiles(len(modules))
     kwargs = _compile_kwargs(mode, options)
-    _cache_autocast_regions(backend)
-    _cache_custom_functions(backend)
+    _widen_autograd_cache(backend)
     # Stable keys of the forward's cache: what the compiled graphs read from it becomes part
     # of their key in AOTAutograd's cache (model.orthogonal, `forward_cache_key`).
     name_forward_cache_keys(model)
@@ -687,40 +686,36 @@ AUTOCAST_REGION_FUNCTIONS = (
 (kernel attention's and TransJect's fp32 products switch autocast off so)."""
 
 
-def _cache_autocast_regions(backend: str) -> None:
-    """Lets AOTAutograd's cache keep graphs that switch autocast on or off inside
-    (`AUTOCAST_REGION_FUNCTIONS`), which torch 2.13 leaves out of its allow-list, so that every
-    such graph was traced and partitioned again in each new process (kernel attention's warm
-    first step on the CPU, albert-base at seq 128: 13.3 s before, 3.9 s with it; cold 38 s).
-    Sound because the cache key holds what these calls depend on: each call's arguments (device,
-    dtype, on or off) are constants of the hashed graph, and the key records the autocast state
-    around the graph. Inductor's ``unsafe_marked_cacheable_functions`` is torch's way to mark
-    a function so; added to, never replaced (a user's own entries stay)."""
+def _widen_autograd_cache(backend: str) -> None:
+    """Lets AOTAutograd's cache keep two kinds of graph that torch 2.13 leaves out, so that a
+    new process loads them instead of tracing and partitioning them again. Set, never unset,
+    for the process; only for Inductor (the other backends have no such cache).
+
+    * Graphs that switch autocast on or off inside (`AUTOCAST_REGION_FUNCTIONS`; kernel
+      attention's warm first step on the CPU, albert-base at seq 128: 13.3 s before, 3.9 s
+      with it; cold 38 s). Sound because the cache key holds what these calls depend on: each
+      call's arguments (device, dtype, on or off) are constants of the hashed graph, and the
+      key records the autocast state around the graph. Inductor's
+      ``unsafe_marked_cacheable_functions`` is torch's way to mark a function so; added to,
+      never replaced (a user's own entries stay).
+    * Graphs with custom autograd Functions inside
+      (``torch._functorch.config.autograd_cache_allow_custom_autograd_functions``, torch 2.7+):
+      TransJect's encoder (its gate's `PooledAt`, its eigen-state's `Bf16x3Product`; with the
+      forward cache's keys by name, `model.orthogonal.forward_cache_key`, its warm first step
+      15.7 -> 8.8 s). Sound because TorchDynamo traces a Function's forward and backward into
+      subgraphs of the hashed graph (the higher-order operator ``autograd_function_apply``,
+      pure in its inputs): a changed forward or backward is a new key (tested).
+    """
     if backend != "inductor":
         return
+    from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 
     marked = inductor_config.unsafe_marked_cacheable_functions
     missing = {name: torch.__version__ for name in AUTOCAST_REGION_FUNCTIONS if name not in marked}
     if missing:
         inductor_config.unsafe_marked_cacheable_functions = {**marked, **missing}
-
-
-def _cache_custom_functions(backend: str) -> None:
-    """Lets AOTAutograd's cache keep graphs with custom autograd Functions inside
-    (``torch._functorch.config.autograd_cache_allow_custom_autograd_functions``; torch 2.13
-    leaves them out by default), so that TransJect's encoder graph (its gate's `PooledAt`,
-    its eigen-state's `Bf16x3Product`) is loaded by a new process instead of traced and
-    partitioned again (on the CPU, albert-base at seq 128, with the forward cache's keys by
-    name, `model.orthogonal.forward_cache_key`: the warm first step 15.7 -> 8.8 s).
-    Sound because TorchDynamo traces a Function's forward and backward into subgraphs of the
-    hashed graph (the higher-order operator ``autograd_function_apply``, pure in its inputs):
-    a changed forward or backward is a new key (tested). Set, never unset, for the process."""
-    if backend != "inductor":
-        return
-    from torch._functorch import config as functorch_config
-
-    if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):  # torch 2.7+
+    if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):
         functorch_config.autograd_cache_allow_custom_autograd_functions = True
 
 
@@ -733,7 +728,7 @@ def compile_function(
     """``fn`` compiled (``torch.compile``) with the encoder's backend, mode and options: for a
     function of tensors that runs beside the model, such as the pretraining objective's loss
     terms (``pretrain.objective.objective_terms``). Compiled lazily, at its first call."""
-    _cache_autocast_regions(backend)
+    _widen_autograd_cache(backend)
     with _named_backend(backend):
         return torch.compile(fn, backend=backend, **_compile_kwargs(mode, options))
 

@@ -145,7 +145,7 @@ def test_a_second_run_loads_every_graph_from_the_folder(tmp_path, monkeypatch, c
 def test_graphs_that_switch_autocast_inside_load_whole(tmp_path, monkeypatch, cache_env, capsys):
     """Kernel attention's fp32 products switch autocast off inside the graph, under the run's
     bf16 autocast: AOTAutograd's cache, which torch leaves such graphs out of, keeps them too
-    (``engine.engine._cache_autocast_regions``), and the warm run computes what the cold one
+    (``engine.engine._widen_autograd_cache``), and the warm run computes what the cold one
     did."""
     one_process_rendezvous(monkeypatch)
     shards = make_shards(tmp_path / "data")
@@ -174,7 +174,7 @@ def test_graphs_reading_the_forward_cache_load_whole(
     Functions: the second run, a new model, loads AOTAutograd's joint graphs too. Before the
     cache's keys were module names (`model.orthogonal.forward_cache_key`) they were ids, part
     of the graph's key, and the joint graphs were traced again; TransJect's were also left out
-    of the cache for their Functions (`engine.engine._cache_custom_functions`)."""
+    of the cache for their Functions (`engine.engine._widen_autograd_cache`)."""
     one_process_rendezvous(monkeypatch)
     shards = make_shards(tmp_path / "data")
     shared, extra = tmp_path / "shared-cache", [f"engine.compile_scope={scope}"]

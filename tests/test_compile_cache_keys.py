@@ -103,7 +103,7 @@ SCRIPT = textwrap.dedent(
         result = float(model.encoder.embeddings.word_embeddings.weight.grad.abs().sum())
     else:
         # a custom autograd Function whose backward's code is written per process
-        from engine.engine import _cache_custom_functions
+        from engine.engine import _widen_autograd_cache
 
         class Scaled(torch.autograd.Function):
             @staticmethod
@@ -123,7 +123,7 @@ SCRIPT = textwrap.dedent(
                 return Scaled.apply(x * self.w).sum()
 
         net = Net()
-        _cache_custom_functions("inductor")  # as compile_encoder does
+        _widen_autograd_cache("inductor")  # as compile_encoder does
         net.compile(backend="inductor")
         net(torch.arange(8.0)).backward()  # d/dw = x * scale: sum 28 * scale
         result = float(net.w.grad.sum())
