@@ -107,6 +107,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{where} must be a mapping, got {type(value).__name__}")
+        args = get_args(tp)
+        if len(args) == 2 and args[1] is not Any:  # dict[str, X]: each value checked as an X
+            return {k: _coerce(v, args[1], f"{where}.{k}") for k, v in value.items()}
         return value
     if tp is Any:
         return value

@@ -246,12 +246,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-length", type=int, default=None, help="data tokens kept")
     parser.add_argument("--l2", type=float, default=L2, help="L2 penalty of the regression")
     parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--out", help="also write the JSON to this file (atomically)")
     args = parser.parse_args(argv)
     try:
         got = task_baselines(args.task, args.data, args.max_length, args.l2)
     except (FileNotFoundError, ValueError) as e:
         print(f"python -m finetune.lra.baselines: {e}", file=sys.stderr)
         return 1
+    if args.out:
+        from engine.checkpoint import write_json_atomically
+
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomically(args.out, got)
     if args.json:
         print(json.dumps(got, indent=2))
     else:
