@@ -77,7 +77,8 @@ def _segments(node: Node, graph: Graph) -> tuple[Any, list[tuple[float, int]]]:
         encoder = _encoder(source.info.get("model", {}) if source else {})
     else:
         encoder = _encoder(info.get("model", {}))
-    return encoder, [(runs * info["steps"] * info["batch"], info["seq"])]
+    sequences = runs * info["steps"] * info["batch"] * info.get("documents", 1)
+    return encoder, [(sequences, info["seq"])]
 
 
 def stage_estimate(node: Node, graph: Graph, table: dict[tuple, float], source: str) -> Row:

@@ -20,26 +20,29 @@ def _pyplot():
     return plt
 
 
-def score_figure(task: str, rows: list[tuple[str, TaskResult | None, float | None]],
-                 out: Path) -> Path:  # fmt: skip
+def score_figure(
+    task: str, rows: list[tuple[str, TaskResult | None, float | None]], out: Path
+) -> Path:
     """rows: (label, our result or None, the paper's number or None)."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 0.5 * len(rows) + 1.4))
-    for y, (label, ours, paper) in enumerate(rows):
-        if ours is not None:
-            x = ours.aggregate
-            if ours.interval is not None:
-                low, high = 100 * ours.interval.low, 100 * ours.interval.high
-                ax.errorbar(100 * ours.interval.estimate, y, xerr=[[100 * ours.interval.estimate - low], [high - 100 * ours.interval.estimate]],
-                            fmt="o", color="C0", capsize=3)  # fmt: skip
-            ax.plot([x], [y], "|", color="C0", markersize=12)
+    fig, ax = plt.subplots(figsize=(6.4, 0.5 * len(rows) + 1.6))
+    for y, (_, ours, paper) in enumerate(rows):
+        if ours is not None and ours.interval is not None:
+            mean = 100 * ours.interval.estimate
+            low, high = mean - 100 * ours.interval.low, 100 * ours.interval.high - mean
+            ax.errorbar(mean, y, xerr=[[low], [high]], fmt="o", color="C0", capsize=3,
+                        label="ours: mean, 95% interval" if y == 0 else None)  # fmt: skip
+        elif ours is not None:
+            ax.plot([ours.aggregate], [y], "o", color="C0")
         if paper is not None:
-            ax.plot([paper], [y], "x", color="C3", markersize=9)
+            ax.plot([paper], [y], "x", color="C3", markersize=9, label="paper")
     ax.set_yticks(range(len(rows)), [r[0] for r in rows])
     ax.invert_yaxis()
     metric = next((r[1].metric for r in rows if r[1] is not None), "score")
-    ax.set_xlabel(f"{task} {metric} (x 100): ours, mean with 95% interval (o), aggregate (|); "
-                  "paper (x)", fontsize=8)  # fmt: skip
+    ax.set_xlabel(f"{task}: {metric} x 100")
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(unique.values(), unique.keys(), fontsize=8, loc="best")
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     path = out / f"scores-{task}.png"

@@ -314,7 +314,8 @@ class _Builder:
         for task in stage.tasks:
             recipe = _recipe(stage.recipe, f"{where}.recipe", task=task,
                              family=self.spec.variants[variant].family)  # fmt: skip
-            overrides = [f"task={task}", *stage.overrides, *scale.overrides]
+            overrides = [f"task={task}", *stage.overrides, *stage.task_overrides.get(task, []),
+                         *scale.overrides, *scale.task_overrides.get(task, [])]  # fmt: skip
             data = _load(recipe, overrides, f"{where} ({task})")
             data.setdefault("train", {})["run_dir"] = "{self}/run"
             data["seeds"] = list(seeds)
@@ -355,12 +356,14 @@ class _Builder:
                     recipe = recipe_path(task, stage.protocol, family)
                 except ValueError as e:
                     raise SpecError(f"{where}: {e}") from None
-            overrides = [f"task={task}", *stage.overrides, *scale.overrides]
+            overrides = [f"task={task}", *stage.overrides, *stage.task_overrides.get(task, []),
+                         *scale.overrides, *scale.task_overrides.get(task, [])]  # fmt: skip
             data = _load(recipe, overrides, f"{where} ({task})")
             data.setdefault("train", {})["run_dir"] = "{self}/run"
             data["seeds"] = list(seeds)
             try:
                 cfg = build_config(LraConfig, json.loads(json.dumps(data)))
+                _check_lra_model(cfg, task)
             except ValueError as e:
                 raise SpecError(f"{where} ({task}): {e}") from None
             deps = list(data_deps)
@@ -376,6 +379,7 @@ class _Builder:
             info = {"family": family, "seeds": list(cfg.seeds), "steps": cfg.schedule.total_steps,
                     "batch": cfg.engine.micro_batch_size * cfg.engine.gradient_accumulation_steps,
                     "seq": get_task(task).sequence_length(cfg.data.max_length),
+                    "documents": 2 if get_task(task).pair else 1,
                     "model": cfg.model, "init": stage.init}  # fmt: skip
             self.add(f"{variant}.lra.{task}", "lra", "lra", "finetune", base, deps, config=data,
                      elements=elements, variant=variant, task=task, info=info)  # fmt: skip
@@ -415,6 +419,18 @@ class _Builder:
         args = ["--task", task, "--data", data_path, "--out", "{self}/run/baselines.json"]
         self.add(node_id, "baselines", "data", "finetune.lra.baselines", args, list(data_deps),
                  task=task)  # fmt: skip
+
+
+def _check_lra_model(cfg, task: str) -> None:
+    """The recipe's model section builds an encoder config (a typo in a model key fails here)."""
+    from finetune.lra.tasks import PAD_ID, get_task
+    from model.config import EncoderConfig
+
+    lra_task = get_task(task)
+    seq = lra_task.sequence_length(cfg.data.max_length)
+    EncoderConfig.from_dict({**cfg.model, "vocab_size": lra_task.vocab_size, "pad_token_id": PAD_ID,
+                             "max_position_embeddings": max(seq, cfg.model.get(
+                                 "max_position_embeddings", 0))})  # fmt: skip
 
 
 def build_graph(spec: StudySpec, scale: str, out: Path, settings: Settings) -> Graph:
@@ -462,4 +478,5 @@ def write_stage_files(graph: Graph, nodes: list[Node]) -> None:
         node.dir.mkdir(parents=True, exist_ok=True)
         text = yaml.safe_dump(config, sort_keys=False)
         if not path.is_file() or path.read_text() != text:
-            write_atomically(path, lambda f, data=text.encode(): f.write(data))
+            data = text.encode()
+            write_atomically(path, lambda f, data=data: f.write(data))

@@ -96,7 +96,7 @@ class LocalExecutor:
         busy = 0
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
-        def stop(signum, frame):  # noqa: ARG001
+        def stop(signum, frame):
             self.stopping = True
             for proc in list(self.procs.values()):
                 proc.send_signal(signal.SIGTERM)

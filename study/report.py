@@ -83,7 +83,6 @@ def paper_rows(graph: Graph, results: dict) -> list[dict[str, Any]]:
 def reference_rows(graph: Graph, results: dict) -> list[dict[str, Any]]:
     """Each variant minus the reference variant, task by task (paired), with the paper's."""
     from finetune.compare import bootstrap_difference
-
     from study.results import _metric_fn
 
     ref = graph.spec.reference or next(iter(graph.spec.variants))

@@ -43,21 +43,19 @@ class NodeJob(submitit.helpers.Checkpointable):
 
     def __call__(self) -> dict[str, Any]:
         from engine.distributed import detect
-        from study.local import succeeded
 
+        rank = detect().rank
         if self.module in STAGE_OF_MODULE:
             from slurm.job import StageJob
 
-            result = StageJob(STAGE_OF_MODULE[self.module], self.args)()
-            if result.get("state") == "stopped":
-                return result  # requeued by submitit; resumes from its checkpoint
-            code = 0
-        else:
-            code = int(_module_main(self.module)(self.args) or 0) if detect().rank == 0 else 0
-        ok, why = succeeded(self.node, code)
-        if not ok:
-            raise RuntimeError(f"{self.node.id} ({self.element}): {why}")
-        if detect().rank == 0:
+            result = StageJob(STAGE_OF_MODULE[self.module], self.args)()  # raises on failure
+            if result.get("state") != "completed":
+                return result  # stopped: requeued by submitit, resumes from its checkpoint
+        elif rank == 0:
+            code = int(_module_main(self.module)(self.args) or 0)
+            if code:
+                raise RuntimeError(f"{self.node.id}: python -m {self.module} exited with {code}")
+        if rank == 0:
             write_done(self.node, self.element, {"executor": "slurm",
                                                  "job": os.environ.get("SLURM_JOB_ID")})  # fmt: skip
         return {"state": "completed", "node": self.node.id, "element": self.element}

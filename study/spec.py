@@ -133,6 +133,8 @@ class GlueStage:
     """The fine-tuning recipe, ``{task}`` replaced by each task."""
     overrides: list[str] = field(default_factory=list)
     """Dotted overrides of every task's recipe."""
+    task_overrides: dict[str, list[str]] = field(default_factory=dict)
+    """Task -> dotted overrides of that task's recipe alone (after ``overrides``)."""
     data: str = "glue"
     """The data source holding GLUE."""
     init: str = "pretrained"
@@ -155,6 +157,8 @@ class LraStage:
     """A recipe instead of the protocol's (``{task}`` and ``{family}`` replaced)."""
     overrides: list[str] = field(default_factory=list)
     """Dotted overrides of every task's recipe."""
+    task_overrides: dict[str, list[str]] = field(default_factory=dict)
+    """Task -> dotted overrides of that task's recipe alone (after ``overrides``)."""
     data: str = "lra"
     """The data source holding the LRA release (every task's files below it)."""
     init: Literal["scratch", "self-pretrained"] = "scratch"
@@ -210,6 +214,8 @@ class ScaleStage:
 
     overrides: list[str] = field(default_factory=list)
     """Dotted overrides after the stage's own (steps, sizes, device)."""
+    task_overrides: dict[str, list[str]] = field(default_factory=dict)
+    """Task -> dotted overrides of that task's runs alone, last (e.g. its ``data.max_length``)."""
     seeds: list[int] | None = None
     """Replaces every suite's seeds at this scale (None: the stage's)."""
     lrs: list[float] | None = None
