@@ -276,8 +276,9 @@ class _Builder:
         data["train"].setdefault("progress", False)
         cfg = self._check_pretrain(data, where)
         info = {"family": spec_variant.family, "phases": [
-            {"steps": p.end - p.start, "seq": p.max_seq_length, "micro_batch": p.micro_batch_size}
-            for p in cfg.resolved_phases()], "accumulation": cfg.engine.gradient_accumulation_steps,
+            {"steps": min(p.end, cfg.train.steps) - p.start, "seq": p.max_seq_length,
+             "micro_batch": p.micro_batch_size}
+            for p in cfg.resolved_phases() if p.start < cfg.train.steps], "accumulation": cfg.engine.gradient_accumulation_steps,
             "model": data.get("model", {})}  # fmt: skip
         node = self.add(node_id, "pretrain", "pretrain", "pretrain",
                         ["--config", f"{{self}}/{STAGE_FILE}"], deps, config=data,
@@ -403,8 +404,9 @@ class _Builder:
         data["train"].setdefault("progress", False)
         cfg = self._check_pretrain(data, where)
         info = {"family": family, "phases": [
-            {"steps": p.end - p.start, "seq": p.max_seq_length, "micro_batch": p.micro_batch_size}
-            for p in cfg.resolved_phases()], "accumulation": cfg.engine.gradient_accumulation_steps,
+            {"steps": min(p.end, cfg.train.steps) - p.start, "seq": p.max_seq_length,
+             "micro_batch": p.micro_batch_size}
+            for p in cfg.resolved_phases() if p.start < cfg.train.steps], "accumulation": cfg.engine.gradient_accumulation_steps,
             "model": data.get("model", {})}  # fmt: skip
         return self.add(f"{variant}.lra-pretrain.{task}", "lra-pretrain", "lra-pretrain",
                         "pretrain", ["--config", f"{{self}}/{STAGE_FILE}"], [shards.id],

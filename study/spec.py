@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import yaml
 
-from model.typed_config import config_from_dict, deep_merge
+from model.typed_config import config_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 STAGE_KINDS = ("pretrain", "glue", "lra")
@@ -290,7 +290,7 @@ class StudySpec:
 
 def _merge_stage(base: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
     """A variant's stage settings over the study's: override lists appended, the rest replaced."""
-    merged = deep_merge(base, {k: v for k, v in change.items() if not k.endswith("overrides")})
+    merged = {**base, **{k: v for k, v in change.items() if not k.endswith("overrides")}}
     for key, value in change.items():
         if key.endswith("overrides"):
             merged[key] = [*base.get(key, []), *(value or [])]
