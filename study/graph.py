@@ -279,7 +279,7 @@ class _Builder:
             {"steps": min(p.end, cfg.train.steps) - p.start, "seq": p.max_seq_length,
              "micro_batch": p.micro_batch_size}
             for p in cfg.resolved_phases() if p.start < cfg.train.steps], "accumulation": cfg.engine.gradient_accumulation_steps,
-            "model": data.get("model", {})}  # fmt: skip
+            "model": data.get("model", {}), "check_loss": stage.check_loss}  # fmt: skip
         node = self.add(node_id, "pretrain", "pretrain", "pretrain",
                         ["--config", f"{{self}}/{STAGE_FILE}"], deps, config=data,
                         variant=variant, info=info)  # fmt: skip
@@ -397,7 +397,9 @@ class _Builder:
         family = self.spec.variants[variant].family
         where = f"variants.{variant}.stages.lra.pretrain_recipe"
         recipe = _recipe(stage.pretrain_recipe, where, task=task, family=family)
-        overrides = [*stage.pretrain_overrides, *self.scale.stages["lra-pretrain"].overrides]
+        scale = self.scale.stages["lra-pretrain"]
+        overrides = [*stage.pretrain_overrides, *scale.overrides,
+                     *scale.task_overrides.get(task, [])]  # fmt: skip
         data = _load(recipe, overrides, where)
         data.setdefault("data", {})["shards"] = str(shards.run_dir)
         data.setdefault("train", {})["run_dir"] = "{self}/run"
@@ -439,7 +441,13 @@ def build_graph(spec: StudySpec, scale: str, out: Path, settings: Settings) -> G
     """Every node of ``spec`` at ``scale`` under ``out``; ``SpecError`` on a recipe or key that
     does not exist (nothing has run). Data from the user's settings is not looked at here
     (``missing_data`` says what is absent)."""
-    out = Path(out).absolute()
+    try:
+        return _build(spec, scale, Path(out).absolute(), settings)
+    except SpecError as e:
+        raise SpecError(f"{spec.source or spec.name}: {e}") from None
+
+
+def _build(spec: StudySpec, scale: str, out: Path, settings: Settings) -> Graph:
     builder = _Builder(spec, scale, out, settings)
     chosen = spec.scales[scale].variants if scale in spec.scales else None
     variants = {k: v for k, v in spec.variants.items() if chosen is None or k in chosen}

@@ -4,7 +4,7 @@ itself (``DataSource.generate``), in the official formats the stages read:
     embedded    a SentencePiece-unigram tokenizer and ALBERT sentence-pair shards from the
                 embedded corpus (CPython's documentation text): DIR/tokenizer/tokenizer.json,
                 DIR/shards/ (options: vocab_size, max_seq_length, num_shards,
-                validation_fraction, seed)
+                validation_fraction, seed; tokenizer: another source's instead of a new one)
     listops     ListOps in the LRA TSV format (``python -m data_prep listops``; options: train,
                 val, test, min_length, max_length, max_depth, max_args, op_prob, seed)
     glue        tiny GLUE TSVs of every task (``study/tiny_data.py``)
@@ -27,9 +27,14 @@ def _embedded(out: Path, options: dict[str, Any]) -> None:
     from data_prep.shards import ShardConfig, build_shards
     from data_prep.tokenizer import write_tokenizer
 
-    tok = write_tokenizer(
-        out / "tokenizer", inputs=["embedded"], vocab_size=int(options.get("vocab_size", 2000))
-    )
+    if "tokenizer_file" in options:  # another source's tokenizer: every phase reads one
+        (out / "tokenizer").mkdir(parents=True)
+        tok = out / "tokenizer" / "tokenizer.json"
+        shutil.copyfile(options["tokenizer_file"], tok)
+    else:
+        tok = write_tokenizer(
+            out / "tokenizer", inputs=["embedded"], vocab_size=int(options.get("vocab_size", 2000))
+        )
     config = ShardConfig(
         inputs=("embedded",),
         num_shards=int(options.get("num_shards", 2)),

@@ -162,6 +162,7 @@ def pretrain_summary(node: Node) -> dict[str, Any] | None:
         "skipped_steps": status.get("skipped_steps"),
         "curve": [(s, rows[s]["loss/mlm"]) for s in sorted(rows) if "loss/mlm" in rows[s]],
         "run_dir": str(node.run_dir),
+        "check_loss": bool(node.info.get("check_loss")),
     }
 
 

@@ -116,6 +116,9 @@ class PretrainStage:
     export: bool = False
     """Also export the last checkpoint (``python -m pretrain.export``) to ``release/`` and
     check it against the run's own release."""
+    check_loss: bool = False
+    """The report fails (``study report`` exits 1) when the MLM loss did not decrease from the
+    first logged value to the last: a smoke check for short runs that must learn."""
 
 
 @dataclass
