@@ -51,10 +51,10 @@ COMMANDS: dict[str, Command] = {
     "slurm": Command(
         "slurm.launcher", "slurm", "submit (or --local / --dry-run) a stage as a Slurm job"
     ),
-    "main-job": Command(
-        "main_job.pipeline",
-        "main_job",
-        "the whole pipeline on the embedded corpus (CPU, nothing downloaded)",
+    "study": Command(
+        "study.cli",
+        "study",
+        "plan, run (here or on Slurm), status and report a paper's table (configs/studies/)",
     ),
 }
 BENCH_SUMMARY = "run a benchmark script of bench/ (albatross bench: the list)"

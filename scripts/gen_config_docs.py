@@ -38,6 +38,8 @@ from model.config import PRESETS, EncoderConfig  # noqa: E402
 from model.typed_config import field_docs  # noqa: E402
 from pretrain.config import PretrainConfig  # noqa: E402
 from pretrain.init import INIT_KEY  # noqa: E402
+from study.settings import Settings  # noqa: E402
+from study.spec import GlueStage, LraStage, PretrainStage, StudySpec  # noqa: E402
 
 OUTPUT = ROOT / "docs" / "config.md"
 COMMAND = "python scripts/gen_config_docs.py"
@@ -76,6 +78,30 @@ ROOTS = (
         LraConfig,
         "`python -m finetune lra --config ... [key=value ...]`; recipes in "
         "`configs/finetune/lra/`.",
+    ),
+    Root(
+        "Study spec",
+        "study",
+        StudySpec,
+        "`python -m study plan|run|status|report configs/studies/<name>.yaml`; specs in "
+        "`configs/studies/`, the guide in [studies.md](studies.md). A study's `stages` and each "
+        "variant's `stages` are mappings of a stage kind to the settings below.",
+    ),
+    Root(
+        "Study stage: pretrain",
+        "study-pretrain",
+        PretrainStage,
+        "A study's or a variant's `stages.pretrain`.",
+    ),
+    Root("Study stage: glue", "study-glue", GlueStage, "A study's or a variant's `stages.glue`."),
+    Root("Study stage: lra", "study-lra", LraStage, "A study's or a variant's `stages.lra`."),
+    Root(
+        "User settings",
+        "settings",
+        Settings,
+        "`~/.config/albatross/settings.yaml` (or the file `$ALBATROSS_SETTINGS` names): where "
+        "your data sets are and where your Slurm jobs go; `--data NAME=PATH`, `--partition` and "
+        "`--account` override it.",
     ),
     Root(
         "Shard settings",
@@ -120,6 +146,9 @@ def type_name(tp: Any) -> str:
             return f"list of {len(args)} {inner}"
         return f"list of {inner}"
     if origin is dict or tp is dict:
+        args = get_args(tp)
+        if len(args) == 2 and dataclasses.is_dataclass(args[1]):
+            return "mapping of name to section"
         return "mapping"
     if dataclasses.is_dataclass(tp):
         return "section"
@@ -200,8 +229,9 @@ class Page:
             sub = section_class(cls, f.name, tp)
             if sub is not None:
                 sub_instance = sub_default(sub, value)
-                nested.append((f.name, sub, sub_instance))
-                where = f"{key}.{f.name}" if key else f.name
+                name = f"{f.name}.<name>" if get_origin(tp) is dict else f.name
+                nested.append((name, sub, sub_instance))
+                where = f"{key}.{name}" if key else name
                 text = docs.get(f.name, class_doc(sub))
                 link = f"see [`{where}`](#{anchor(self._heading(where))})"
                 if isinstance(value, dict) and value:  # a model section given as a dict
@@ -260,10 +290,15 @@ def section_class(owner: type, name: str, tp: Any) -> type | None:
         return EncoderConfig
     if dataclasses.is_dataclass(tp):
         return tp
+    if get_origin(tp) in (typing.Union, types.UnionType):  # an optional section
+        inner = [a for a in get_args(tp) if dataclasses.is_dataclass(a)]
+        return inner[0] if inner else None
     if get_origin(tp) is list:
         (item,) = get_args(tp)
         if dataclasses.is_dataclass(item):
             return item
+    if get_origin(tp) is dict and dataclasses.is_dataclass(get_args(tp)[1]):
+        return get_args(tp)[1]  # a mapping of names to sections: described as one
     return None
 
 

@@ -100,9 +100,10 @@ def plan(args) -> int:
     problems = missing_data(graph)
     if problems:
         print("\nData to give before `run`:\n" + "\n".join(f"- {p}" for p in problems))
-    rows = estimate(graph, Path(args.throughput) if args.throughput else THROUGHPUT)
+    throughput = Path(args.throughput) if args.throughput else THROUGHPUT
+    rows = estimate(graph, throughput)
     if rows:
-        print(f"\n## Estimated cost\n\n{format_estimate(rows)}")
+        print(f"\n## Estimated cost\n\n{format_estimate(rows, throughput)}")
         print("Throughput per GPU scales linearly with GPUs; fine-tuning sequences counted at "
               "their max_length (an upper bound); evaluation and start-up not counted.")  # fmt: skip
     return 0

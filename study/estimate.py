@@ -97,7 +97,7 @@ def stage_estimate(node: Node, graph: Graph, table: dict[tuple, float], source: 
     for n, seq in segments:
         rate = table.get((family, encoder.hidden_size, encoder.num_hidden_layers, seq))
         if rate is not None:
-            used.append(f"measured ({source})")
+            used.append("measured")
         elif given:
             rate = given
             used.append("the scale's tokens_per_s")
@@ -108,7 +108,8 @@ def stage_estimate(node: Node, graph: Graph, table: dict[tuple, float], source: 
 
 
 def estimate(graph: Graph, throughput: Path = THROUGHPUT) -> list[Row]:
-    """One row per variant and stage kind (its nodes summed), then the total."""
+    """One row per variant and stage kind (its nodes summed), then the total; the measurement
+    used is ``measurement(throughput)``."""
     if graph.spec.scales[graph.scale].device == "cpu":
         return []
     table, source = load_throughput(throughput)
@@ -128,11 +129,11 @@ def _sum(name: str, rows: list[Row]) -> Row:
     pflops = None if any(r.pflops is None for r in rows) else sum(r.pflops for r in rows)
     sources = sorted({r.source for r in rows})
     if hours is None and known:
-        sources = [f"{sum(known):,.0f} GPU-h measured; the rest not measured"]
+        sources = [f"{sum(known):,.0f} GPU-h measured, the rest not"]
     return Row(name, sum(r.tokens for r in rows), pflops, hours, "; ".join(sources))
 
 
-def format_estimate(rows: list[Row]) -> str:
+def format_estimate(rows: list[Row], throughput: Path = THROUGHPUT) -> str:
     if not rows:
         return "No GPU estimate at a CPU scale.\n"
     lines = ["| stage | training tokens | training PFLOP | GPU-hours | throughput |",
@@ -142,4 +143,5 @@ def format_estimate(rows: list[Row]) -> str:
         pflops = "–" if r.pflops is None else f"{r.pflops:,.0f}"
         name = f"**{r.what}**" if r.what == "total" else r.what
         lines.append(f"| {name} | {r.tokens:.3g} | {pflops} | {hours} | {r.source} |")
-    return "\n".join(lines) + "\n"
+    _, source = load_throughput(throughput)
+    return "\n".join(lines) + f"\n\nMeasured throughput: {source}.\n"

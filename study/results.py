@@ -52,9 +52,11 @@ def metric_of(graph: Graph, task: str) -> str:
     paper = graph.spec.paper
     if paper is not None and task in paper.metrics:
         return paper.metrics[task]
-    from finetune.lra.tasks import TASKS as LRA_TASKS
+    from finetune.glue.tasks import TASKS as GLUE_TASKS
 
-    return "accuracy" if task in LRA_TASKS else "score"
+    if task in GLUE_TASKS and len(GLUE_TASKS[task].metrics) == 1:
+        return GLUE_TASKS[task].metrics[0]  # accuracy or mcc: what the task is scored by
+    return "accuracy" if task not in GLUE_TASKS else "score"
 
 
 def _metric_fn(metric: str, task: str, labels: np.ndarray):

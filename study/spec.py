@@ -268,7 +268,7 @@ class StudySpec:
     """The models, by key (``[a-z0-9-]``)."""
     scales: dict[str, Scale] = field(default_factory=dict)
     """The sizes it runs at, by name (``tiny``, ``full``, ...)."""
-    source: str = ""
+    source: str = field(default="", init=False)
     """The file it was read from (set by ``load_spec``)."""
 
     def variant_stage(self, variant: str, kind: str) -> Any:

@@ -28,7 +28,6 @@ INTEGRATION_MODULES = frozenset(
         "test_lra_finetune",
         "test_lra_row_counts",
         "test_lra_selfpretrain",
-        "test_main_job",
         "test_pretrain_resume_edges",
     }
 )

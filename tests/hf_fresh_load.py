@@ -19,7 +19,7 @@ sys.path.append(sys.argv[1])
 
 import importlib.util
 
-PROJECT_PACKAGES = ("model", "pretrain", "finetune", "engine", "data_prep", "main_job", "slurm")
+PROJECT_PACKAGES = ("model", "pretrain", "finetune", "engine", "data_prep", "study", "slurm")
 
 
 def main() -> None:

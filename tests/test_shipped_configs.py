@@ -59,7 +59,7 @@ def test_preset_key_with_a_typo_fails():
         "pretrain",
         "pretrain.train",
         "pretrain.export",
-        "main_job.pipeline",
+        "study.cli",
         "engine.engine",
         "engine.checkpoint",
         "engine.metrics",

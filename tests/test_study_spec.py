@@ -216,7 +216,10 @@ def test_estimate_from_a_throughput_table(tmp_path):
     total = by_name["total"]
     assert total.gpu_hours == pytest.approx(sum(r.gpu_hours for n, r in by_name.items()
                                                 if n != "total"))  # fmt: skip
-    assert "GPU X" in pre.source
+    assert pre.source == "measured"
+    from study.estimate import format_estimate
+
+    assert "Measured throughput: GPU X" in format_estimate(list(by_name.values()), table)
 
 
 def test_verdict():

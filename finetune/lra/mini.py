@@ -154,8 +154,8 @@ SCALES = {
             "model.intermediate_size=512",
         ),
     ),
-    # The main job's LRA stage (main_job/pipeline.py), as before: the LRA generator's shape,
-    # evaluated once, after the last step.
+    # The LRA generator's shape at the main job's sizes (configs/studies/main.yaml, scale
+    # demo), evaluated once, after the last step.
     "main": Scale(
         listops=(3000, 300, 300),
         listops_length=(50, 150),

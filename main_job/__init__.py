@@ -1,1 +1,0 @@
-"""The main job: every stage, end to end, on the embedded corpus (``python -m main_job``)."""
