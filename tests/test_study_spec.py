@@ -97,13 +97,22 @@ BAD_SPECS = {
         "variants.a.family: unknown attention family 'sofmax'",
     ),
     "a cycle": (
-        bad(lambda s: s["variants"].update(
-            c={"stages": {"pretrain": {"recipe": "configs/pretrain/debug.yaml",
-                                       "init": "variant:d"}}},
-            d={"stages": {"pretrain": {"recipe": "configs/pretrain/debug.yaml",
-                                       "init": "variant:c"}}})),
+        bad(
+            lambda s: s["variants"].update(
+                c={
+                    "stages": {
+                        "pretrain": {"recipe": "configs/pretrain/debug.yaml", "init": "variant:d"}
+                    }
+                },
+                d={
+                    "stages": {
+                        "pretrain": {"recipe": "configs/pretrain/debug.yaml", "init": "variant:c"}
+                    }
+                },
+            )
+        ),
         "variants.c.stages.pretrain.init: a cycle: c -> d -> c",
-    ),  # fmt: skip
+    ),
     "a paper row naming a missing variant": (
         bad(lambda s: s["paper"]["results"].update(z={"listops": 1.0})),
         "paper.results.z: a paper row names variant 'z', which the study does not have",
@@ -171,8 +180,10 @@ def test_identities_change_exactly_where_a_change_reaches(tmp_path):
     same = {n for n in before.nodes if before.nodes[n].identity == after.nodes[n].identity}
     assert same == set(before.nodes) - {"b.lra.listops"}
     # a scale change reaches every fine-tuning stage, not the baselines of the data
-    changed["scales"]["tiny"]["stages"]["lra"]["overrides"] = ["schedule.total_steps=5",
-                                                               "schedule.warmup_steps=1"]
+    changed["scales"]["tiny"]["stages"]["lra"]["overrides"] = [
+        "schedule.total_steps=5",
+        "schedule.warmup_steps=1",
+    ]
     again = graph_of(write(tmp_path, changed, "v.yaml"), tmp_path)
     moved = {n for n in before.nodes if before.nodes[n].identity != again.nodes[n].identity}
     assert moved == {"a.lra.listops", "b.lra.listops"}
@@ -244,7 +255,7 @@ def test_settings_file_and_flags(tmp_path, monkeypatch):
     assert s.data == {"glue": "/g", "lra": "/l"}
     assert (s.slurm.partition, s.slurm.account, s.slurm.sbatch) == ("gpu", "acct", {"qos": "high"})
     path.write_text("slurm: {partiton: gpu}\n")
-    with pytest.raises(ValueError, match="settings file .*partiton"):
+    with pytest.raises(ValueError, match=r"settings file .*partiton"):
         load_settings()
     path.write_text("{}\n")
     with pytest.raises(ValueError, match="expected NAME=PATH"):
@@ -252,8 +263,11 @@ def test_settings_file_and_flags(tmp_path, monkeypatch):
 
 
 def test_one_study_run_per_directory(tmp_path):
-    with study_lock(tmp_path), pytest.raises(StudyBusy, match=r"in use by another .*pid"):
-        with study_lock(tmp_path):
-            pass
+    with (
+        study_lock(tmp_path),
+        pytest.raises(StudyBusy, match=r"in use by another .*pid"),
+        study_lock(tmp_path),
+    ):
+        pass
     with study_lock(tmp_path):  # released with its holder
         pass
