@@ -145,13 +145,14 @@ def run(args) -> int:
 
 def wait_and_report(graph, jobs: dict[str, list[str]], timeout: float | None) -> int:
     from slurm.monitor import TERMINAL_STATES
-    from study.slurm_exec import job_state
+    from study.slurm_exec import job_states
     from study.status import format_status, stage_states
 
     ids = sorted({j for js in jobs.values() for j in js})
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        live = [j for j in ids if (s := job_state(j)) is not None and s not in TERMINAL_STATES]
+        states = job_states(ids)
+        live = [j for j in ids if j in states and states[j] not in TERMINAL_STATES]
         if not live:
             break
         if deadline is not None and time.monotonic() > deadline:

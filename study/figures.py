@@ -25,7 +25,7 @@ def score_figure(
 ) -> Path:
     """rows: (label, our result or None, the paper's number or None)."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 0.5 * len(rows) + 1.6))
+    fig, ax = plt.subplots(figsize=(8.0, 0.5 * len(rows) + 1.6))
     for y, (_, ours, paper) in enumerate(rows):
         if ours is not None and ours.interval is not None:
             mean = 100 * ours.interval.estimate
@@ -42,7 +42,8 @@ def score_figure(
     ax.set_xlabel(f"{task}: {metric} x 100")
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
-    ax.legend(unique.values(), unique.keys(), fontsize=8, loc="best")
+    ax.legend(unique.values(), unique.keys(), fontsize=8, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0))  # fmt: skip
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     path = out / f"scores-{task}.png"

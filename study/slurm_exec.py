@@ -20,7 +20,7 @@ import submitit
 from submitit.core.utils import FailedJobError, FailedSubmissionError
 
 from slurm.cli import OMP_SETUP, parse_time
-from slurm.monitor import TERMINAL_STATES, squeue_state
+from slurm.monitor import TERMINAL_STATES
 from study.graph import Graph, Node, write_done, write_stage_files
 from study.ledger import read_ledger, record
 from study.settings import Settings
@@ -99,27 +99,62 @@ ACTIVE = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPEN
           "STAGE_OUT")  # fmt: skip
 
 
+def job_states(ids) -> dict[str, str]:
+    """Job id -> its state, for many jobs in two queries (the user's jobs from squeue, then sacct
+    for the jobs squeue has forgotten); a job neither knows is absent. A pending job whose dependency can never be
+    satisfied counts as CANCELLED (Slurm cancels it with --kill-on-invalid-dep)."""
+    ids = sorted(set(ids))
+    states: dict[str, str] = {}
+    if not ids:
+        return states
+    import getpass
+
+    wanted = set(ids)  # the user's jobs, array elements one by one (-r); squeue -j fails whole
+    for line in _lines(["squeue", "-h", "-r", "-t", "all", "-u", getpass.getuser(),
+                        "-o", "%i|%T|%r"]):  # fmt: skip
+        job, state, reason = [*line.split("|"), "", ""][:3]
+        if job in wanted:
+            states[job] = "CANCELLED" if reason.startswith("DependencyNeverSatisfied") else state
+    rest = [i for i in ids if i not in states]
+    if rest:
+        for line in _lines(["sacct", "-n", "-X", "-P", "-j", ",".join(rest), "-o", "JobID,State"]):
+            job, _, state = line.partition("|")
+            if job in rest and state:
+                states.setdefault(job, state.split()[0])
+    return states
+
+
+def _lines(cmd: list[str]) -> list[str]:
+    import subprocess
+
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return proc.stdout.strip().splitlines() if proc.returncode == 0 else []
+
+
 def job_state(job_id: str) -> str | None:
-    found = squeue_state(job_id)
-    if found is None:
-        return None
-    state, reason = found
-    if reason.startswith("DependencyNeverSatisfied"):
-        return "CANCELLED"
-    return state.split()[0]
+    return job_states([job_id]).get(job_id)
 
 
-def active_jobs(graph: Graph, node: Node) -> dict[str, str]:
+def active_jobs(graph: Graph, node: Node, states: dict[str, str]) -> dict[str, str]:
     """Element -> the job id of a queued or running job that runs it (from the ledger)."""
     out = {}
     for element, entry in read_ledger(graph.out).get(node.id, {}).items():
         job = entry.get("job")
         if entry.get("executor") != "slurm" or not job or entry.get("identity") != node.identity:
             continue
-        state = job_state(job)
+        state = states.get(job)
         if state is not None and state not in TERMINAL_STATES and state in ACTIVE:
             out[element] = job
     return out
+
+
+def ledger_jobs(graph: Graph) -> list[str]:
+    """Every Slurm job the study's ledger names."""
+    return [e["job"] for entries in read_ledger(graph.out).values() for e in entries.values()
+            if e.get("executor") == "slurm" and e.get("job")]  # fmt: skip
 
 
 def submit_nodes(graph: Graph, nodes: list[Node], settings: Settings) -> dict[str, list[str]]:
@@ -129,8 +164,9 @@ def submit_nodes(graph: Graph, nodes: list[Node], settings: Settings) -> dict[st
     jobs: dict[str, list[str]] = {}
     folder = graph.out / "slurm"
     submitted: list[str] = []
+    states = job_states(ledger_jobs(graph))
     for node in nodes:
-        live = active_jobs(graph, node)
+        live = active_jobs(graph, node, states)
         missing = [e for e in node.missing() if e.key not in live]
         deps = sorted({j.split("_")[0] for d in node.deps for j in jobs.get(d, [])})
         jobs[node.id] = sorted(set(live.values()))

@@ -37,7 +37,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _element_state(graph: Graph, node: Node, entry: dict) -> tuple[str, str, str]:
+def _element_state(node: Node, entry: dict, states: dict[str, str]) -> tuple[str, str, str]:
     """(state, log, why) of an element that is not done, from its ledger entry."""
     if not entry:
         return "not started", "", ""
@@ -50,10 +50,8 @@ def _element_state(graph: Graph, node: Node, entry: dict) -> tuple[str, str, str
         return state, entry.get("log", ""), entry.get("why", "")
     if entry.get("identity") != node.identity:
         return "not started", "", ""
-    from study.slurm_exec import job_state
-
     job = entry.get("job", "")
-    state = job_state(job) if job else None
+    state = states.get(job)
     if state is None:
         return "failed", entry.get("stderr", ""), f"job {job} unknown to Slurm"
     if state in ("PENDING",):
@@ -68,7 +66,10 @@ PRIORITY = ("failed", "stopped", "running", "pending", "not started")
 
 
 def stage_states(graph: Graph) -> list[StageState]:
+    from study.slurm_exec import job_states, ledger_jobs
+
     ledger = read_ledger(graph.out)
+    states = job_states(ledger_jobs(graph)) if ledger else {}
     out = []
     for node in graph.order():
         entries = ledger.get(node.id, {})
@@ -79,7 +80,7 @@ def stage_states(graph: Graph) -> list[StageState]:
                 done += 1
                 continue
             entry = entries.get(element.key) or entries.get("all") or {}
-            state, elog, ewhy = _element_state(graph, node, entry)
+            state, elog, ewhy = _element_state(node, entry, states)
             states.append(state)
             if entry.get("job"):
                 jobs.append(entry["job"])
