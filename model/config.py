@@ -413,10 +413,12 @@ class EncoderConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EncoderConfig:
         """Builds a config from a dict; a `preset` key starts from that preset (the other keys
-        override it), as in the YAML files under `configs/model/`."""
+        override it), as in the YAML files under `configs/model/`; `preset: null` is none (an
+        override that drops a recipe's preset, e.g. for a checkpoint that fixes the sizes)."""
         if "preset" in data:
             data = dict(data)
-            return cls.preset(data.pop("preset"), **data)
+            name = data.pop("preset")
+            return config_from_dict(cls, data) if name is None else cls.preset(name, **data)
         return config_from_dict(cls, data)
 
     @classmethod

@@ -91,7 +91,9 @@ def encoder_config(
     section = dict(model_section)
     init = Path(section.pop(INIT_KEY))
     base, _ = checkpoint_encoder(init)
-    if "preset" in section:
+    if section.get("preset") is None:
+        section.pop("preset", None)  # preset: null, no preset
+    else:
         preset = EncoderConfig.preset(section.pop("preset")).to_dict()
         section = {**{k: v for k, v in preset.items() if k in ARCHITECTURE_KEYS}, **section}
     conflicts = [

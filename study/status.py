@@ -69,7 +69,7 @@ def stage_states(graph: Graph) -> list[StageState]:
     from study.slurm_exec import job_states, ledger_jobs
 
     ledger = read_ledger(graph.out)
-    states = job_states(ledger_jobs(graph)) if ledger else {}
+    slurm = job_states(ledger_jobs(graph)) if ledger else {}
     out = []
     for node in graph.order():
         entries = ledger.get(node.id, {})
@@ -80,7 +80,7 @@ def stage_states(graph: Graph) -> list[StageState]:
                 done += 1
                 continue
             entry = entries.get(element.key) or entries.get("all") or {}
-            state, elog, ewhy = _element_state(node, entry, states)
+            state, elog, ewhy = _element_state(node, entry, slurm)
             states.append(state)
             if entry.get("job"):
                 jobs.append(entry["job"])

@@ -13,9 +13,9 @@ from study.tiny_data import write_lra
 
 STUDIES = REPO / "configs" / "studies"
 
-TINY_LRA = ["engine.device=cpu", "engine.precision=fp32", "engine.micro_batch_size=8",
-            "schedule.total_steps=4", "schedule.warmup_steps=1", "train.eval_every=4",
-            "train.log_every=2"]  # fmt: skip
+TINY_LRA = ["engine.device=cpu", "engine.precision=fp32", "engine.micro_batch_size=4",
+            "schedule.total_steps=2", "schedule.warmup_steps=1", "train.eval_every=2",
+            "train.log_every=1"]  # fmt: skip
 TWO_DATA_SETS = {
     "name": "faults",
     "reference": "a",
@@ -33,7 +33,7 @@ TWO_DATA_SETS = {
                                                        "text": ["data.max_length=128"]},
                                     "resources": {"gpus_per_node": 0, "cpus_per_task": 1,
                                                   "time": "00:20:00"}},
-                            "lra-pretrain": {"overrides": ["schedule.total_steps=4",
+                            "lra-pretrain": {"overrides": ["schedule.total_steps=2",
                                                            "schedule.warmup_steps=1"],
                                              "task_overrides": {"text": [
                                                  "data.max_seq_length=129"]},

@@ -216,3 +216,12 @@ def test_lra_recipes_build(path):
     cfg = build_config(LraConfig, load_recipe(path))
     task = get_task(cfg.task)
     EncoderConfig.from_dict({**cfg.model, "vocab_size": task.vocab_size})
+
+
+def test_preset_null_drops_a_recipes_preset():
+    """``model.preset=null`` (an override) leaves no preset: the fields' own defaults, so a
+    continued run whose checkpoint fixes the sizes can reuse a recipe that names one."""
+    assert EncoderConfig.from_dict({"preset": None, "attention": "tisa"}) == EncoderConfig(
+        attention="tisa"
+    )
+    assert EncoderConfig.from_dict({"preset": "debug"}).hidden_size != EncoderConfig().hidden_size

@@ -29,11 +29,22 @@ def sacct(job: str) -> dict[str, str]:
     return {"state": state, "start": start, "end": end}
 
 
-def test_main_study_tiny_on_slurm(tmp_path):
-    out = tmp_path / "main"
-    args = ["run", str(STUDIES / "main.yaml"), "--scale", "tiny", "--out", str(out),
-            "--executor", "slurm", "--wait", "--timeout", TIMEOUT]  # fmt: skip
-    assert study_main(args) == 0
+def test_main_and_transject_lra_tiny_on_slurm(tmp_path, capsys):
+    """Both studies submitted at once (their jobs share the cluster), then ``run --wait`` again:
+    it submits nothing (every stage is done or has a live job) and waits for the reports."""
+    studies = {"main": tmp_path / "main", "transject-lra": tmp_path / "tj"}
+    args = {name: ["run", str(STUDIES / f"{name}.yaml"), "--scale", "tiny", "--out", str(out),
+                   "--executor", "slurm"] for name, out in studies.items()}  # fmt: skip
+    for name in studies:
+        assert study_main(args[name]) == 0
+    submitted = {name: read_ledger(out) for name, out in studies.items()}
+    capsys.readouterr()
+    for name in studies:
+        assert study_main([*args[name], "--wait", "--timeout", TIMEOUT]) == 0
+        assert "job(s) submitted" not in capsys.readouterr().out  # nothing submitted twice
+        assert read_ledger(studies[name]) == submitted[name]
+
+    out = studies["main"]
     report = json.loads((out / "report" / "report.json").read_text())
     assert report["missing"] == [] and report["checks"] == []
     assert report["exports"] == {"softmax": True, "transject": True}
@@ -48,12 +59,7 @@ def test_main_study_tiny_on_slurm(tmp_path):
     # pretraining ran as 2 tasks (ranks) of one job
     assert "--ntasks-per-node=2" in (out / "slurm" / f"{pretrain}_submission.sh").read_text()
 
-
-def test_transject_lra_tiny_on_slurm(tmp_path):
-    out = tmp_path / "tj"
-    args = ["run", str(STUDIES / "transject-lra.yaml"), "--scale", "tiny", "--out", str(out),
-            "--executor", "slurm", "--wait", "--timeout", TIMEOUT]  # fmt: skip
-    assert study_main(args) == 0
+    out = studies["transject-lra"]
     report = json.loads((out / "report" / "report.json").read_text())
     assert len(report["rows"]) == 25 and all(r["ours"] is not None for r in report["rows"])
     jobs = {e["job"] for node in read_ledger(out).values() for e in node.values()}

@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from sklearn.metrics import accuracy_score
 
 from engine.distributed import detect
 from engine.engine import EngineConfig
@@ -181,7 +180,9 @@ def _dual_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _accuracy(predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-    return {"accuracy": float(accuracy_score(labels.astype(np.int64), predictions))}
+    # the share of exact matches (sklearn's accuracy_score, without importing sklearn: 0.85 s
+    # of every LRA process's start on 2 CPU cores)
+    return {"accuracy": float(np.mean(np.asarray(predictions) == labels.astype(np.int64)))}
 
 
 def run_seed(
