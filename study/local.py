@@ -1,6 +1,8 @@
 """The local executor: every stage of a study as a process on this machine, each as soon as the
 stages it reads are done, at most ``jobs`` CPU slots busy (a stage of N processes, run under
-``torchrun``, takes N). Logs go to ``<out>/logs/<node>.log``.
+``torchrun``, takes N). A stage that asks for GPUs (``resources.gpus_per_node``) also takes that
+many of this machine's GPUs, given to it alone through ``CUDA_VISIBLE_DEVICES``; on a machine
+without GPUs it runs on the CPU. Logs go to ``<out>/logs/<node>.log``.
 
 A failed stage stops the stages that need it (they are reported, not run); the others go on. A
 second ``run`` starts from the markers: only what is not done runs again. Ctrl-C (SIGINT) or
@@ -49,18 +51,37 @@ def local_command(node: Node) -> list[str]:
     return [sys.executable, "-m", node.module, *node.args]
 
 
+def visible_gpus() -> list[str]:
+    """This machine's GPUs as ``CUDA_VISIBLE_DEVICES`` entries (those already visible)."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [i.strip() for i in given.split(",") if i.strip()] if given else []
+    return ids[:count] if ids else [str(i) for i in range(count)]
+
+
 class LocalExecutor:
-    def __init__(self, graph: Graph, jobs: int | None = None, echo: bool = True):
+    def __init__(self, graph: Graph, jobs: int | None = None, echo: bool = True,
+                 gpus: list[str] | None = None):  # fmt: skip
         self.graph = graph
         self.slots = max(1, jobs or os.cpu_count() or 1)
         self.echo = echo
         self.procs: dict[str, subprocess.Popen] = {}
         self.stopping = False
+        self.free_gpus = visible_gpus() if gpus is None else list(gpus)
+        self.total_gpus = len(self.free_gpus)
+
+    def gpus_needed(self, node: Node) -> int:
+        """GPUs a stage takes here: one per process when it asks for GPUs and there are any."""
+        if not node.resources.gpus_per_node or not self.total_gpus:
+            return 0
+        return min(node.resources.tasks(), self.total_gpus)
 
     def log_path(self, node: Node) -> Path:
         return self.graph.out / "logs" / f"{node.id}.log"
 
-    def _run_node(self, node: Node) -> tuple[bool, str]:
+    def _run_node(self, node: Node, gpus: list[str]) -> tuple[bool, str]:
         write_stage_files(self.graph, [node])
         node.run_dir.parent.mkdir(parents=True, exist_ok=True)
         cmd = local_command(node)
@@ -69,6 +90,10 @@ class LocalExecutor:
         threads = max(1, (os.cpu_count() or 1) // self.slots)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        elif self.total_gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU stage stays off the GPUs others hold
         with open(log, "a") as f:
             f.write(f"$ {' '.join(node.command())}\n")
             f.flush()
@@ -93,6 +118,7 @@ class LocalExecutor:
         todo = {n.id: n for n in nodes}
         outcome: dict[str, str] = {}
         running: dict[Future, Node] = {}
+        holding: dict[Future, list[str]] = {}
         busy = 0
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
@@ -119,13 +145,17 @@ class LocalExecutor:
                         ):
                             continue
                         need = min(node.resources.tasks(), self.slots)
-                        if busy + need > self.slots:
+                        gpus = self.gpus_needed(node)
+                        if busy + need > self.slots or gpus > len(self.free_gpus):
                             continue
                         busy += need
+                        held = [self.free_gpus.pop(0) for _ in range(gpus)]
                         del todo[node.id]
                         if self.echo:
                             print(f"study: {node.id}: running ({self.log_path(node)})", flush=True)
-                        running[pool.submit(self._run_node, node)] = node
+                        future = pool.submit(self._run_node, node, held)
+                        running[future] = node
+                        holding[future] = held
                     if self.stopping and not running:
                         break
                     if not running:
@@ -134,6 +164,7 @@ class LocalExecutor:
                     for future in finished:
                         node = running.pop(future)
                         busy -= min(node.resources.tasks(), self.slots)
+                        self.free_gpus += holding.pop(future)
                         ok, why = future.result()
                         outcome[node.id] = "done" if ok else f"failed: {why}"
                         if self.echo:

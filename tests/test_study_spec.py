@@ -271,3 +271,29 @@ def test_one_study_run_per_directory(tmp_path):
         pass
     with study_lock(tmp_path):  # released with its holder
         pass
+
+
+def test_local_executor_gives_each_gpu_stage_its_own_gpus(tmp_path, monkeypatch):
+    """Four one-GPU stages on a machine with two GPUs: two at a time, each alone on its GPU;
+    a CPU stage sees none."""
+    from study.graph import Element, Graph, Node
+    from study.local import LocalExecutor
+    from study.spec import Resources
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the probe's folder
+    spec = load_spec(write(tmp_path, BASE))
+    nodes = {}
+    for i in range(5):
+        gpu = Resources(gpus_per_node=0 if i == 4 else 1)
+        out = tmp_path / f"probe{i}.json"
+        nodes[f"p{i}"] = Node(f"p{i}", "data", "data", "study_probe", [str(out)], [],
+                              tmp_path / f"n{i}", "x", gpu, [Element("all", [])])  # fmt: skip
+    graph = Graph(spec, "tiny", tmp_path, nodes, {})
+    outcome = LocalExecutor(graph, jobs=4, echo=False, gpus=["0", "1"]).run(list(nodes.values()))
+    assert set(outcome.values()) == {"done"}
+    runs = [json.loads((tmp_path / f"probe{i}.json").read_text()) for i in range(5)]
+    assert [r["gpus"] for r in runs[:4]].count("0") == 2 and runs[4]["gpus"] == ""
+    for a in runs[:4]:
+        for b in runs[:4]:
+            if a is not b and a["gpus"] == b["gpus"]:  # the same GPU never twice at once
+                assert a["end"] <= b["start"] or b["end"] <= a["start"]
