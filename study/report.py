@@ -114,9 +114,11 @@ def reference_rows(graph: Graph, results: dict) -> list[dict[str, Any]]:
 def _title(graph: Graph) -> str:
     spec = graph.spec
     title = spec.title or spec.name
+    note = spec.scales[graph.scale].description
+    if spec.paper is None:
+        return f"{title} — scale `{graph.scale}`" + (f" ({note})" if note else "")
     if graph.scale != "full":
-        note = spec.scales[graph.scale].description or "a smaller protocol"
-        return f"{title} — scale `{graph.scale}`, NOT the paper's protocol ({note})"
+        return f"{title} — scale `{graph.scale}`, NOT the paper's protocol ({note or 'smaller'})"
     return title
 
 

@@ -21,7 +21,9 @@ def test_main_study_tiny_from_nothing_to_report(tmp_path, capsys):
     args = ["run", str(STUDIES / "main.yaml"), "--scale", "tiny", "--out", str(out)]
     assert study_main(args) == 0
     report = json.loads((out / "report" / "report.json").read_text())
-    assert "scale `tiny`, NOT the paper's protocol" in report["title"]
+    assert report["title"].endswith(
+        "— scale `tiny` (two families, a few steps each, for the tests)"
+    )
     assert report["missing"] == [] and report["checks"] == []
     pretraining = {p["variant"]: p for p in report["pretraining"]}
     assert set(pretraining) == {"softmax", "transject"}
@@ -58,6 +60,7 @@ def test_transject_lra_tiny_from_nothing_to_report(tmp_path):
     assert {r["verdict"] for r in rows} <= {"consistent", "below the paper", "above the paper"}
     assert len(report["differences"]) == 20  # four variants against the Transformer, 5 tasks
     text = (out / "report" / "report.md").read_text()
+    assert "scale `tiny`, NOT the paper's protocol" in text.splitlines()[0]
     assert "| TransJect | listops | accuracy | 42.2 |" in text
     for task in ("listops", "text", "retrieval", "pathfinder", "image"):
         assert (out / "report" / "figures" / f"scores-{task}.png").stat().st_size > 1000
