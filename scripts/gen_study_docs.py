@@ -69,26 +69,24 @@ def study_section(name: str) -> list[str]:
             if kind in spec.variants[v].stages:
                 tasks += [t for t in spec.variant_stage(v, kind).tasks if t not in tasks]
     paper = spec.paper.results if spec.paper else {}
-    shown = "paper" + (f" / ours (scale `{scale}`)" if scale else "")
+    parts = (["paper"] if paper else []) + ([f"ours (scale `{scale}`)"] if scale else [])
     if scale and scale != "full":
         lines += [f"Ours: the committed report of scale `{scale}`, which checks that every "
-                  "stage runs; it is not the paper's protocol and its numbers are not a "
-                  "reproduction.", ""]  # fmt: skip
+                  "stage runs at a tiny size; its numbers are not results.", ""]  # fmt: skip
     if paper or ours:
         lines += [f"| variant | {' | '.join(tasks)} |", "|---" * (len(tasks) + 1) + "|"]
         for v in variants:
             number = paper.get(spec.variants[v].reported_as or v, {})
             cells = []
             for t in tasks:
-                p = number.get(t)
-                o = ours.get((v, t))
-                cell = "–" if p is None else f"{p:.1f}"
-                if scale:
-                    cell += " / " + ("–" if o is None else f"{o:.1f}")
-                cells.append(cell)
+                p, o = number.get(t), ours.get((v, t))
+                shown = ([] if not paper else ["–" if p is None else f"{p:.1f}"]) + (
+                    ["–" if o is None else f"{o:.1f}"] if scale else []
+                )
+                cells.append(" / ".join(shown))
             label = spec.variants[v].label or v
             lines.append(f"| {label} | {' | '.join(cells)} |")
-        lines += ["", f"Cells: {shown}.", ""]
+        lines += ["", f"Cells: {' / '.join(parts)}.", ""]
     graph = build_graph(spec, "full", ROOT / "runs" / "studies" / name / "full", Settings())
     rows = estimate(graph, THROUGHPUT)
     lines += [f"Cost of `--scale full` ({len(graph.nodes)} stages; `study plan`):", "",

@@ -71,7 +71,7 @@ def test_failed_stage_cancels_its_dependents_and_rerun_submits_only_the_rest(tmp
     spec, data = two_data_sets(tmp_path)
     out = tmp_path / "out"
     base = ["--out", str(out), *data_args(data), "--executor", "slurm", "--wait",
-            "--timeout", TIMEOUT]  # fmt: skip
+            "--timeout", TIMEOUT, "--partition", "debug"]  # fmt: skip
     hidden = data["tx"] / "hidden"
     (data["tx"] / "aclImdb").rename(hidden)
     assert study_main(["run", str(spec), *base]) == 1
@@ -83,6 +83,8 @@ def test_failed_stage_cancels_its_dependents_and_rerun_submits_only_the_rest(tmp
     for dependent in ("b.lra-pretrain.text", "b.lra.text"):  # Slurm cancelled them itself
         assert sacct(job[dependent])["state"] == "CANCELLED"
     assert sacct(job["a.lra.listops"])["state"] == "COMPLETED"
+    script = (out / "slurm" / f"{job['a.lra.listops']}_submission.sh").read_text()
+    assert "--partition=debug" in script  # the user's partition, from the command line
     assert study_main(["status", str(spec), "--out", str(out), *data_args(data)]) == 0
     status = capsys.readouterr().out
     assert re.search(r"\| b\.lra\.text \| failed \|", status) and "CANCELLED" in status
