@@ -57,10 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--account", help="slurm: the account (settings: slurm.account)")
             p.add_argument("--wait", action="store_true", help="slurm: wait, then report")
             p.add_argument("--timeout", type=float, help="slurm --wait: give up after seconds")
-    make = sub.add_parser("make-data", help=argparse.SUPPRESS)  # a stage of the graph
-    make.add_argument("generator")
-    make.add_argument("--out", required=True)
-    make.add_argument("--options", default="{}")
     return parser
 
 
@@ -194,10 +190,6 @@ def main(argv: list[str] | None = None) -> int:
     from study.ledger import StudyBusy
 
     try:
-        if args.command == "make-data":
-            from study.make_data import main as make_data_main
-
-            return make_data_main(args)
         return {"plan": plan, "run": run, "status": status, "report": report}[args.command](args)
     except (ValueError, StudyBusy) as e:
         print(f"study {args.command}: error: {e}", file=sys.stderr)

@@ -223,9 +223,9 @@ class _Builder:
             deps += [dep] if dep else []
             tok = self.tokenizer_of(tok_source)
             options["tokenizer_file"] = str(tok)
-        args = ["make-data", source.generate, "--out", "{self}/run",
-                "--options", json.dumps(options, sort_keys=True)]  # fmt: skip
-        node = self.add(node_id, "data", "data", "study", args, deps)
+        args = [source.generate, "--out", "{self}/run", "--options",
+                json.dumps(options, sort_keys=True)]  # fmt: skip
+        node = self.add(node_id, "data", "data", "study.make_data", args, deps)
         self.data[name] = node.run_dir / ("shards" if source.generate == "embedded" else "")
         return node_id
 

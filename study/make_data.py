@@ -1,4 +1,4 @@
-"""``python -m study make-data GENERATOR --out DIR --options JSON``: the data a scale makes
+"""``python -m study.make_data GENERATOR --out DIR --options JSON``: the data a scale makes
 itself (``DataSource.generate``), in the official formats the stages read:
 
     embedded    a SentencePiece-unigram tokenizer and ALBERT sentence-pair shards from the
@@ -93,7 +93,21 @@ def make_data(generator: str, out: Path, options: dict[str, Any]) -> Path:
     return out
 
 
-def main(args) -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m study.make_data", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("generator", choices=sorted(GENERATE))
+    parser.add_argument("--out", required=True, help="the directory to write (replaced)")
+    parser.add_argument("--options", default="{}", help="the generator's options, as JSON")
+    args = parser.parse_args(argv)
     make_data(args.generator, Path(args.out), json.loads(args.options))
-    print(f"study make-data {args.generator}: {args.out}")
+    print(f"study.make_data {args.generator}: {args.out}")
     return 0
+
+
+if __name__ == "__main__":
+    from engine.process_exit import exit_process
+
+    exit_process(main())

@@ -62,12 +62,9 @@ class NodeJob(submitit.helpers.Checkpointable):
 
 
 def _module_main(module: str):
+    """``main(argv)`` of a single-process stage's module (``python -m <module>``)."""
     import importlib
 
-    if module == "study":
-        from study.cli import main
-
-        return main
     return importlib.import_module(module).main
 
 
