@@ -102,6 +102,26 @@ def confusion_mcc(counts: np.ndarray) -> np.ndarray:
     return np.where(denominator > 0, numerator / np.where(denominator > 0, denominator, 1), 0.0)
 
 
+def _correlation(fn: Callable, pred: np.ndarray, gold: np.ndarray) -> float:
+    if np.ptp(pred) == 0 or np.ptp(gold) == 0:
+        return 0.0  # undefined for a constant input (a model predicting one value): 0
+    return float(fn(pred, gold).statistic)
+
+
+def pearson(pred: np.ndarray, gold: np.ndarray) -> float:
+    """Pearson's correlation of predicted and gold scores (GLUE's STS-B); 0 where undefined."""
+    from scipy.stats import pearsonr
+
+    return _correlation(pearsonr, pred, gold)
+
+
+def spearman(pred: np.ndarray, gold: np.ndarray) -> float:
+    """Spearman's rank correlation (GLUE's STS-B); 0 where undefined."""
+    from scipy.stats import spearmanr
+
+    return _correlation(spearmanr, pred, gold)
+
+
 # ----------------------------------------------------------------------------- the file
 
 
@@ -284,8 +304,6 @@ def format_interval(interval: Interval, scale: float = 100.0, signed: bool = Tru
 def metric_named(name: str, num_classes: int) -> Metric | None:
     """The ``--metric`` of that name: None (the fast accuracy) for ``accuracy``, confusion
     matrix forms for ``mcc`` and ``f1`` (binary, class 1), GLUE's ``pearson`` / ``spearman``."""
-    from finetune.glue.metrics import METRICS
-
     if name == "accuracy":
         return None
     if name == "mcc":
@@ -294,7 +312,7 @@ def metric_named(name: str, num_classes: int) -> Metric | None:
         if num_classes > 2:
             raise ValueError(f"--metric f1 is binary (class 1), but {num_classes} classes occur")
         return ConfusionMetric(2, confusion_f1)
-    return METRICS[name]  # pearson, spearman
+    return {"pearson": pearson, "spearman": spearman}[name]
 
 
 def model_runs(directory: str | os.PathLike[str]) -> list[Path]:

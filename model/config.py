@@ -385,8 +385,9 @@ class EncoderConfig:
         )
         _check_choice("cayley_leaf_inverse", self.cayley_leaf_inverse, get_args(CayleyLeafInverse))
         _check_choice("norm_output", self.norm_output, get_args(AutocastOutput))
-        # Imported lazily: the registry imports the families, which import this module.
-        from model.attention import ATTENTION_REGISTRY
+        # The registry imports no family; the families, which import this module, register
+        # there when `model.attention` is imported (before any config is built).
+        from model.attention.registry import ATTENTION_REGISTRY
 
         family = ATTENTION_REGISTRY.get(self.attention)  # ValueError naming the valid ones
         if family.validate is not None:

@@ -32,18 +32,13 @@ from typing import Any
 
 import numpy as np
 
+from finetune import compare
 from finetune.glue.tasks import ACCURACY, F1, MCC, PEARSON, SPEARMAN, TASKS, GlueTask, get_task
 
 log = logging.getLogger(__name__)
 
 SCORE = "score"
 GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")
-
-
-def _correlation(fn: Callable[..., Any], pred: np.ndarray, gold: np.ndarray) -> float:
-    if np.ptp(pred) == 0 or np.ptp(gold) == 0:
-        return 0.0  # undefined for a constant input (see the module docstring)
-    return float(fn(pred, gold).statistic)
 
 
 def _mcc(pred: np.ndarray, gold: np.ndarray) -> float:
@@ -64,24 +59,12 @@ def _f1(pred: np.ndarray, gold: np.ndarray) -> float:
     return float(f1_score(gold, pred, pos_label=1, average="binary", zero_division=0.0))
 
 
-def _pearson(pred: np.ndarray, gold: np.ndarray) -> float:
-    from scipy.stats import pearsonr
-
-    return _correlation(pearsonr, pred, gold)
-
-
-def _spearman(pred: np.ndarray, gold: np.ndarray) -> float:
-    from scipy.stats import spearmanr
-
-    return _correlation(spearmanr, pred, gold)
-
-
 METRICS: dict[str, Callable[[np.ndarray, np.ndarray], float]] = {
     MCC: _mcc,
     ACCURACY: _accuracy,
     F1: _f1,
-    PEARSON: _pearson,
-    SPEARMAN: _spearman,
+    PEARSON: compare.pearson,
+    SPEARMAN: compare.spearman,
 }
 
 
@@ -89,8 +72,6 @@ def score_metric(task: str | GlueTask) -> Callable[[np.ndarray, np.ndarray], flo
     """The task's "score" (the mean of its metrics) as a ``finetune.compare`` metric: computed
     from the confusion matrix for the classification tasks (fast in the bootstrap), from
     Pearson and Spearman for STS-B. Equal to ``compute_metrics(task, ...)["score"]``."""
-    from finetune import compare
-
     task = get_task(task)
     if not task.metrics:
         raise ValueError(f"{task.name} has no public labels: only the GLUE server scores it")

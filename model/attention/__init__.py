@@ -1,4 +1,4 @@
-"""The attention registry: one entry per family, one file per family.
+"""The attention families: one file per family, registered in `registry.py`.
 
 `ATTENTION_REGISTRY.get(name)` returns the `AttentionFamily` for a config string; an unknown name
 raises ValueError naming the valid ones. Users can add a family with `register_attention`.
@@ -10,21 +10,15 @@ from model.attention.base import (
     Attention,
     AttentionFamily,
     AttentionOutput,
-    AttentionRegistry,
     FamilyState,
     LayerContext,
     MultiHeadAttention,
     ScoreKernel,
 )
+from model.attention.registry import ATTENTION_REGISTRY, AttentionRegistry, register_attention
 
-ATTENTION_REGISTRY = AttentionRegistry()
 for _module in (softmax, tisa, kernel, transject):
     ATTENTION_REGISTRY.register(_module.FAMILY)
-
-
-def register_attention(family: AttentionFamily) -> AttentionFamily:
-    """Adds a user-defined family to the registry (call before building a config that names it)."""
-    return ATTENTION_REGISTRY.register(family)
 
 
 __all__ = [

@@ -268,32 +268,6 @@ class AttentionFamily:
     measured: a new family runs eager under ``auto``."""
 
 
-class AttentionRegistry:
-    """Maps a config string to an `AttentionFamily`. Unknown names raise ValueError."""
-
-    def __init__(self) -> None:
-        self._families: dict[str, AttentionFamily] = {}
-
-    def register(self, family: AttentionFamily) -> AttentionFamily:
-        if family.name in self._families:
-            raise ValueError(f"attention family {family.name!r} is already registered")
-        if (family.kernel is None) == (family.layer is None):
-            raise ValueError(f"family {family.name!r} must give exactly one of kernel= or layer=")
-        self._families[family.name] = family
-        return family
-
-    def get(self, name: str) -> AttentionFamily:
-        if name not in self._families:
-            raise ValueError(f"unknown attention {name!r}; valid: {sorted(self._families)}")
-        return self._families[name]
-
-    def names(self) -> list[str]:
-        return sorted(self._families)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._families
-
-
 def cache_fused_qkv(model: nn.Module, store: dict | None, device_type: str) -> None:
     """Puts the fused Q/K/V weight and bias of every `MultiHeadAttention` of `model` that
     projects fused into `store` (the forward's cache, keyed by `forward_cache_key`), cast to the

@@ -71,8 +71,8 @@ def softmax_mixing_flops(cfg: EncoderConfig, seq_len: int) -> int:
 
 
 def native_albert(cfg: EncoderConfig, head: dict, state: dict) -> NativeModel:
-    """The export as a native `transformers` ALBERT (`model.hf_import.albert_export`)."""
-    from model.hf_import import albert_export  # lazily: it imports the model, hence this file
+    """The export as a native `transformers` ALBERT (`model.albert_names.albert_export`)."""
+    from model.albert_names import albert_export
 
     return albert_export(cfg, head, state)
 
