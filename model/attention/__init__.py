@@ -15,14 +15,22 @@ from model.attention.base import (
     MultiHeadAttention,
     ScoreKernel,
 )
-from model.attention.registry import ATTENTION_REGISTRY, AttentionRegistry, register_attention
+from model.attention.registry import (
+    ATTENTION_REGISTRY,
+    ENTRY_POINT_GROUP,
+    AttentionRegistry,
+    load_installed_families,
+    register_attention,
+)
 
 for _module in (softmax, tisa, kernel, transject):
     ATTENTION_REGISTRY.register(_module.FAMILY)
+load_installed_families()  # families of other installed packages (entry points)
 
 
 __all__ = [
     "ATTENTION_REGISTRY",
+    "ENTRY_POINT_GROUP",
     "Attention",
     "AttentionFamily",
     "AttentionOutput",

@@ -1,10 +1,25 @@
 """The attention registry: a config string -> its `AttentionFamily`. It imports no family (the
 families import the config, which looks names up here), so the config can check a family's
 name and settings without an import cycle; `model/attention/__init__.py` registers the shipped
-families, `register_attention` a user's."""
+families, then every family an installed package declares (`load_installed_families`), and
+`register_attention` adds one in-process.
+
+A package adds families through the entry-point group ``albatross.attention``, each entry point
+naming an `AttentionFamily` (or a module holding one as ``FAMILY``):
+
+    # the family package's pyproject.toml
+    [project.entry-points."albatross.attention"]
+    mean = "my_family:FAMILY"
+
+Installed (``pip install my-family``), the family is in every process that imports ``model``:
+``albatross pretrain ... model.attention=mean`` on the command line, in a torchrun rank, in a
+Slurm job.
+"""
 
 from __future__ import annotations
 
+import warnings
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -43,3 +58,26 @@ ATTENTION_REGISTRY = AttentionRegistry()
 def register_attention(family: AttentionFamily) -> AttentionFamily:
     """Adds a user-defined family to the registry (call before building a config that names it)."""
     return ATTENTION_REGISTRY.register(family)
+
+
+ENTRY_POINT_GROUP = "albatross.attention"
+
+
+def load_installed_families(registry: AttentionRegistry = ATTENTION_REGISTRY) -> list[str]:
+    """Registers the families installed packages declare (``ENTRY_POINT_GROUP``); returns their
+    names. One that fails to load, is not an `AttentionFamily` or takes a registered name is
+    left out with a warning naming its package and entry point (the other families work)."""
+    added = []
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        where = f"entry point {point.name} = {point.value!r} ({ENTRY_POINT_GROUP})"
+        try:
+            family = point.load()
+            family = getattr(family, "FAMILY", family)
+            if not hasattr(family, "kernel") or not hasattr(family, "name"):
+                raise TypeError(f"{family!r} is not an AttentionFamily")
+            registry.register(family)
+        except Exception as e:  # a broken plugin must not take down every command
+            warnings.warn(f"attention family not loaded from {where}: {e}", stacklevel=2)
+            continue
+        added.append(family.name)
+    return added
