@@ -7,8 +7,8 @@ Tiers (markers, see the README "Development"):
                  the end, several runs compared)
     slow         several processes (torchrun, DeepSpeed over gloo), the local Slurm cluster,
                  long runs
-A test is ``integration`` when its module is listed in ``INTEGRATION_MODULES`` or it carries the
-marker itself, and ``unit`` when it is neither ``integration`` nor ``slow``. CI runs all three.
+A test is ``integration`` or ``slow`` by its marker (on the test, or ``pytestmark`` for its
+module) and ``unit`` when it carries neither. CI runs all three.
 """
 
 import os
@@ -20,25 +20,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest
 import torch
 
-INTEGRATION_MODULES = frozenset(
-    {
-        "test_finetune_bad_input",
-        "test_finetune_resume",
-        "test_glue_finetune",
-        "test_lra_finetune",
-        "test_lra_row_counts",
-        "test_lra_selfpretrain",
-        "test_pretrain_resume_edges",
-    }
-)
-"""Test modules that run the stages end to end (each test seconds to a minute)."""
-
 
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
-        if module in INTEGRATION_MODULES and "integration" not in item.keywords:
-            item.add_marker(pytest.mark.integration)
         if "integration" not in item.keywords and "slow" not in item.keywords:
             item.add_marker(pytest.mark.unit)
 

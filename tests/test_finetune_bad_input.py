@@ -11,11 +11,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from data_prep.listops import write_splits
 from engine.distributed import detect
 from finetune.batching import example_lengths
 from finetune.lra.data import load_split
+
+pytestmark = pytest.mark.integration  # runs the stages end to end
 
 REPO = Path(__file__).resolve().parents[1]
 

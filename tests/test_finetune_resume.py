@@ -22,6 +22,8 @@ from data_prep.listops import write_splits
 from engine.checkpoint import CheckpointStore
 from engine.metrics import read_jsonl, read_scalars
 
+pytestmark = pytest.mark.integration  # runs the stages end to end
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 12
 

@@ -25,6 +25,8 @@ from model.config import EncoderConfig
 from model.heads import EncoderForPretraining
 from model.release import save_release
 
+pytestmark = pytest.mark.integration  # runs the stages end to end
+
 WORDS = [
     "the",
     "a",

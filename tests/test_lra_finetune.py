@@ -16,6 +16,8 @@ from data_prep.listops import write_splits
 from finetune.__main__ import main as finetune_main
 from finetune.compare import load_predictions
 
+pytestmark = pytest.mark.integration  # runs the stages end to end
+
 TINY = [
     "model.hidden_size=32",
     "model.embedding_size=32",

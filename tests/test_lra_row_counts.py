@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from test_lra_data import write_pathfinder
 from test_lra_finetune import CPU_SMALL
 
 from finetune.__main__ import main as finetune_main
+
+pytestmark = pytest.mark.integration  # runs the stages end to end
 
 
 def test_pathfinder_run_counts_the_skipped_empty_image(tmp_path):

@@ -23,6 +23,8 @@ from finetune.lra.tasks import CLS_ID, LISTOPS_VOCAB, MASK_ID, OFFSET, TASKS, ge
 from model.release import load_release
 from pretrain.__main__ import main as pretrain_main
 
+pytestmark = pytest.mark.integration  # runs the stages end to end
+
 
 @pytest.fixture(scope="module")
 def listops_dir(tmp_path_factory):

@@ -18,6 +18,8 @@ from pretrain_support import REPO, base_overrides, env, make_shards, torchrun_cm
 from data_prep.format import sha256_file
 from engine.metrics import read_jsonl
 
+pytestmark = pytest.mark.integration  # runs the stages end to end
+
 CONFIG = str(REPO / "configs/pretrain/debug.yaml")
 
 
