@@ -68,13 +68,9 @@ from __future__ import annotations
 import csv
 import logging
 import os
-import pickle
 import re
 import sys
-from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -82,218 +78,36 @@ import numpy as np
 import torch
 
 from finetune.batching import collate as collate  # re-exported: the shared batching
+from finetune.lra.images import (
+    DEFAULT_DIFFICULTY,
+    PATHFINDER_SPLIT_SEED,
+    PATHFINDER_TASKS,
+    PathfinderEntry,
+    load_image,
+    load_pathfinder,
+    read_cifar_batch,
+    read_pathfinder_metadata,
+    split_indices,
+)
+from finetune.lra.split import Builder, LraSplit, SplitStats, check_label, find_file
 from finetune.lra.tasks import (
     PAD_ID,
-    PATHFINDER_DIFFICULTIES,
-    SPLITS,
     LraTask,
     byte_codes,
     get_task,
     listops_codes,
     listops_codes_batch,
-    rgb_to_grayscale,
-    to_ids,
 )
 
 log = logging.getLogger(__name__)
 
 HF_MARKER = "dataset_dict.json"  # written by DatasetDict.save_to_disk
-MAX_SKIPPED_ITEMS = 20  # items kept in SplitStats; the count is always complete
 LISTOPS_HEADER = ("Source", "Target")
 RETRIEVAL_COLUMNS = ("label", "id1", "id2", "text1", "text2")
-CIFAR_TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
-CIFAR_TEST_BATCH = "test_batch"
-CIFAR_VAL_FRACTION = 10  # val = the last 1/10 of the training images (5000 of 50000)
-PATHFINDER_SPLIT_SEED = 0
-DEFAULT_DIFFICULTY = "hard"
-PATHFINDER_TASKS = ("pathfinder", "pathx")
 LISTOPS_CHUNK = 1024  # rows tokenised at once
-DECODE_CHUNK = 4096  # images decoded per batch of thread-pool work
 _IMDB_FILE = re.compile(r"^(\d+)_(\d+)\.txt$")
 _IMDB_LABELS = {"neg": 0, "pos": 1, "negative": 0, "positive": 1}
 _CSV_FIELD_LIMIT = min(sys.maxsize, 2**31 - 1)
-
-
-# ----------------------------------------------------------------------------- results
-
-
-@dataclass
-class SplitStats:
-    """What reading one split saw."""
-
-    task: str
-    split: str
-    source: str
-    """The file or folder read."""
-    format: str
-    """"tsv", "aclImdb", "hf", "cifar-pickle" or "pathfinder"."""
-    rows: int = 0
-    """Records read: data rows, review files, images (Pathfinder: metadata lines of the whole
-    difficulty, before the split)."""
-    examples: int = 0
-    truncated: int = 0
-    """Documents cut to max_length (a Retrieval pair counts each document)."""
-    longest: int = 0
-    """The longest document in data tokens, before truncation."""
-    skipped: int = 0
-    """Records skipped (Pathfinder: empty images, over the whole difficulty)."""
-    skipped_items: list[str] = field(default_factory=list)
-    """The first MAX_SKIPPED_ITEMS skipped records."""
-    label_counts: dict[int, int] = field(default_factory=dict)
-    note: str = ""
-    """How the split was made where the release has no such split."""
-
-    def skip(self, item: str) -> None:
-        self.skipped += 1
-        if len(self.skipped_items) < MAX_SKIPPED_ITEMS:
-            self.skipped_items.append(item)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(eq=False)
-class LraSplit(Sequence):
-    """The examples of one split, stored as data values (id = value + OFFSET, see tasks.py):
-    document i is codes[offsets[i]:offsets[i + 1]]. Indexing gives the dict `collate` takes."""
-
-    task: str
-    codes: np.ndarray
-    """(T,) uint8 data values of every (truncated) document, one after the other."""
-    offsets: np.ndarray
-    """(N + 1,) int64."""
-    labels: np.ndarray
-    """(N,) int64 class ids."""
-    indices: np.ndarray
-    """(N,) int64: the example's position in its source (see the module docstring)."""
-    cls: bool = True
-    """Prepend CLS to every document."""
-    codes_b: np.ndarray | None = None
-    """Pair tasks: the second documents, as codes / offsets."""
-    offsets_b: np.ndarray | None = None
-
-    @property
-    def pair(self) -> bool:
-        return self.codes_b is not None
-
-    @property
-    def pad_id(self) -> int:
-        return PAD_ID
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def __getitem__(self, i: Any) -> dict[str, Any]:  # type: ignore[override]
-        n = len(self)
-        if not isinstance(i, (int, np.integer)):
-            raise TypeError(f"LraSplit indices are ints, got {type(i).__name__}")
-        if not -n <= i < n:
-            raise IndexError(f"example {i} out of range for {n} examples")
-        i = int(i) % n
-        ids = to_ids(self.codes[self.offsets[i] : self.offsets[i + 1]], self.cls)
-        item: dict[str, Any] = {
-            "input_ids": ids,
-            "token_type_ids": np.zeros(len(ids), dtype=np.int8),
-            "label": int(self.labels[i]),
-            "index": int(self.indices[i]),
-        }
-        if self.codes_b is not None:
-            assert self.offsets_b is not None
-            ids_b = to_ids(self.codes_b[self.offsets_b[i] : self.offsets_b[i + 1]], self.cls)
-            item["input_ids_b"] = ids_b
-            item["token_type_ids_b"] = np.zeros(len(ids_b), dtype=np.int8)
-        return item
-
-    def lengths(self) -> np.ndarray:
-        """(N,) tokens per example (CLS included; pairs: the longer document)."""
-        n = np.diff(self.offsets) + int(self.cls)
-        if self.offsets_b is not None:
-            n = np.maximum(n, np.diff(self.offsets_b) + int(self.cls))
-        return n
-
-
-class _Builder:
-    """Accumulates documents (truncated to max_length) and labels into an LraSplit."""
-
-    def __init__(self, task: LraTask, stats: SplitStats, max_length: int, cls: bool) -> None:
-        self.task, self.stats, self.max_length, self.cls = task, stats, max_length, cls
-        self.docs: list[list[np.ndarray]] = [[], []] if task.pair else [[]]
-        self.labels: list[int] = []
-        self.indices: list[int] = []
-
-    def add(self, docs: Sequence[np.ndarray], label: int, index: int) -> None:
-        for store, codes in zip(self.docs, docs, strict=True):
-            self.stats.longest = max(self.stats.longest, len(codes))
-            if len(codes) > self.max_length:
-                self.stats.truncated += 1
-                codes = codes[: self.max_length]
-            store.append(codes)
-        self.labels.append(label)
-        self.indices.append(index)
-
-    def finish(self) -> tuple[LraSplit, SplitStats]:
-        codes, offsets = zip(*(_concat(store) for store in self.docs))
-        split = LraSplit(
-            self.task.name,
-            codes[0],
-            offsets[0],
-            np.asarray(self.labels, dtype=np.int64),
-            np.asarray(self.indices, dtype=np.int64),
-            self.cls,
-            codes[1] if self.task.pair else None,
-            offsets[1] if self.task.pair else None,
-        )
-        return _finish(self.stats, split)
-
-
-def _concat(docs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
-    np.cumsum([len(d) for d in docs], out=offsets[1:])
-    codes = np.concatenate(docs).astype(np.uint8, copy=False) if docs else np.zeros(0, np.uint8)
-    return codes, offsets
-
-
-def _finish(stats: SplitStats, split: LraSplit) -> tuple[LraSplit, SplitStats]:
-    stats.examples = len(split)
-    if not len(split):
-        raise ValueError(
-            f"{stats.source}: no examples in LRA {stats.task} split {stats.split!r} "
-            f"({stats.rows} records, {stats.skipped} skipped)"
-        )
-    stats.label_counts = {int(k): int(v) for k, v in sorted(Counter(split.labels.tolist()).items())}
-    if stats.skipped:
-        log.warning(
-            "%s: skipped %d of %d records (%s%s)",
-            stats.source,
-            stats.skipped,
-            stats.rows,
-            ", ".join(stats.skipped_items),
-            ", ..." if stats.skipped > len(stats.skipped_items) else "",
-        )
-    if stats.truncated:
-        log.info("%s: %d documents cut to max_length", stats.source, stats.truncated)
-    return split, stats
-
-
-def _check_label(task: LraTask, label: int, where: str) -> int:
-    if not 0 <= label < task.num_labels:
-        raise ValueError(
-            f"{where}: label {label} is outside {task.name}'s labels 0..{task.num_labels - 1}"
-        )
-    return label
-
-
-def _find(task: LraTask, data_dir: Path, name: str) -> Path:
-    """data_dir/name or data_dir/<subdir>/name, whichever exists first."""
-    if not data_dir.is_dir():
-        raise FileNotFoundError(f"LRA {task.name} data directory {data_dir} does not exist")
-    candidates = [data_dir / name] + [data_dir / sub / name for sub in task.data_subdirs]
-    for path in candidates:
-        if path.exists():
-            return path
-    raise FileNotFoundError(
-        f"LRA {task.name}: {name} not found; looked for {', '.join(map(str, candidates))}"
-    )
 
 
 # ----------------------------------------------------------------------------- TSV tasks
@@ -322,7 +136,7 @@ def read_listops(
     task = get_task("listops")
     path = Path(path)
     stats = SplitStats(task.name, split, str(path), "tsv")
-    builder = _Builder(task, stats, task.resolve_max_length(max_length), cls)
+    builder = Builder(task, stats, task.resolve_max_length(max_length), cls)
     rows = _tsv_rows(path)
     first = next(rows, None)
     if first is None:
@@ -342,7 +156,7 @@ def read_listops(
             label = int(target)
         except ValueError:
             raise ValueError(f"{where}: Target {target!r} is not an integer") from None
-        chunk.append((where, source, _check_label(task, label, where)))
+        chunk.append((where, source, check_label(task, label, where)))
         if len(chunk) == LISTOPS_CHUNK:
             _add_listops(builder, chunk)
             chunk = []
@@ -350,7 +164,7 @@ def read_listops(
     return builder.finish()
 
 
-def _add_listops(builder: _Builder, chunk: list[tuple[str, str, int]]) -> None:
+def _add_listops(builder: Builder, chunk: list[tuple[str, str, int]]) -> None:
     """Tokenises a chunk of rows at once (`listops_codes_batch`), else row by row."""
     codes = listops_codes_batch([source for _, source, _ in chunk])
     for i, (where, source, label) in enumerate(chunk):
@@ -383,7 +197,7 @@ def read_retrieval(
     path = Path(path)
     stats = SplitStats(task.name, split, str(path), "tsv")
     limit = task.resolve_max_length(max_length)
-    builder = _Builder(task, stats, limit, cls)
+    builder = Builder(task, stats, limit, cls)
     for line, row in _tsv_rows(path, errors="surrogateescape"):
         where = f"{path}:{line}"
         if len(row) != len(RETRIEVAL_COLUMNS):
@@ -391,7 +205,7 @@ def read_retrieval(
                 f"{where}: expected {len(RETRIEVAL_COLUMNS)} columns "
                 f"({' '.join(RETRIEVAL_COLUMNS)}), got {len(row)}"
             )
-        label = _check_label(task, _parse_float_label(row[0], where), where)
+        label = check_label(task, _parse_float_label(row[0], where), where)
         docs = []
         for text in row[3:]:
             data = text.encode("utf-8", errors="surrogateescape")
@@ -420,7 +234,7 @@ def read_aclimdb(
     task.check_split(split)
     split_dir = Path(root) / _imdb_split_dir(split)
     stats = SplitStats(task.name, split, str(split_dir), "aclImdb", note=_text_note(split))
-    builder = _Builder(task, stats, task.resolve_max_length(max_length), cls)
+    builder = Builder(task, stats, task.resolve_max_length(max_length), cls)
     for name, label in (("neg", 0), ("pos", 1)):
         folder = split_dir / name
         if not folder.is_dir():
@@ -468,7 +282,7 @@ def read_hf_imdb(
             raise ValueError(f"{source}: no column {column!r} (columns: {ds.column_names})")
     mapping = _hf_imdb_label_map(ds.features["label"], source)
     stats = SplitStats(task.name, split, source, "hf", note=_text_note(split))
-    builder = _Builder(task, stats, task.resolve_max_length(max_length), cls)
+    builder = Builder(task, stats, task.resolve_max_length(max_length), cls)
     data = ds.select_columns(["text", "label"])[:]
     for i, (text, value) in enumerate(zip(data["text"], data["label"])):
         where = f"{source} row {i}"
@@ -511,230 +325,6 @@ def _load_text(
     )
 
 
-# ----------------------------------------------------------------------------- Image (CIFAR-10)
-
-
-class _NumpyOnlyUnpickler(pickle.Unpickler):
-    """Unpickles plain containers and numpy arrays only: a CIFAR batch cannot run code."""
-
-    _ALLOWED = frozenset(
-        {
-            ("numpy", "ndarray"),
-            ("numpy", "dtype"),
-            ("numpy.core.multiarray", "_reconstruct"),
-            ("numpy._core.multiarray", "_reconstruct"),
-            ("numpy.core.multiarray", "scalar"),
-            ("numpy._core.multiarray", "scalar"),
-            ("numpy.core.numeric", "_frombuffer"),
-            ("numpy._core.numeric", "_frombuffer"),
-            ("_codecs", "encode"),
-        }
-    )
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in self._ALLOWED:
-            raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a CIFAR batch")
-        return super().find_class(module, name)
-
-
-def read_cifar_batch(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
-    """One `cifar-10-batches-py` pickle: ((N, 1024) uint8 grey images, (N,) int64 labels)."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            batch = _NumpyOnlyUnpickler(f, encoding="bytes").load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as e:
-        raise ValueError(f"{path}: not a CIFAR-10 python batch: {e}") from e
-    if not isinstance(batch, Mapping) or b"data" not in batch or b"labels" not in batch:
-        keys = list(batch) if isinstance(batch, Mapping) else type(batch).__name__
-        raise ValueError(f"{path}: expected a dict with b'data' and b'labels', got {keys}")
-    data = np.asarray(batch[b"data"])
-    labels = np.asarray(batch[b"labels"], dtype=np.int64)
-    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 1024:
-        raise ValueError(f"{path}: b'data' is {data.dtype} {data.shape}, expected (N, 3072) uint8")
-    if labels.shape != (len(data),):
-        raise ValueError(f"{path}: {labels.shape} labels for {len(data)} images")
-    bad = np.flatnonzero((labels < 0) | (labels >= 10))
-    if len(bad):
-        raise ValueError(f"{path}: image {bad[0]} has label {labels[bad[0]]}, outside 0..9")
-    # Rows are the R plane, then G, then B, each 32x32 row-major: (N, 3, 1024) -> (N, 1024, 3).
-    rgb = data.reshape(len(data), 3, 1024).transpose(0, 2, 1)
-    return rgb_to_grayscale(rgb), labels
-
-
-def _load_image(
-    task: LraTask, data_dir: Path, split: str, cls: bool
-) -> tuple[LraSplit, SplitStats]:
-    names = CIFAR_TRAIN_BATCHES if split in ("train", "val") else (CIFAR_TEST_BATCH,)
-    paths = [_find(task, data_dir, name) for name in names]
-    images, labels = zip(*(read_cifar_batch(p) for p in paths))
-    pixels, targets = np.concatenate(images), np.concatenate(labels)
-    targets_all = targets
-    index = np.arange(len(pixels), dtype=np.int64)
-    note = ""
-    if split != "test":
-        cut = len(pixels) - len(pixels) // CIFAR_VAL_FRACTION
-        keep = slice(0, cut) if split == "train" else slice(cut, None)
-        pixels, targets, index = pixels[keep], targets[keep], index[keep]
-        note = f"train = rows [0, {cut}), val = rows [{cut}, {len(targets_all)}) of data_batch_1..5"
-    stats = SplitStats(task.name, split, str(paths[0].parent), "cifar-pickle", note=note)
-    stats.rows = sum(len(x) for x in images)
-    stats.longest = pixels.shape[1]
-    n = len(pixels)
-    split_ = LraSplit(
-        task.name,
-        np.ascontiguousarray(pixels).reshape(-1),
-        np.arange(n + 1, dtype=np.int64) * pixels.shape[1],
-        targets,
-        index,
-        cls,
-    )
-    return _finish(stats, split_)
-
-
-# ----------------------------------------------------------------------------- Pathfinder
-
-
-@dataclass(frozen=True)
-class PathfinderEntry:
-    """One metadata line."""
-
-    path: Path
-    label: int
-    index: int
-    """The line's position over all metadata files of the difficulty."""
-    where: str
-    """metadata file:line."""
-
-
-def _difficulty_dir_name(difficulty: str) -> str:
-    if difficulty in PATHFINDER_DIFFICULTIES:
-        return PATHFINDER_DIFFICULTIES[difficulty]
-    if difficulty in PATHFINDER_DIFFICULTIES.values():
-        return difficulty
-    raise ValueError(
-        f"unknown Pathfinder difficulty {difficulty!r}; valid: "
-        f"{list(PATHFINDER_DIFFICULTIES)} or {list(PATHFINDER_DIFFICULTIES.values())}"
-    )
-
-
-def _metadata_order(path: Path) -> tuple[int, int, str]:
-    return (0, int(path.stem), "") if path.stem.isdigit() else (1, 0, path.name)
-
-
-def read_pathfinder_metadata(root: str | os.PathLike) -> list[PathfinderEntry]:
-    """Every metadata line of one difficulty folder (`root`), files in numeric order."""
-    root = Path(root)
-    meta_dir = root / "metadata"
-    files = sorted(meta_dir.glob("*.npy"), key=_metadata_order) if meta_dir.is_dir() else []
-    if not files:
-        raise FileNotFoundError(f"no Pathfinder metadata: {meta_dir}/*.npy matches nothing")
-    entries = []
-    for meta in files:
-        with open(meta, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                fields = line.split()
-                if not fields:
-                    continue
-                where = f"{meta}:{line_no}"
-                if len(fields) < 4:
-                    raise ValueError(
-                        f"{where}: expected 'imgs/<batch> sample_<n>.png <?> <label> ...', got "
-                        f"{line.strip()!r}"
-                    )
-                try:
-                    label = int(fields[3])
-                except ValueError:
-                    raise ValueError(f"{where}: label {fields[3]!r} is not an integer") from None
-                if label not in (0, 1):
-                    raise ValueError(f"{where}: label {label} is outside Pathfinder's labels 0..1")
-                entries.append(
-                    PathfinderEntry(root / fields[0] / fields[1], label, len(entries), where)
-                )
-    return entries
-
-
-def split_indices(n: int, split: str, seed: int = PATHFINDER_SPLIT_SEED) -> np.ndarray:
-    """Positions (sorted) of `split` among n items: a seeded permutation cut 80/10/10."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; valid: {list(SPLITS)}")
-    perm = np.random.default_rng(seed).permutation(n)
-    a, b = n * 8 // 10, n * 9 // 10
-    part = {"train": perm[:a], "val": perm[a:b], "test": perm[b:]}[split]
-    return np.sort(part)
-
-
-def _decode_png(entry: PathfinderEntry, side: int) -> np.ndarray:
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(entry.path) as img:
-            img.load()
-            if img.mode != "L":
-                raise ValueError(f"mode {img.mode}, expected 8-bit grey (L)")
-            if img.size != (side, side):
-                raise ValueError(f"size {img.size}, expected ({side}, {side})")
-            return np.asarray(img, dtype=np.uint8).reshape(-1)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{entry.where}: image {entry.path} does not exist") from None
-    except (OSError, ValueError, UnidentifiedImageError) as e:
-        raise ValueError(f"{entry.where}: image {entry.path}: {e}") from e
-
-
-def _load_pathfinder(
-    task: LraTask,
-    data_dir: Path,
-    split: str,
-    cls: bool,
-    difficulty: str,
-    seed: int,
-    workers: int | None,
-) -> tuple[LraSplit, SplitStats]:
-    root = _find(task, data_dir, _difficulty_dir_name(difficulty))
-    entries = read_pathfinder_metadata(root)
-    stats = SplitStats(task.name, split, str(root), "pathfinder", rows=len(entries))
-    kept = []
-    for entry in entries:
-        try:
-            size = entry.path.stat().st_size
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{entry.where}: image {entry.path} does not exist") from None
-        if size == 0:  # the official pipeline drops images of length 0
-            stats.skip(str(entry.path))
-        else:
-            kept.append(entry)
-    chosen = [kept[i] for i in split_indices(len(kept), split, seed)]
-    stats.note = (
-        f"{split} = {len(chosen)} of {len(kept)} non-empty images "
-        f"(seeded 80/10/10 split, seed {seed})"
-    )
-    side = task.image_side
-    assert side is not None
-    pixels = np.zeros((len(chosen), side * side), dtype=np.uint8)
-    workers = workers or min(8, os.cpu_count() or 1)
-    from tqdm import tqdm
-
-    with (
-        ThreadPoolExecutor(max_workers=workers) as pool,
-        tqdm(total=len(chosen), desc=f"LRA {task.name} {split}", disable=None) as bar,
-    ):
-        for start in range(0, len(chosen), DECODE_CHUNK):
-            chunk = chosen[start : start + DECODE_CHUNK]
-            for i, image in enumerate(pool.map(lambda e: _decode_png(e, side), chunk), start):
-                pixels[i] = image
-            bar.update(len(chunk))
-    stats.longest = side * side if len(chosen) else 0
-    split_ = LraSplit(
-        task.name,
-        pixels.reshape(-1),
-        np.arange(len(chosen) + 1, dtype=np.int64) * side * side,
-        np.asarray([e.label for e in chosen], dtype=np.int64),
-        np.asarray([e.index for e in chosen], dtype=np.int64),
-        cls,
-    )
-    return _finish(stats, split_)
-
-
 # ----------------------------------------------------------------------------- any task
 
 
@@ -772,7 +362,7 @@ def load_split(
         if ignored:
             log.warning("LRA %s: ignoring %s (Pathfinder only)", task.name, ", ".join(ignored))
     if task.name in PATHFINDER_TASKS:
-        return _load_pathfinder(
+        return load_pathfinder(
             task, data_dir, split, cls, difficulty or DEFAULT_DIFFICULTY, split_seed, workers
         )
     return _LOADERS[task.name](task, data_dir, split, max_length, cls)
@@ -781,20 +371,22 @@ def load_split(
 def _load_listops(
     task: LraTask, data_dir: Path, split: str, max_length: int | None, cls: bool
 ) -> tuple[LraSplit, SplitStats]:
-    return read_listops(_find(task, data_dir, task.official_source(split)), split, max_length, cls)
+    return read_listops(
+        find_file(task, data_dir, task.official_source(split)), split, max_length, cls
+    )
 
 
 def _load_retrieval(
     task: LraTask, data_dir: Path, split: str, max_length: int | None, cls: bool
 ) -> tuple[LraSplit, SplitStats]:
-    path = _find(task, data_dir, task.official_source(split))
+    path = find_file(task, data_dir, task.official_source(split))
     return read_retrieval(path, split, max_length, cls)
 
 
 def _load_cifar(
     task: LraTask, data_dir: Path, split: str, max_length: int | None, cls: bool
 ) -> tuple[LraSplit, SplitStats]:
-    return _load_image(task, data_dir, split, cls)  # max_length was checked: the whole image
+    return load_image(task, data_dir, split, cls)  # max_length was checked: the whole image
 
 
 _LOADERS = {
@@ -831,6 +423,24 @@ def collate_pair(
 
 
 __all__ = [
+    "LraSplit",
+    "PathfinderEntry",
+    "SplitStats",
+    "collate",
+    "collate_pair",
+    "load_split",
+    "read_aclimdb",
+    "read_cifar_batch",
+    "read_hf_imdb",
+    "read_listops",
+    "read_pathfinder_metadata",
+    "read_retrieval",
+    "split_indices",
+]
+
+
+__all__ = [  # the readers of every format (images.py's re-exported), and what they return
+    "PATHFINDER_SPLIT_SEED",
     "LraSplit",
     "PathfinderEntry",
     "SplitStats",
