@@ -675,7 +675,7 @@ def broadcast_experts(self, x_BND, ctx):
 def formula_eigen_state(x0_BND, mask_BN, U_dd, reconstruction="scale_free"):
     """TransJect's eigen-state as it was before (the reference of `transject-experts`): M, U^T M U
     and U diag(lambda) U^T formed, three d x d products per sample."""
-    from model.attention.transject import _normalise
+    from model.attention.transject_eigen import _normalise
 
     with torch.autocast(device_type=x0_BND.device.type, enabled=False):
         x = x0_BND.float() * mask_BN.unsqueeze(-1).float()
@@ -1291,7 +1291,7 @@ def bench_eigen_products(args) -> dict:
     (`--hidden`, ALBERT-base's 768 by default here) for random tokens, one row padded; then the
     forward + backward time of each (CUDA: the bf16 products on tensor cores; on a CPU the
     three products cost three fp32 products, so time it on a GPU)."""
-    import model.attention.transject as tj
+    import model.attention.transject_eigen as tj
 
     cfg = EncoderConfig.preset(
         "albert-base",

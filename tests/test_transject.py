@@ -884,7 +884,7 @@ def test_bf16x3_product_is_near_fp32_forward_and_backward(shape):
     """`Bf16x3Product` against fp64, value and both gradients: within 3e-5 relative (about 16
     significant bits of each operand kept), and over 30x closer than one bf16 product with fp32
     accumulation (what a plain bf16 product under autocast would do at best)."""
-    from model.attention.transject import Bf16x3Product
+    from model.attention.transject_eigen import Bf16x3Product
 
     g = torch.Generator().manual_seed(0)
     a = torch.randn(shape[0], generator=g).requires_grad_()
@@ -913,7 +913,7 @@ def test_bf16x3_product_calls_on_cuda_are_well_formed():
     are a GPU's: `bench/bench_fast_paths.py eigen-products --device cuda`."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from model.attention.transject import _bf16_halves, _bf16x3
+    from model.attention.transject_eigen import _bf16_halves, _bf16x3
 
     with FakeTensorMode():
         x = torch.empty(2 * 7, 5, device="cuda")
