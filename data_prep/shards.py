@@ -56,640 +56,36 @@ A file that was only touched or copied (same bytes, new mtime) is the same input
 
 from __future__ import annotations
 
-import array
-import heapq
 import json
 import logging
-import math
 import multiprocessing as mp
 import os
-import random
-import shutil
-import sys
-import tempfile
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
-from fractions import Fraction
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from data_prep import datasets_source
 from data_prep import format as fmt
-from data_prep import sentences as sentence_rules
-from data_prep.readers import (
-    DEFAULT_MAX_LINE_CHARS,
-    ReadStats,
-    Unsplit,
-    expand_inputs,
-    fingerprint_inputs,
-    iter_documents,
-    splits_sentences,
+from data_prep.examples import (
+    ValidationSplit,
+    build_examples,
+    choose_validation,
+    document_rng,
 )
+from data_prep.readers import expand_inputs, fingerprint_inputs
+from data_prep.shard_config import TRUNCATIONS, ShardConfig
+from data_prep.shard_worker import (
+    Progress,
+    Task,
+    init_worker,
+    run_task,
+    run_task_in_pool,
+)
+from data_prep.shard_writer import ShardWriter, atomic_copy, atomic_write_json
 from data_prep.tokenizer import load_tokenizer, tokenizer_kind
 
 log = logging.getLogger(__name__)
-
-# Documents are tokenized in batches of about this many characters (one encode_batch call,
-# parallel over sentences inside `tokenizers`).
-BATCH_CHARS = 2_000_000
-# Buffered tokens across all shards one worker holds before they go to the .partial files.
-BUFFER_TOKENS = 1 << 25
-
-
-TRUNCATIONS = ("albert", "junction")
-"""`ShardConfig.truncation` values."""
-
-
-@dataclass(frozen=True)
-class ShardConfig:
-    """Everything besides the tokenizer that decides the bytes of the shards. Recorded in every
-    done-record and in the manifest; a shard directory made with another config is refused.
-    (--workers, --job-index and --num-jobs only split the work and are not part of it.)"""
-
-    inputs: tuple[str, ...]
-    """Input arguments as given: paths, globs, @list files, `embedded[:N]`."""
-
-    num_shards: int
-    """S: document d goes to shard d % S."""
-
-    max_seq_length: int = 512
-    """Length of [CLS] A [SEP] B [SEP]; A and B hold at most max_seq_length - 3 tokens."""
-
-    short_seq_prob: float = 0.1
-    """Probability that an example's target length is drawn uniformly from [2, max]."""
-
-    seed: int = 0
-    """Document d's randomness comes from random.Random(f"{seed}:{d}")."""
-
-    text_field: str = "text"
-    """JSONL field / Parquet or HF column holding a document's text."""
-
-    max_line_chars: int = DEFAULT_MAX_LINE_CHARS
-    """Longer input lines are skipped (and counted)."""
-
-    truncation: str = "albert"
-    """How a pair longer than the budget is cut. `albert`: ALBERT's truncate_seq_pair (the longer
-    side loses a token at a random end, which cuts the A|B junction of most short pairs).
-    `junction`: A loses tokens from its front and B from its back (the same lengths as the
-    loader's truncation), so B still starts where A ends: the order signal SOP is about. On the
-    embedded corpus's 32-token pairs it lets SOP be learned on more seeds (BENCHMARKS.md)."""
-
-    validation_fraction: float = 0.0
-    """Hold out each document with this probability (by its `format.validation_key`), as the
-    validation split; 0: no split. At most one of validation_fraction / validation_documents."""
-
-    validation_documents: int = 0
-    """Hold out exactly this many documents (the N smallest keys); 0: no split."""
-
-    validation_shards: int = 1
-    """V: held-out document d goes to validation shard d % V."""
-
-    sentences: str = "auto"
-    """How a document's text becomes sentences (`readers`, data_prep/sentences.py): 'auto'
-    (lines of plain text and of the embedded corpus; JSONL, Parquet and `datasets` documents
-    split into sentences), 'split' or 'lines'."""
-
-    streaming: bool = False
-    """Read `hf:` sources as streams. The same rows in the same order, so not part of
-    `to_dict` (like --workers): a directory built streaming resumes without, and back."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "inputs", tuple(self.inputs))
-        if not self.inputs:
-            raise ValueError("no input given")
-        if self.num_shards < 1:
-            raise ValueError(f"--num-shards must be >= 1, got {self.num_shards}")
-        if self.max_seq_length < 5:
-            raise ValueError(f"--max-seq-length must be >= 5, got {self.max_seq_length}")
-        if not 0.0 <= self.short_seq_prob <= 1.0:
-            raise ValueError(f"--short-seq-prob must be in [0, 1], got {self.short_seq_prob}")
-        if self.seed < 0:
-            raise ValueError(f"--seed must be >= 0, got {self.seed}")
-        if self.max_line_chars < 1:
-            raise ValueError(f"--max-line-chars must be >= 1, got {self.max_line_chars}")
-        if self.truncation not in TRUNCATIONS:
-            raise ValueError(
-                f"--truncation must be one of {list(TRUNCATIONS)}, got {self.truncation!r}"
-            )
-        f = self.validation_fraction
-        if not 0.0 <= f < 1.0:  # also refuses NaN
-            raise ValueError(
-                f"--validation-fraction must be in [0, 1), got {f}"
-                + (": it would leave no training documents" if f >= 1.0 else "")
-            )
-        if not isinstance(self.validation_documents, int) or self.validation_documents < 0:
-            raise ValueError(
-                f"--validation-documents must be an int >= 0, got {self.validation_documents!r}"
-            )
-        if f > 0 and self.validation_documents > 0:
-            raise ValueError(
-                "give --validation-fraction or --validation-documents, not both (got "
-                f"{f} and {self.validation_documents})"
-            )
-        if self.validation_shards < 1:
-            raise ValueError(f"--validation-shards must be >= 1, got {self.validation_shards}")
-        if self.validation_shards != 1 and not self.has_validation:
-            raise ValueError(
-                f"--validation-shards {self.validation_shards} needs {fmt.VALIDATION_FLAGS}"
-            )
-        sentence_rules.check_mode(self.sentences)
-
-    @property
-    def has_validation(self) -> bool:
-        return self.validation_fraction > 0 or self.validation_documents > 0
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["inputs"] = list(self.inputs)
-        if d["truncation"] == "albert":  # the default: manifests written before the option match
-            del d["truncation"]
-        # No split: the keys are left out, so such directories are byte-identical to those made
-        # before the option existed. With one: only the flag in use, and V.
-        if not self.validation_fraction:
-            del d["validation_fraction"]
-        if not self.validation_documents:
-            del d["validation_documents"]
-        if not self.has_validation:
-            del d["validation_shards"]
-        del d["streaming"]  # the same documents either way
-        # Sentences: recorded (with the splitter and its version) only when some input's text
-        # is split, so a directory of line-per-sentence input has the config it had before the
-        # option; a directory split by another splitter version is refused, never mixed.
-        del d["sentences"]
-        if splits_sentences(self.inputs, self.sentences):
-            d["sentences"] = self.sentences
-            d["sentence_splitter"] = sentence_rules.splitter_id()
-        return d
-
-    def read(self, stats: ReadStats | None = None) -> Iterator[list[str]]:
-        """`iter_documents` of this config's input, documents to split coming `Unsplit` (each
-        worker splits only the documents it keeps)."""
-        return iter_documents(
-            list(self.inputs),
-            self.text_field,
-            stats,
-            self.max_line_chars,
-            sentences=self.sentences,
-            streaming=self.streaming,
-            defer_split=True,
-        )
-
-
-# ----------------------------------------------------------------------------- examples
-
-
-def build_examples(
-    sentences: Sequence[Sequence[int]],
-    max_num_tokens: int,
-    short_seq_prob: float,
-    rng: random.Random,
-    truncation: str = "albert",
-) -> tuple[list[tuple[list[int], list[int]]], int]:
-    """ALBERT SOP examples (A, B) of one tokenized document, and the number of tokens dropped
-    (truncation, one-token leftovers). See the module docstring for the rules."""
-
-    def draw_target() -> int:
-        if rng.random() < short_seq_prob:
-            return rng.randint(2, max_num_tokens)
-        return max_num_tokens
-
-    queue = deque(list(s) for s in sentences if len(s))
-    examples: list[tuple[list[int], list[int]]] = []
-    dropped = 0
-    chunk: list[list[int]] = []
-    length = 0
-    target = draw_target()
-    while queue:
-        segment = queue.popleft()
-        if len(segment) > target:
-            # Cut a too-long sentence so the open chunk ends exactly at the target.
-            cut = target - length
-            queue.appendleft(segment[cut:])
-            segment = segment[:cut]
-        chunk.append(segment)
-        length += len(segment)
-        if not queue or length >= target:
-            pair, lost = _split_chunk(chunk, max_num_tokens, rng, truncation)
-            dropped += lost
-            if pair is not None:
-                examples.append(pair)
-            chunk, length = [], 0
-            target = draw_target()
-    return examples, dropped
-
-
-def _split_chunk(
-    chunk: list[list[int]], max_num_tokens: int, rng: random.Random, truncation: str = "albert"
-) -> tuple[tuple[list[int], list[int]] | None, int]:
-    if len(chunk) >= 2:
-        a_end = rng.randint(1, len(chunk) - 1)
-        a = [t for seg in chunk[:a_end] for t in seg]
-        b = [t for seg in chunk[a_end:] for t in seg]
-    else:
-        (tokens,) = chunk
-        if len(tokens) < 2:
-            return None, len(tokens)
-        cut = rng.randint(1, len(tokens) - 1)
-        a, b = tokens[:cut], tokens[cut:]
-    if truncation == "junction":
-        # The lengths of truncate_seq_pair, taken from A's front and B's back: the junction stays.
-        la, lb = fmt.truncated_pair_lengths(len(a), len(b), max_num_tokens)
-        lost = len(a) + len(b) - la - lb
-        return (a[len(a) - la :], b[:lb]), lost
-    # ALBERT's truncate_seq_pair: drop from the longer side, front or back at random.
-    a0, a1, b0, b1 = 0, len(a), 0, len(b)
-    while (a1 - a0) + (b1 - b0) > max_num_tokens:
-        if a1 - a0 > b1 - b0:
-            if rng.random() < 0.5:
-                a0 += 1
-            else:
-                a1 -= 1
-        elif rng.random() < 0.5:
-            b0 += 1
-        else:
-            b1 -= 1
-    lost = len(a) + len(b) - (a1 - a0) - (b1 - b0)
-    return (a[a0:a1], b[b0:b1]), lost
-
-
-def document_rng(seed: int, document_index: int) -> random.Random:
-    """The RNG of one document: depends on (seed, d) only."""
-    return random.Random(f"{seed}:{document_index}")
-
-
-# ----------------------------------------------------------------------------- validation split
-
-
-@dataclass(frozen=True)
-class ValidationSplit:
-    """Which documents are held out for validation (the rule: format.py's docstring).
-
-    rule "fraction": d is held out iff key(d) < threshold (an int, floor(F * 2**64)).
-    rule "documents": d is held out iff (key(d), d) <= threshold (the N-th smallest (key, d)
-    of the input, found by `choose_validation`'s read of the input)."""
-
-    seed: int
-    rule: str
-    threshold: int | tuple[int, int]
-    requested: float | int
-    """The fraction F or the count N asked for."""
-
-    def held_out(self, document_index: int) -> bool:
-        key = fmt.validation_key(self.seed, document_index)
-        if isinstance(self.threshold, int):  # rule "fraction"
-            return key < self.threshold
-        return (key, document_index) <= self.threshold
-
-    def selection(self) -> dict[str, Any]:
-        """What the manifest and the done-records report under validation.selection."""
-        if isinstance(self.threshold, int):
-            return {"rule": "fraction", "fraction": self.requested, "threshold": self.threshold}
-        return {
-            "rule": "documents",
-            "documents": self.requested,
-            "threshold": list(self.threshold),
-        }
-
-    def describe(self, num_shards: int) -> str:
-        """The rule in words, with this split's numbers (the manifest's validation.how)."""
-        key = (
-            f"key(d) = the first 8 bytes, big-endian, of blake2b(f'{self.seed}:{{d}}'.encode(), "
-            "digest_size=8, person=b'validation')"
-        )
-        if isinstance(self.threshold, int):
-            which = f"key(d) < {self.threshold} (floor({self.requested} * 2**64))"
-        else:
-            which = (
-                f"(key(d), d) is among the {self.requested} smallest of the input, i.e. "
-                f"<= {list(self.threshold)}"
-            )
-        return (
-            f"document d (0-based, input order) is held out iff {which}, where {key}; a held-out "
-            f"document's examples are in valid_{{d % {num_shards}}}, never in a training shard"
-        )
-
-
-def choose_validation(config: ShardConfig) -> ValidationSplit | None:
-    """The validation split of `config` (None without one). --validation-documents N reads the
-    input once (no tokenizing) to find the N documents with the smallest keys; ValueError if
-    the input has no more than N documents (nothing would be left to train on)."""
-    if config.validation_fraction > 0:
-        threshold = math.floor(Fraction(config.validation_fraction) * 2**64)
-        return ValidationSplit(config.seed, "fraction", threshold, config.validation_fraction)
-    if not config.validation_documents:
-        return None
-    n = config.validation_documents
-    start = time.perf_counter()
-    readers_log = logging.getLogger("data_prep.readers")
-    level = readers_log.level
-    readers_log.setLevel(logging.ERROR)  # the build's own read warns about bad input
-    try:
-        docs = config.read()
-        count = 0
-
-        def keys() -> Iterator[tuple[int, int]]:
-            nonlocal count
-            for d, _ in enumerate(docs):
-                count = d + 1
-                yield fmt.validation_key(config.seed, d), d
-
-        smallest = heapq.nsmallest(n, keys())
-    finally:
-        readers_log.setLevel(level)
-    if n >= count:
-        raise ValueError(
-            f"--validation-documents {n} leaves no training documents: the input has "
-            f"{count} document(s); use a smaller N (at most {count - 1}) or --validation-fraction"
-        )
-    log.info(
-        "validation split: %d of %d documents held out (chosen in %.1f s, one read of the input)",
-        n,
-        count,
-        time.perf_counter() - start,
-    )
-    return ValidationSplit(config.seed, "documents", smallest[-1], n)
-
-
-# ----------------------------------------------------------------------------- writing
-
-
-def _atomic_write_json(path: Path, data: Any) -> None:
-    fmt.atomic_write_text(path, json.dumps(data, indent=2) + "\n")
-
-
-def _atomic_copy(src: Path, dst: Path) -> None:
-    """Copies via a unique temp file + rename (concurrent jobs may copy the same file)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    try:
-        with os.fdopen(fd, "wb") as f, open(src, "rb") as s:
-            shutil.copyfileobj(s, f)
-        fmt.publish_mode(Path(tmp))
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _partial_files(out_dir: Path, name: str) -> tuple[Path, Path]:
-    return out_dir / f".{name}.tokens.partial", out_dir / f".{name}.index.partial"
-
-
-def _raw_to_npy(raw: Path, final: Path, dtype: np.dtype, shape: tuple[int, ...]) -> None:
-    """Writes the .npy `final` (np.save's exact bytes) from a raw native-order dump, atomically."""
-    assert raw.stat().st_size == int(np.prod(shape)) * dtype.itemsize, (raw, shape)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False}
-            np.lib.format.write_array_header_1_0(f, {**header, "shape": shape})
-            with open(raw, "rb") as src:
-                shutil.copyfileobj(src, f, 1 << 22)
-        fmt.publish_mode(Path(tmp))
-        os.replace(tmp, final)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-class ShardWriter:
-    """Appends examples of one shard; `finish` writes the arrays, then the done-record
-    (`finalize` makes the manifest from the done-records). Also used by other producers of
-    shard directories (`finetune.lra.shards`)."""
-
-    def __init__(
-        self,
-        out_dir: Path,
-        index: int,
-        dtype: np.dtype,
-        flush_tokens: int,
-        name: str | None = None,
-    ) -> None:
-        self.out_dir, self.index, self.dtype = out_dir, index, dtype
-        self.name = name if name is not None else fmt.shard_name(index)
-        self.tok_raw, self.idx_raw = _partial_files(out_dir, self.name)
-        for p in (self.tok_raw, self.idx_raw):
-            p.unlink(missing_ok=True)
-            p.touch()
-        self.tokens = array.array("H" if dtype.itemsize == 2 else "I")
-        assert self.tokens.itemsize == dtype.itemsize
-        self.rows = array.array("q")
-        self.flush_tokens = flush_tokens
-        self.offset = self.examples = self.documents = self.dropped = 0
-        self.split_sentences = 0
-        """Sentences of the documents this shard split itself (`readers.Unsplit`)."""
-
-    def add(self, examples: list[tuple[list[int], list[int]]], dropped: int) -> None:
-        self.documents += 1
-        self.dropped += dropped
-        for a, b in examples:
-            self.rows.extend((self.offset, len(a), len(b)))
-            self.tokens.extend(a)
-            self.tokens.extend(b)
-            self.offset += len(a) + len(b)
-        self.examples += len(examples)
-        if len(self.tokens) >= self.flush_tokens:
-            self._flush()
-
-    def _flush(self) -> None:
-        with open(self.tok_raw, "ab") as f:
-            self.tokens.tofile(f)
-        with open(self.idx_raw, "ab") as f:
-            self.rows.tofile(f)
-        del self.tokens[:]
-        del self.rows[:]
-
-    def finish(self, record_extra: dict[str, Any]) -> dict[str, Any]:
-        self._flush()
-        files = {
-            fmt.tokens_file(self.name): (self.tok_raw, self.dtype, (self.offset,)),
-            fmt.index_file(self.name): (self.idx_raw, np.dtype(np.int64), (self.examples, 3)),
-        }
-        for fname, (raw, dtype, shape) in files.items():
-            _raw_to_npy(raw, self.out_dir / fname, dtype, shape)
-            raw.unlink()
-        record = {
-            "format_version": fmt.FORMAT_VERSION,
-            "name": self.name,
-            "examples": self.examples,
-            "tokens": self.offset,
-            "documents": self.documents,
-            "dropped_tokens": self.dropped,
-            "sha256": {f: fmt.sha256_file(self.out_dir / f) for f in files},
-            **record_extra,
-        }
-        _atomic_write_json(self.out_dir / fmt.done_file(self.name), record)
-        return record
-
-
-# ----------------------------------------------------------------------------- the worker
-
-
-@dataclass(frozen=True)
-class _Task:
-    config: ShardConfig
-    tokenizer_path: str
-    tokenizer_sha256: str
-    out_dir: str
-    shards: tuple[int, ...]
-    worker: int
-    input_files: tuple[dict[str, Any], ...]
-    """`readers.fingerprint_inputs` of the input, recorded in the done-records."""
-    valid_shards: tuple[int, ...] = ()
-    """Validation shards v (held-out documents d with d % V == v) this task writes."""
-    validation: ValidationSplit | None = None
-
-
-def _run_task(task: _Task, progress: Callable[[int, int], None] | None = None) -> list[str]:
-    """Reads the whole input, keeps the documents of `task.shards`, writes those shards."""
-    from tokenizers import Tokenizer
-
-    cfg = task.config
-    out_dir = Path(task.out_dir)
-    tok = Tokenizer.from_file(task.tokenizer_path)
-    dtype = fmt.token_dtype(tok.get_vocab_size())
-    flush_tokens = max(1 << 14, BUFFER_TOKENS // (len(task.shards) + len(task.valid_shards)))
-    writers = {s: ShardWriter(out_dir, s, dtype, flush_tokens) for s in task.shards}
-    valid_writers = {
-        v: ShardWriter(out_dir, v, dtype, flush_tokens, fmt.valid_name(v))
-        for v in task.valid_shards
-    }
-    split = task.validation
-    held_out = 0
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # same ids, no offsets
-    max_num_tokens = cfg.max_seq_length - 3
-    stats = ReadStats()
-    pending: list[tuple[int, list[str], ShardWriter]] = []
-    pending_chars = 0
-    written = 0
-
-    def flush_pending() -> None:
-        nonlocal written
-        flat = [s for _, doc, _ in pending for s in doc]
-        encodings = encode(flat, add_special_tokens=False) if flat else []
-        k = 0
-        for d, doc, writer in pending:
-            ids = [encodings[k + j].ids for j in range(len(doc))]
-            k += len(doc)
-            examples, dropped = build_examples(
-                ids, max_num_tokens, cfg.short_seq_prob, document_rng(cfg.seed, d), cfg.truncation
-            )
-            writer.add(examples, dropped)
-            written += sum(len(a) + len(b) for a, b in examples)
-        pending.clear()
-
-    docs = cfg.read(stats)
-    d = -1
-    for d, doc in enumerate(docs):
-        if split is not None and split.held_out(d):
-            held_out += 1
-            writer = valid_writers.get(d % cfg.validation_shards)
-        else:
-            writer = writers.get(d % cfg.num_shards)
-        if writer is not None:
-            if isinstance(doc, Unsplit):
-                doc = doc.split()
-                writer.split_sentences += len(doc)
-            pending.append((d, doc, writer))
-            pending_chars += sum(len(s) for s in doc)
-            if pending_chars >= BATCH_CHARS:
-                flush_pending()
-                pending_chars = 0
-                if progress:
-                    progress(d + 1, written)
-    flush_pending()
-    if progress:
-        progress(d + 1, written)
-    extra = {
-        "config": cfg.to_dict(),
-        "tokenizer_sha256": task.tokenizer_sha256,
-        "input": stats.to_dict(),
-        "input_files": list(task.input_files),
-    }
-    if split is not None:
-        _check_split_sizes(split, held_out, d + 1)
-        extra["validation"] = {"selection": split.selection(), "documents": held_out}
-    split_here = "sentences" in extra["config"]  # some input's text is split: count per shard
-
-    def finish(writer: ShardWriter) -> str:
-        own = {"split_sentences": writer.split_sentences} if split_here else {}
-        return writer.finish({**extra, **own})["name"]
-
-    return [finish(writers[s]) for s in task.shards] + [
-        finish(valid_writers[v]) for v in task.valid_shards
-    ]
-
-
-def _check_split_sizes(split: ValidationSplit, held_out: int, documents: int) -> None:
-    """ValueError (before any done-record is written) if the split left either side empty."""
-    flag = f"--validation-{'fraction' if split.rule == 'fraction' else 'documents'}"
-    asked = f"{flag} {split.requested} (seed {split.seed})"
-    if held_out == 0:
-        raise ValueError(
-            f"{asked} held out none of the {documents} document(s) of the input: use a larger "
-            "fraction, or --validation-documents N for an exact count"
-        )
-    if held_out >= documents:
-        raise ValueError(
-            f"{asked} held out all {documents} document(s) of the input, leaving no training "
-            "documents: use a smaller fraction, or --validation-documents N for an exact count"
-        )
-
-
-_COUNTERS: Any = None  # per-process: shared (documents, tokens) slots of all workers
-
-
-def _init_worker(counters: Any, threads: int, log_level: int) -> None:
-    global _COUNTERS
-    _COUNTERS = counters
-    os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-def _run_task_in_pool(task: _Task) -> list[str]:
-    if task.worker > 0:  # every worker reads the same input: warn about it once
-        logging.getLogger("data_prep.readers").setLevel(logging.ERROR)
-
-    def progress(docs: int, tokens: int) -> None:
-        _COUNTERS[2 * task.worker] = docs
-        _COUNTERS[2 * task.worker + 1] = tokens
-
-    return _run_task(task, progress)
-
-
-# ----------------------------------------------------------------------------- progress
-
-
-class Progress:
-    """A tqdm bar on a terminal; otherwise a plain log line every `interval` seconds."""
-
-    def __init__(self, desc: str, unit: str, interval: float = 30.0) -> None:
-        self.desc, self.unit, self.interval = desc, unit, interval
-        self.start = self.last = time.monotonic()
-        self.bar = None
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(desc=desc, unit=unit, unit_scale=True, dynamic_ncols=True)
-
-    def update(self, n: int, **postfix: Any) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix(postfix, refresh=False)
-            self.bar.update(n - self.bar.n)
-            return
-        now = time.monotonic()
-        if now - self.last >= self.interval:
-            self.last = now
-            rate = n / max(now - self.start, 1e-9)
-            extra = " ".join(f"{k}={v}" for k, v in postfix.items())
-            log.info("%s: %d %s (%.0f %s/s) %s", self.desc, n, self.unit, rate, self.unit, extra)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -858,7 +254,7 @@ def build_shards(
         if path.is_file():
             _check_same_origin(path, _read_json(path), cfg_dict, tok_sha, input_files)
     if not out_tok.exists():
-        _atomic_copy(Path(tokenizer_path), out_tok)
+        atomic_copy(Path(tokenizer_path), out_tok)
 
     # Units of work: training shard s and validation shard v both go to job (s or v) % k.
     mine = [_Unit(False, s) for s in range(config.num_shards) if s % num_jobs == job_index]
@@ -959,7 +355,7 @@ def _run(
 ) -> None:
     workers = min(workers, len(todo))
     tasks = [
-        _Task(
+        Task(
             config,
             tokenizer_path,
             tok_sha,
@@ -975,15 +371,13 @@ def _run(
     bar = Progress("shards", "tok")
     try:
         if workers == 1:
-            _run_task(tasks[0], lambda docs, toks: bar.update(toks, docs=docs))
+            run_task(tasks[0], lambda docs, toks: bar.update(toks, docs=docs))
             return
         ctx = mp.get_context("spawn")  # fresh interpreters: no forked tokenizers thread pools
         counters = ctx.Array("q", 2 * workers, lock=False)
         threads = max(1, (os.cpu_count() or 1) // workers)
-        with ctx.Pool(
-            workers, _init_worker, (counters, threads, logging.getLogger().level)
-        ) as pool:
-            result = pool.map_async(_run_task_in_pool, tasks, chunksize=1)
+        with ctx.Pool(workers, init_worker, (counters, threads, logging.getLogger().level)) as pool:
+            result = pool.map_async(run_task_in_pool, tasks, chunksize=1)
             while not result.ready():
                 result.wait(0.5)
                 bar.update(sum(counters[1::2]), docs=min(counters[0::2]))
@@ -1100,7 +494,7 @@ def finalize(out_dir: str | os.PathLike) -> dict[str, Any]:
         "input": input_stats,
         **({"input_files": input_files} if input_files is not None else {}),
     }
-    _atomic_write_json(out / fmt.MANIFEST, manifest)
+    atomic_write_json(out / fmt.MANIFEST, manifest)
     log.info(
         "wrote %s: %d shards, %d examples, %d tokens%s",
         out / fmt.MANIFEST,
@@ -1167,3 +561,16 @@ def _validation_section(
         "shards": _shard_entries(records),
         "totals": totals,
     }
+
+
+__all__ = [  # the stage, and what it is made of (examples.py, shard_config.py, shard_writer.py)
+    "TRUNCATIONS",
+    "ShardConfig",
+    "ShardWriter",
+    "ValidationSplit",
+    "build_examples",
+    "build_shards",
+    "choose_validation",
+    "document_rng",
+    "finalize",
+]
