@@ -54,8 +54,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import engine.checkpoint  # noqa: E402
-from engine.checkpoint import HASH_CHUNK_BYTES, HASH_THREADS, CheckpointStore  # noqa: E402
+import engine.files  # noqa: E402
+from engine.checkpoint import CheckpointStore  # noqa: E402
+from engine.files import HASH_CHUNK_BYTES, HASH_THREADS  # noqa: E402
 
 GB = 1e9
 MIB = 1 << 20
@@ -369,7 +370,7 @@ def main() -> None:
         "--hash-threads",
         type=int,
         default=None,
-        help=f"engine.checkpoint.HASH_THREADS (default here: {HASH_THREADS})",
+        help=f"engine.files.HASH_THREADS (default here: {HASH_THREADS})",
     )
     parser.add_argument("--buffer-mib", type=int, default=256, help="in-memory hash buffer")
     parser.add_argument("--repeats", type=int, default=5)
@@ -386,7 +387,7 @@ def main() -> None:
     global STAT
     STAT = min if args.stat == "min" else statistics.median
     if args.hash_threads is not None:
-        engine.checkpoint.HASH_THREADS = args.hash_threads
+        engine.files.HASH_THREADS = args.hash_threads
 
     load_before = list(os.getloadavg())
     workdir = Path(tempfile.mkdtemp(prefix="ckpt_checksums_", dir=args.workdir))
@@ -449,7 +450,7 @@ def main() -> None:
         "sha_extensions": _cpu_flag("sha_ni"),
         "filesystem_of_workdir": str(workdir.parent),
         "hash_chunk_bytes": HASH_CHUNK_BYTES,
-        "hash_threads": engine.checkpoint.HASH_THREADS,
+        "hash_threads": engine.files.HASH_THREADS,
         "command": " ".join(["python", *sys.argv]),
         "load_average_before_after": [load_before, list(os.getloadavg())],
     }

@@ -89,17 +89,32 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import re
-import shutil
 import warnings
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, TypeVar
 
-import numpy as np
+from engine.files import (  # re-exported: the store's file operations
+    DEFAULT_CHECKSUM,
+    CheckpointError,
+    check_algorithm,
+    file_checksum,
+    fsync_dir,
+    fsync_file,
+    hash_files,
+    remove_tree,
+    write_atomically,
+    write_json_atomically,
+)
+from engine.rank_state import (  # re-exported: per-rank state
+    load_rank_state,
+    rank_state_path,
+    rng_state,
+    save_rank_state,
+    set_rng_state,
+)
 
 __all__ = [
     "CHECKPOINT_DIR_PATTERN",
@@ -134,34 +149,11 @@ COMPLETE_FILE = "COMPLETE.json"
 LATEST_FILE = "latest"
 """Text file under the root holding the tag of the newest complete checkpoint (DeepSpeed reads
 the same name and format when ``load_checkpoint`` gets no tag)."""
-RANK_STATE_PATTERN = "rank_%05d.pt"
-"""``%``-format of the per-rank state file inside a checkpoint directory."""
-
-DEFAULT_CHECKSUM = "sha256"
-"""The hashlib algorithm a store seals checkpoints with unless told otherwise (see the module
-docstring for why)."""
-HASH_CHUNK_BYTES = 8 << 20
-"""Files are read in chunks of this size when hashed (large enough that the per-call overhead
-vanishes)."""
-HASH_THREADS = max(2, min(8, os.cpu_count() or 1))
-"""Threads that hash (and, when sealing, fsync) the files of one checkpoint in parallel."""
 
 _TAG_RE = re.compile(r"step_(\d{8,})")
 _RECORD_KEYS = ("step", "tag", "world_size", "time", "meta", "files")
 
 T = TypeVar("T")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint (or a checkpoint file) that cannot be used; names the path and why."""
-
-    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
-        super().__init__(str(path), reason)  # both in args, so the error pickles across processes
-        self.path = Path(path)
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.reason}"
 
 
 def _check_step(step: int) -> int:
@@ -186,101 +178,6 @@ def step_of(tag: str) -> int | None:
 def _step_of_prefixed(name: str, suffix: str) -> int | None:
     """The step of ``<tag><suffix>`` (a staging or removing directory name), else None."""
     return step_of(name[: -len(suffix)]) if name.endswith(suffix) else None
-
-
-# ---------------------------------------------------------------------------------------------
-# durable file operations
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a directory's entries (creations, renames) durable. No-op where unsupported."""
-    if os.name == "nt":  # Windows cannot open a directory to fsync it
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _check_algorithm(algorithm: str) -> str:
-    """``algorithm`` when hashlib has it (on every platform), else ``ValueError``."""
-    if algorithm not in hashlib.algorithms_guaranteed or algorithm.startswith("shake_"):
-        valid = sorted(a for a in hashlib.algorithms_guaranteed if not a.startswith("shake_"))
-        raise ValueError(f"checksum={algorithm!r} is invalid; valid: None or one of {valid}")
-    return algorithm
-
-
-def _hash_file(path: Path, algorithm: str) -> tuple[int, str]:
-    """``(bytes read, hex digest)`` of a file, read in ``HASH_CHUNK_BYTES`` chunks."""
-    digest = hashlib.new(algorithm)
-    buffer = bytearray(HASH_CHUNK_BYTES)
-    view = memoryview(buffer)
-    size = 0
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            digest.update(view[:n])
-            size += n
-    return size, digest.hexdigest()
-
-
-def file_checksum(path: str | os.PathLike[str], algorithm: str = DEFAULT_CHECKSUM) -> str:
-    """The hex digest of a file's content (what ``COMPLETE.json`` records; for sha256 the same
-    as ``sha256sum`` prints)."""
-    return _hash_file(Path(path), _check_algorithm(algorithm))[1]
-
-
-def _hash_files(paths: list[Path], algorithm: str, *, fsync: bool) -> list[tuple[int, str]]:
-    """``(bytes read, hex digest)`` of every file, in order, hashed by up to ``HASH_THREADS``
-    threads (file reads and hashlib's updates release the GIL). With ``fsync`` every file is
-    also fsynced, in the same pool, interleaved with the hashing: a seal then costs about
-    max(hashing, fsync) instead of their sum, since reading from the page cache does not wait
-    for the write-back."""
-    if not paths:
-        return []
-    workers = min(HASH_THREADS, 2 * len(paths) if fsync else len(paths))
-    with ThreadPoolExecutor(workers, thread_name_prefix="checkpoint-hash") as pool:
-        hashed, synced = [], []
-        for path in paths:
-            hashed.append(pool.submit(_hash_file, path, algorithm))
-            if fsync:
-                synced.append(pool.submit(_fsync_file, path))
-        for future in synced:
-            future.result()  # re-raises an fsync's error
-        return [future.result() for future in hashed]
-
-
-def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """Write ``path`` through ``<path>.tmp`` + fsync + ``os.replace``: readers see the old file or
-    the whole new one, never a prefix."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def write_json_atomically(path: str | os.PathLike[str], value: Any) -> None:
-    """``value`` as indented JSON at ``path``, atomically and durably (see
-    ``write_atomically``): a status or results file is never seen half-written."""
-    data = (json.dumps(value, indent=2) + "\n").encode()
-    write_atomically(Path(path), lambda f: f.write(data))
-
-
-def remove_tree(path: str | os.PathLike[str]) -> None:
-    """Delete a directory tree (or a file); missing is fine."""
-    path = Path(path)
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
 
 
 def _remove_via_rename(path: Path) -> None:
@@ -355,7 +252,7 @@ class CheckpointStore:
         if not callable(barrier):
             raise ValueError(f"barrier must be callable, got {type(barrier).__name__}")
         if checksum is not None:
-            _check_algorithm(checksum)
+            check_algorithm(checksum)
         if not isinstance(verify_checksums, bool):
             raise ValueError(
                 f"verify_checksums={verify_checksums!r} is invalid; valid: True, False"
@@ -399,7 +296,7 @@ class CheckpointStore:
         if self.rank == 0:
             remove_tree(staging)
             staging.mkdir(parents=True)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         self._barrier()
         return staging
 
@@ -434,9 +331,9 @@ class CheckpointStore:
         digests: dict[str, str] = {}
         if self.checksum is None:
             for rel in files:
-                _fsync_file(staging / rel)
+                fsync_file(staging / rel)
         else:
-            results = _hash_files([staging / rel for rel in files], self.checksum, fsync=True)
+            results = hash_files([staging / rel for rel in files], self.checksum, fsync=True)
             for (rel, size), (hashed, digest) in zip(files.items(), results):
                 if hashed != size:  # the size listed must be the content hashed
                     raise CheckpointError(
@@ -457,7 +354,7 @@ class CheckpointStore:
             record["checksums"] = {"algorithm": self.checksum, "digests": digests}
         data = json.dumps(record, indent=2).encode()
         for dirpath, _, _ in os.walk(staging):  # entries of nested directories are durable too
-            _fsync_dir(Path(dirpath))
+            fsync_dir(Path(dirpath))
         write_atomically(staging / COMPLETE_FILE, lambda f: f.write(data))
 
     def _publish(self, staging: Path, final: Path) -> None:
@@ -466,7 +363,7 @@ class CheckpointStore:
             remove_tree(aside)
             os.replace(final, aside)  # the new checkpoint is sealed: the old one may go
         os.replace(staging, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         remove_tree(aside)
 
     def _prune(self, step: int) -> None:
@@ -561,7 +458,7 @@ class CheckpointStore:
             rels = sorted(expected)
             try:
                 found = [
-                    d for _, d in _hash_files([directory / r for r in rels], algorithm, fsync=False)
+                    d for _, d in hash_files([directory / r for r in rels], algorithm, fsync=False)
                 ]
             except OSError as exc:  # e.g. deleted since the sizes were checked
                 raise CheckpointError(exc.filename or directory, f"cannot be read ({exc})") from exc
@@ -778,147 +675,3 @@ def _reason(exc: BaseException, directory: Path | None = None) -> str:
             return f"{exc.path.relative_to(directory).as_posix()}: {exc.reason}"
         return exc.reason
     return f"{type(exc).__name__}: {exc}"
-
-
-# ---------------------------------------------------------------------------------------------
-# RNG and per-rank state
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states, for an exact resume: Python's ``random``, numpy's global RNG,
-    torch's CPU generator and (when CUDA is available) every CUDA device's generator. Holds
-    only tensors, ints, floats, strings, lists, dicts and None, so it loads with
-    ``torch.load(weights_only=True)``."""
-    import torch
-
-    version, internal, gauss_next = random.getstate()
-    kind, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-    state: dict[str, Any] = {
-        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
-        "numpy": {
-            "kind": str(kind),
-            "key": torch.from_numpy(key.astype(np.int64)),  # uint32 -> int64: no uint32 tensors
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached_gaussian),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _byte_tensor(value: object, what: str) -> Any:
-    import torch
-
-    if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.ndim == 1):
-        raise ValueError(f"malformed RNG state: {what} must be a 1-D uint8 tensor")
-    return value.cpu()
-
-
-def _parse_rng_state(state: dict[str, Any]) -> tuple[tuple, tuple, Any, list[Any] | None]:
-    """Check ``state`` completely (nothing is applied on a malformed dict) and convert it."""
-    import torch
-
-    if not isinstance(state, dict) or any(k not in state for k in ("python", "numpy", "torch")):
-        raise ValueError("malformed RNG state: needs a dict with 'python', 'numpy', 'torch'")
-    try:
-        py, npy = state["python"], state["numpy"]
-        python_state = (int(py["version"]), tuple(int(x) for x in py["state"]), py["gauss_next"])
-        key = npy["key"]
-        key = np.asarray(key.cpu().numpy() if isinstance(key, torch.Tensor) else key)
-        numpy_state = (
-            str(npy["kind"]),
-            key,
-            int(npy["pos"]),
-            int(npy["has_gauss"]),
-            float(npy["cached_gaussian"]),
-        )
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ValueError(f"malformed RNG state: {type(exc).__name__}: {exc}") from None
-    if len(python_state[1]) != len(random.getstate()[1]):
-        raise ValueError("malformed RNG state: python state has the wrong length")
-    if python_state[2] is not None and not isinstance(python_state[2], float):
-        raise ValueError("malformed RNG state: python gauss_next must be a float or None")
-    if (
-        numpy_state[0] != "MT19937"
-        or key.shape != (624,)
-        or key.dtype.kind not in "iu"
-        or key.min() < 0
-        or key.max() >= 2**32
-    ):
-        raise ValueError("malformed RNG state: numpy state must be MT19937 with 624 uint32 words")
-    numpy_state = (numpy_state[0], key.astype(np.uint32), *numpy_state[2:])
-    cpu = _byte_tensor(state["torch"], "'torch'")
-    if cpu.numel() != torch.get_rng_state().numel():
-        raise ValueError("malformed RNG state: 'torch' has the wrong size")
-    cuda = state.get("cuda")
-    if cuda is not None:
-        if not isinstance(cuda, (list, tuple)):
-            raise ValueError("malformed RNG state: 'cuda' must be a list of tensors")
-        cuda = [_byte_tensor(s, f"'cuda'[{i}]") for i, s in enumerate(cuda)]
-    return python_state, numpy_state, cpu, cuda
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what ``rng_state`` returned. A CUDA part is applied when CUDA is available (to the
-    devices both runs have, with a warning when the counts differ) and ignored with a warning
-    otherwise. Raises ``ValueError`` for a malformed dict, before changing any generator."""
-    import torch
-
-    python_state, numpy_state, cpu, cuda = _parse_rng_state(state)
-    random.setstate(python_state)
-    np.random.set_state(numpy_state)
-    torch.set_rng_state(cpu)
-    if cuda is None:
-        return
-    if not torch.cuda.is_available():
-        warnings.warn("the saved CUDA RNG state is ignored: CUDA is not available", stacklevel=2)
-        return
-    count = torch.cuda.device_count()
-    if len(cuda) != count:
-        warnings.warn(
-            f"the saved CUDA RNG state has {len(cuda)} devices, this process sees {count}; "
-            f"restoring the first {min(count, len(cuda))}",
-            stacklevel=2,
-        )
-    for device, device_state in enumerate(cuda[:count]):
-        torch.cuda.set_rng_state(device_state, device)
-
-
-def rank_state_path(directory: str | os.PathLike[str], rank: int) -> Path:
-    """``directory/rank_00003.pt`` for rank 3."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"rank={rank!r} is invalid; valid: an integer >= 0")
-    return Path(directory) / (RANK_STATE_PATTERN % rank)
-
-
-def save_rank_state(directory: str | os.PathLike[str], rank: int, state: dict[str, Any]) -> Path:
-    """``torch.save`` one rank's own state (RNG, loader position, ...) into a checkpoint
-    directory, atomically (tmp file + fsync + ``os.replace``). Keep it to tensors and plain
-    Python containers so it loads with ``weights_only=True``. Returns the file's path."""
-    import torch
-
-    if not isinstance(state, dict):
-        raise ValueError(f"rank state must be a dict, got {type(state).__name__}")
-    path = rank_state_path(directory, rank)
-    write_atomically(path, lambda f: torch.save(state, f))
-    return path
-
-
-def load_rank_state(directory: str | os.PathLike[str], rank: int) -> dict[str, Any]:
-    """The state ``save_rank_state`` wrote for ``rank``, loaded with ``weights_only=True`` onto
-    the CPU. Raises ``CheckpointError`` naming the file when it is missing or unreadable."""
-    import torch
-
-    path = rank_state_path(directory, rank)
-    if not path.is_file():
-        raise CheckpointError(path, "is missing (was the checkpoint saved with this rank?)")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(path, f"cannot be read ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(state, dict):
-        raise CheckpointError(path, f"holds a {type(state).__name__}, not a dict")
-    return state
