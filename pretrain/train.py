@@ -23,9 +23,7 @@ time budget; a checkpoint was saved, re-run the same command to resume) or raise
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -33,232 +31,50 @@ import random
 import resource
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from data_prep.format import TOKENIZER, ShardError, sha256_file
-from data_prep.loader import PretrainingData, PretrainingLoader, validation_batches
+from data_prep.format import ShardError
+from data_prep.loader import PretrainingLoader, validation_batches
 from data_prep.masking import masking_budget
 from engine import checkpoint as ckpt
 from engine import reshard
 from engine.distributed import detect
 from engine.engine import DeferredStep, Engine, shutdown
 from engine.metrics import Progress, mfu, peak_flops
-from engine.recipe import diff_keys, to_yaml
+from engine.recipe import to_yaml
 from engine.signals import StopWatch
 from engine.trackers import Trackers, open_trackers
 from model import diagnostics
 from model.config import EncoderConfig
 from model.flops import counts_flops, training_flops
 from model.heads import EncoderForPretraining
-from model.release import directory_digest, export_release, save_release
+from model.release import export_release, save_release
 from pretrain.config import (
-    LOCATION_KEYS,
     RELEASE_DIR,
-    RESUMABLE_CHANGES,
     Phase,
     PretrainConfig,
 )
 from pretrain.init import INIT_KEY, InitReport, load_init
 from pretrain.objective import model_inputs, objective_terms, pretraining_loss
+from pretrain.setup import (  # re-exported: the run's setup, result and errors
+    CONFIG_FILE,
+    STATUS_FILE,
+    NonFiniteLossError,
+    RunResult,
+    SetupError,
+    check_run_dir,
+    data_identity,
+    nonfinite_message,
+    open_phases,
+    open_validation,
+    rank_seed,
+)
 
 log = logging.getLogger("pretrain")
-
-CONFIG_FILE = "config.yaml"
-STATUS_FILE = "status.json"
-
-
-class NonFiniteLossError(RuntimeError):
-    """Too many steps in a row had a non-finite loss; the run saved a checkpoint and stopped."""
-
-
-def nonfinite_message(run: int, step: int, skipped: int, path: object, compiled: bool) -> str:
-    """The error that stops a run after `run` non-finite steps in a row."""
-    message = (
-        f"the loss was not finite in {run} steps in a row (up to step {step}; {skipped} "
-        f"skipped in all). The weights are those of the last good step, saved in {path}. "
-        "Lower optimizer.lr, check the data, or raise train.max_nonfinite_in_a_row."
-    )
-    if compiled and skipped >= step:  # not one good step: suspect the compiler first
-        message += (
-            " No step of this run was finite and engine.compile is on: try "
-            "engine.compile=false (an earlier compiled TransJect did this on an H200)."
-        )
-    return message
-
-
-@dataclass
-class RunResult:
-    state: str
-    """``"completed"`` or ``"stopped"`` (signal / time budget; resumable)."""
-    step: int
-    """Optimizer steps done (including skipped ones)."""
-    run_dir: Path
-    release: Path | None
-    """The exported release (completed runs with ``train.export_at_end``)."""
-    last_losses: dict[str, float]
-    """The last logged averages (``loss/mlm``, ...)."""
-    reason: str = ""
-
-
-# ---------------------------------------------------------------------------- preparation
-
-
-def open_data(cfg: PretrainConfig, phase: Phase, rank: int) -> tuple[PretrainingData, Path]:
-    """One phase's shard dataset and tokenizer path, both checked (rank 0 also checks the
-    sha256s)."""
-    shard_dir = Path(phase.shards)
-    where = f"phases[{phase.index}].shards" if cfg.phases else "data.shards"
-    if not shard_dir.is_dir():
-        raise ValueError(f"{where}={str(shard_dir)!r}: no such directory")
-    tokenizer = Path(cfg.data.tokenizer) if cfg.data.tokenizer else shard_dir / TOKENIZER
-    if not tokenizer.is_file():
-        raise ValueError(
-            f"tokenizer {tokenizer} not found: set data.tokenizer to the tokenizer.json the "
-            "shards were made with"
-        )
-    data = PretrainingData(
-        shard_dir,
-        max_seq_length=phase.max_seq_length,
-        masking=cfg.data.masking,
-        seed=cfg.train.seed,
-        verify_checksums=cfg.data.verify_checksums and rank == 0,
-        tokenizer_path=tokenizer,
-    )
-    return data, tokenizer
-
-
-def open_phases(cfg: PretrainConfig, rank: int) -> tuple[list[PretrainingData], Path]:
-    """Every phase's data (checked up front: a bad phase-2 directory fails before phase 1
-    trains) and the run's tokenizer, which every phase must share."""
-    datas, tokenizers = [], []
-    for phase in cfg.resolved_phases():
-        data, tokenizer = open_data(cfg, phase, rank)
-        datas.append(data)
-        tokenizers.append(tokenizer)
-    first = sha256_file(tokenizers[0])
-    for phase, tokenizer in zip(cfg.resolved_phases()[1:], tokenizers[1:]):
-        if sha256_file(tokenizer) != first:
-            raise ValueError(
-                f"phase {phase.name!r} reads shards made with another tokenizer ({tokenizer}) "
-                f"than the first phase ({tokenizers[0]}): every phase needs the same one"
-            )
-    return datas, tokenizers[0]
-
-
-def open_validation(cfg: PretrainConfig) -> list[PretrainingData]:
-    """Every phase's held-out validation split (a ShardError naming the flags when its shards
-    have none: ``train.eval_every`` needs one)."""
-    return [
-        PretrainingData(
-            Path(phase.shards),
-            max_seq_length=phase.max_seq_length,
-            masking=cfg.data.masking,
-            seed=cfg.train.seed,
-            split="validation",
-        )
-        for phase in cfg.resolved_phases()
-    ]
-
-
-def data_identity(
-    datas: list[PretrainingData],
-    tokenizer: Path,
-    init: str | None = None,
-    deepspeed_config: str | None = None,
-) -> dict[str, str]:
-    """What the run trains on, by content: a digest of the shards' sha256s (from the
-    manifests, phase after phase), the tokenizer's sha256, when it continues from a
-    checkpoint, the checkpoint's content, and with ``engine.deepspeed_config`` that file's
-    sha256 (a file edited between two attempts is not the run's any more). A moved or copied
-    shard directory or checkpoint keeps its identity."""
-    import hashlib
-
-    shards = [shard["sha256"] for data in datas for shard in data.manifest["shards"]]
-    digest = hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()
-    identity = {"shards_sha256": digest, "tokenizer_sha256": sha256_file(tokenizer)}
-    if init is not None:
-        identity["init_sha256"] = directory_digest(init)
-    if deepspeed_config is not None:
-        identity["deepspeed_config_sha256"] = sha256_file(Path(deepspeed_config))
-    return identity
-
-
-ADDED_KEYS = (
-    ("data_identity", False),
-    ("phases", True),
-    ("engine.deepspeed_config", True),
-    ("data_identity.deepspeed_config_sha256", False),
-)
-"""Keys added to a run's config.yaml after run directories were first written: (dotted key,
-whether it is left out only when its value now is empty). A run directory saved without one
-is compared without it, so it still resumes."""
-
-
-def _without_keys_added_since(saved: dict[str, Any], resolved: dict[str, Any]) -> dict[str, Any]:
-    """``resolved`` less the ``ADDED_KEYS`` that ``saved`` does not have (a copy)."""
-    out = copy.deepcopy(resolved)
-    for key, only_if_empty in ADDED_KEYS:
-        *parents, last = key.split(".")
-        old, new = saved, out
-        for part in parents:
-            old, new = old.get(part, {}), new.get(part)
-            if not isinstance(old, dict) or not isinstance(new, dict):
-                break
-        else:
-            if last not in old and last in new and not (only_if_empty and new[last]):
-                del new[last]
-    return out
-
-
-def check_run_dir(run_dir: Path, resolved: dict[str, Any]) -> bool:
-    """True when ``run_dir`` already holds this run (resume); ValueError when it holds another
-    config (differences other than ``RESUMABLE_CHANGES``).
-
-    Locations (``LOCATION_KEYS``: the run directory, the shard directory, the tokenizer path)
-    are not compared, the content they name is (``data_identity``), so a run directory moved
-    or copied elsewhere, or shards moved to another file system, resume. Run directories
-    written before ``data_identity`` existed are compared without it."""
-    path = run_dir / CONFIG_FILE
-    if not path.is_file():
-        if run_dir.is_dir() and (run_dir / "checkpoints").exists():
-            raise ValueError(f"{run_dir} has checkpoints but no {CONFIG_FILE}: not reusing it")
-        return False
-    from omegaconf import OmegaConf
-
-    saved = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    assert isinstance(saved, dict)
-    resolved = _without_keys_added_since(saved, resolved)
-    ignored = (*RESUMABLE_CHANGES, *LOCATION_KEYS)
-    # A listed key covers the keys under it (engine.compile_options.max_autotune_gemm).
-    changed = [
-        k
-        for k in diff_keys(saved, resolved)
-        if k not in ignored and not any(k.startswith(f"{key}.") for key in ignored)
-    ]
-    if changed:
-        what = ""
-        if "data_identity.deepspeed_config_sha256" in changed:
-            what = (
-                " (the file engine.deepspeed_config names was edited since the run started: "
-                "restore it, or start another run)"
-            )
-        elif any(k.startswith("data_identity") for k in changed):
-            what = " (the shards or the tokenizer have other content than the run was started with)"
-        raise ValueError(
-            f"{run_dir} holds a run with a different config ({path}); differing keys: "
-            f"{changed}{what}. Use another train.run_dir, or restore those values to resume it."
-        )
-    return True
-
-
-def _rank_seed(seed: int, rank: int) -> int:
-    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
-
 
 # ---------------------------------------------------------------------------- the run
 
@@ -309,7 +125,7 @@ class Trainer:
         # The loss terms compiled with the encoder: fused, they read the bf16 logits a few
         # times instead of upcasting them and passing over them in fp32 op by op.
         self.objective_terms = self.engine.compile_beside(objective_terms)
-        torch.manual_seed(_rank_seed(cfg.train.seed, self.rank))  # dropout differs per rank
+        torch.manual_seed(rank_seed(cfg.train.seed, self.rank))  # dropout differs per rank
         self.phase = self.phases[0]
         self.loader = self._make_loader(self.phase)
         self.store = ckpt.CheckpointStore(
@@ -967,10 +783,6 @@ def _synchronizer(device: torch.device):
 
 def _compute_dtype(cfg: PretrainConfig) -> torch.dtype:
     return {"fp32": torch.float32, "fp16": torch.float16}.get(cfg.engine.precision, torch.bfloat16)
-
-
-class SetupError(ValueError):
-    """Bad config or input, found before any training work (the CLI's exit 2)."""
 
 
 def run(cfg: PretrainConfig) -> RunResult:
