@@ -103,7 +103,7 @@ SCRIPT = textwrap.dedent(
         result = float(model.encoder.embeddings.word_embeddings.weight.grad.abs().sum())
     else:
         # a custom autograd Function whose backward's code is written per process
-        from engine.engine import _widen_autograd_cache
+        from engine.compile import _widen_autograd_cache
 
         class Scaled(torch.autograd.Function):
             @staticmethod

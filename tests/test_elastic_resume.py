@@ -26,7 +26,7 @@ from test_loader import assert_batches_equal, take, write_shard_dir
 
 from data_prep.loader import EpochPlan, PretrainingData, PretrainingLoader
 from engine import reshard
-from engine.engine import _rescaled_micro_step
+from engine.state import _rescaled_micro_step
 
 # ----------------------------------------------------------------------------- the loader
 

@@ -28,10 +28,10 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import model.norm as norm_module
+from engine.compile import _compile_kwargs
 from engine.engine import (
     Engine,
     EngineConfig,
-    _compile_kwargs,
     compile_encoder,
     compile_wanted,
     inductor_options,
