@@ -109,3 +109,18 @@ def test_a_cycle_is_found_even_through_a_lazy_import(tmp_path):
     graph = import_graph(tmp_path, ("pkg",))
     assert cycles(graph) == [["pkg.a", "pkg.b"]]  # b imports a inside a function
     assert graph["pkg.c"] == set()  # TYPE_CHECKING only
+
+
+ROOMS = ("engine", "model", "pretrain", "finetune", "data_prep")
+MAX_LINES = 800
+
+
+def test_no_module_of_the_core_packages_is_over_800_lines():
+    """A module past ~800 lines has more than one job: split it by job."""
+    long = {
+        str(path.relative_to(REPO)): n
+        for package in ROOMS
+        for path in (REPO / package).rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
