@@ -422,23 +422,6 @@ def collate_pair(
     return out
 
 
-__all__ = [
-    "LraSplit",
-    "PathfinderEntry",
-    "SplitStats",
-    "collate",
-    "collate_pair",
-    "load_split",
-    "read_aclimdb",
-    "read_cifar_batch",
-    "read_hf_imdb",
-    "read_listops",
-    "read_pathfinder_metadata",
-    "read_retrieval",
-    "split_indices",
-]
-
-
 __all__ = [  # the readers of every format (images.py's re-exported), and what they return
     "PATHFINDER_SPLIT_SEED",
     "LraSplit",
