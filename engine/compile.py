@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine import compat
 from engine.config import EngineConfig, check_compile_scope
 from model.orthogonal import (
     name_forward_cache_keys,
@@ -90,8 +91,7 @@ def _allow_recompiles(layers: int) -> None:
     needs an entry of its own (the per-forward caches of the encoder are looked up by module,
     so each entry is guarded on its layer's modules): with torch's limit of 8 the ninth
     distinct layer would run eagerly, silently."""
-    from torch._dynamo import config as dynamo_config
-
+    dynamo_config = compat.dynamo_config()
     wanted = COMPILES_PER_LAYER * layers
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, wanted)
     dynamo_config.accumulated_recompile_limit = max(
@@ -129,9 +129,7 @@ def _widen_autograd_cache(backend: str) -> None:
     """
     if backend != "inductor":
         return
-    from torch._functorch import config as functorch_config
-    from torch._inductor import config as inductor_config
-
+    functorch_config, inductor_config = compat.functorch_config(), compat.inductor_config()
     marked = inductor_config.unsafe_marked_cacheable_functions
     missing = {name: torch.__version__ for name in AUTOCAST_REGION_FUNCTIONS if name not in marked}
     if missing:
@@ -160,9 +158,7 @@ def _compile_kwargs(mode: str, options: dict[str, Any] | None) -> dict[str, Any]
     way itself)."""
     if not options:
         return {"mode": None if mode == "default" else mode}
-    from torch._inductor import list_mode_options
-
-    base = {} if mode == "default" else list_mode_options(mode)
+    base = {} if mode == "default" else compat.inductor_mode_options(mode)
     return {"options": {**base, **options}}
 
 
@@ -174,9 +170,8 @@ def use_compile_cache(path: str | None) -> Path:
     A path that cannot be created or written is a ValueError naming the key, at start-up rather
     than at the first compilation."""
     if path is None:  # where torch will put it (without creating it: nothing may compile)
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-        return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()).absolute()
+        cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or compat.inductor_default_cache_dir()
+        return Path(cache).absolute()
     folder = Path(os.path.expandvars(os.path.expanduser(path))).absolute()
     try:
         (folder / "triton").mkdir(parents=True, exist_ok=True)
@@ -196,8 +191,7 @@ def compile_cache_counts() -> dict[str, int]:
     cache, ``compiled`` (looked up and missed), ``uncached`` (not cacheable, compiled); and of
     AOTAutograd's joint graphs (forward and backward of one compiled region): ``joint_loaded``
     from its cache, ``joint_traced`` traced again (missed, or left out of the cache)."""
-    from torch._dynamo.utils import counters
-
+    counters = compat.compiler_counters()
     inductor, aot = counters["inductor"], counters["aot_autograd"]
     return {
         "loaded": int(inductor["fxgraph_cache_hit"]),
@@ -217,5 +211,5 @@ def _named_backend(backend: str) -> Iterator[None]:
     except Exception as e:
         if type(e).__name__ != "InvalidBackend":
             raise
-        valid = torch._dynamo.list_backends(exclude_tags=())
+        valid = torch.compiler.list_backends(exclude_tags=())
         raise ValueError(f"engine.compile_backend={backend!r} is invalid; valid: {valid}") from e

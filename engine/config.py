@@ -344,8 +344,9 @@ def inductor_options(cfg: EngineConfig) -> dict[str, Any]:
         )
     import difflib
 
-    from torch._inductor import config as inductor_config
+    from engine import compat
 
+    inductor_config = compat.inductor_config()
     known = inductor_config.get_config_copy()
     flat: dict[str, Any] = {}
 

@@ -95,6 +95,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
+from engine import compat
 from engine.collectives import Collectives
 from engine.compile import (
     COMPILES_PER_LAYER,
@@ -542,27 +543,7 @@ def shutdown() -> None:
     a new group instead of failing on a destroyed one ("Group ... is not registered")."""
     if torch_dist.is_available() and torch_dist.is_initialized():
         torch_dist.destroy_process_group()
-    groups = sys.modules.get("deepspeed.utils.groups")
-    if groups is not None:
-        for name in (
-            "_WORLD_GROUP",
-            "_ZERO_PARAM_INTRA_PARALLEL_GROUP",
-            "_DATA_PARALLEL_GROUP",
-            "_MODEL_PARALLEL_GROUP",
-            "_TENSOR_MODEL_PARALLEL_GROUP",
-        ):
-            if hasattr(groups, name):
-                setattr(groups, name, None)
-        for name in (
-            "_EXPERT_PARALLEL_GROUP",
-            "_EXPERT_PARALLEL_GROUP_RANKS",
-            "_EXPERT_DATA_PARALLEL_GROUP",
-            "_EXPERT_DATA_PARALLEL_GROUP_RANKS",
-            "_ALL_TO_ALL_GROUP",
-        ):
-            cached = getattr(groups, name, None)
-            if isinstance(cached, dict):
-                cached.clear()
+    compat.forget_deepspeed_groups()
 
 
 __all__ = [  # the engine, and the names its users import from here (config, compile, step)

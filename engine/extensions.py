@@ -214,12 +214,10 @@ def import_deepspeed() -> types.ModuleType:
         import deepspeed
 
         return deepspeed
-    sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises
-    try:
+    from engine.compat import module_hidden
+
+    with module_hidden("mlflow"):  # `import mlflow` raises inside
         import deepspeed
-    finally:
-        if sys.modules.get("mlflow", 0) is None:
-            del sys.modules["mlflow"]
     return deepspeed
 
 

@@ -44,6 +44,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from engine.compat import foreach_ops, zero_partitions
+
+_FOREACH = foreach_ops()  # torch's multi-tensor ops (torch._foreach_*)
 WEIGHT_NORM_CLAMP = 10.0
 """``phi(z) = min(z, 10)``: pytorch_optimizer's clamp of the weight norm in the trust ratio."""
 
@@ -82,7 +85,7 @@ def _update(
     weights and of the update (stacked). With ``skipped`` (a device bool) true, the gradient is
     zeroed and the moments' decay is 1, chosen on the device."""
     if grad_scale is not None:
-        torch._foreach_mul_(g, grad_scale)
+        _FOREACH.mul_(g, grad_scale)
     b1: float | Tensor = beta1
     b2: float | Tensor = beta2
     if skipped is not None:
@@ -91,16 +94,16 @@ def _update(
         for grad in g:
             torch.where(skipped, zero, grad, out=grad)
         b1, b2 = torch.where(skipped, 1.0, beta1), torch.where(skipped, 1.0, beta2)
-    torch._foreach_mul_(m, b1)
-    torch._foreach_add_(m, g, alpha=1.0 - beta1)
-    torch._foreach_mul_(v, b2)
-    torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
-    update = torch._foreach_sqrt(v)
-    torch._foreach_add_(update, eps)
-    update = torch._foreach_div(m, update)
+    _FOREACH.mul_(m, b1)
+    _FOREACH.add_(m, g, alpha=1.0 - beta1)
+    _FOREACH.mul_(v, b2)
+    _FOREACH.addcmul_(v, g, g, value=1.0 - beta2)
+    update = _FOREACH.sqrt(v)
+    _FOREACH.add_(update, eps)
+    update = _FOREACH.div(m, update)
     if wd != 0.0:
-        torch._foreach_add_(update, w, alpha=wd)
-    return update, torch.stack(torch._foreach_norm(w)), torch.stack(torch._foreach_norm(update))
+        _FOREACH.add_(update, w, alpha=wd)
+    return update, torch.stack(_FOREACH.norm(w)), torch.stack(_FOREACH.norm(update))
 
 
 def _apply(w: list[Tensor], update: list[Tensor], scale: Tensor) -> None:
@@ -110,10 +113,10 @@ def _apply(w: list[Tensor], update: list[Tensor], scale: Tensor) -> None:
     two multi-tensor operators (a per-tensor broadcast would be one operator per tensor)."""
     scales = list(scale.unbind())
     if torch.compiler.is_compiling():
-        torch._foreach_addcmul_(w, update, scales)
+        _FOREACH.addcmul_(w, update, scales)
         return
-    torch._foreach_mul_(update, scales)
-    torch._foreach_add_(w, update)
+    _FOREACH.mul_(update, scales)
+    _FOREACH.add_(w, update)
 
 
 @functools.cache
@@ -322,10 +325,8 @@ def zero_layouts(zero_optimizer: Any) -> list[tuple[Tensor, FlatLayout]]:
     import torch.distributed as dist
 
     out = []
-    for i, flat in enumerate(zero_optimizer.single_partition_of_fp32_groups):
-        group = zero_optimizer.real_dp_process_group[i]
+    for i, (flat, group, partitions, offsets, metas) in enumerate(zero_partitions(zero_optimizer)):
         rank = dist.get_rank(group=group)
-        partitions = zero_optimizer.parallel_partitioned_bit16_groups[i]
         lo = sum(int(t.numel()) for t in partitions[:rank])
         hi = lo + int(partitions[rank].numel())
         if hi - lo != flat.numel():
@@ -333,8 +334,6 @@ def zero_layouts(zero_optimizer: Any) -> list[tuple[Tensor, FlatLayout]]:
                 f"DeepSpeed ZeRO group {i}: partition of {hi - lo} elements, fp32 buffer of "
                 f"{flat.numel()}: an unknown layout"
             )
-        metas = zero_optimizer.round_robin_bit16_meta[i]
-        offsets = zero_optimizer.round_robin_bit16_offsets[i]
         pieces = []
         for t, (offset, meta) in enumerate(zip(offsets, metas)):
             start, end = max(int(offset), lo), min(int(offset) + int(meta.numel()), hi)

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
+
+from engine import compat
 
 
 class DataParallelMapSharding:
@@ -57,8 +58,7 @@ class DataParallelMapSharding:
         chunk = sizes[0]  # the largest share: every rank sends this many rows
         if part.size(0) < chunk:
             part = torch.cat([part, part.new_zeros(chunk - part.size(0), *part.shape[1:])])
-        full = funcol.all_gather_single_autograd(part.contiguous(), 0, dist.group.WORLD)
-        full = funcol.wait_tensor(full)
+        full = compat.all_gather_with_autograd(part.contiguous(), dist.group.WORLD)
         if sizes[-1] == chunk:  # equal shares: no padding to drop
             return full
         return torch.cat([full[r * chunk : r * chunk + n] for r, n in enumerate(sizes)])

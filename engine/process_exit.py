@@ -18,7 +18,6 @@ ALBATROSS_FULL_EXIT=1 always exits normally.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import sys
@@ -35,7 +34,9 @@ def exit_process(code: int | None) -> NoReturn:
     ]
     if waits_for or os.environ.get("ALBATROSS_FULL_EXIT") == "1":
         sys.exit(code)
-    atexit._run_exitfuncs()
+    from engine.compat import run_exit_handlers
+
+    run_exit_handlers()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # closed, or a reader that went away
             stream.flush()

@@ -51,19 +51,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import io
 import json
-import multiprocessing
 import os
 import re
 import shutil
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from engine import compat
 from engine.extensions import import_deepspeed
 
 UNIVERSAL_DIR = "universal"
@@ -205,7 +203,7 @@ def to_universal(
                 stack.enter_context(contextlib.redirect_stdout(log))
                 stack.enter_context(contextlib.redirect_stderr(log))
             if workers > 1:
-                stack.enter_context(_spawned_workers(ds_to_universal))
+                stack.enter_context(compat.spawned_process_pools(ds_to_universal))
             ds_to_universal.main(args)
     except Exception as exc:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -262,22 +260,6 @@ def repair_zero3_load(ds_optimizer: Any, universal: str | os.PathLike[str]) -> N
         step = state.get("step")
         if isinstance(step, torch.Tensor):
             state["step"] = step.clone()
-
-
-@contextlib.contextmanager
-def _spawned_workers(module: Any) -> Iterator[None]:
-    """Make ``module``'s ``ProcessPoolExecutor`` start its workers with ``spawn``: DeepSpeed's
-    default (``fork`` on Linux) deadlocks the workers as soon as this process has used torch's
-    OpenMP thread pool (measured: an ALBERT-base conversion after any torch work in the parent
-    hung forever in futex waits), since libgomp does not survive a fork."""
-    original = module.ProcessPoolExecutor
-    module.ProcessPoolExecutor = functools.partial(
-        original, mp_context=multiprocessing.get_context("spawn")
-    )
-    try:
-        yield
-    finally:
-        module.ProcessPoolExecutor = original
 
 
 def check_convertible(directory: str | os.PathLike[str]) -> int:

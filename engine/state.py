@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine import compat
 from engine.checkpoint import CheckpointError
 from engine.extensions import import_deepspeed
 
@@ -256,17 +257,13 @@ class EngineState:
             raise reshard.ReshardError(
                 f"{directory}: the conversion to a universal checkpoint failed on rank 0"
             )
-        config = self._ds._config
-        config.load_universal_checkpoint = True
-        try:
+        with compat.universal_checkpoint_loading(self._ds):
             path, client = self._ds.load_checkpoint(
                 str(target.parent),
                 tag=target.name,
                 load_optimizer_states=True,
                 load_lr_scheduler_states=False,
             )
-        finally:
-            config.load_universal_checkpoint = False
         if self.cfg.zero_stage == 3:
             reshard.repair_zero3_load(self._ds.optimizer, target)
         if path is None or client is None or "albatross" not in client:

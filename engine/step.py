@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
+from engine import compat
 from engine.compile import compile_function
 from engine.config import inductor_options
 from model.orthogonal import (
@@ -74,15 +75,17 @@ class StepGuard:
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.skip = False
-        original = optimizer.step
 
-        @functools.wraps(original)
-        def guarded_step(*args: Any, **kwargs: Any) -> Any:
-            if self.skip:
-                return None
-            return original(*args, **kwargs)
+        def wrap(original: Callable) -> Callable:
+            @functools.wraps(original)
+            def guarded_step(*args: Any, **kwargs: Any) -> Any:
+                if self.skip:
+                    return None
+                return original(*args, **kwargs)
 
-        optimizer.step = guarded_step  # instance attribute: the class is untouched
+            return guarded_step
+
+        compat.wrap_optimizer_step(optimizer, wrap)
 
 
 def batch_to_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
@@ -420,7 +423,7 @@ class Stepping:
         if sched.last_epoch == applied:
             return
         sched.last_epoch = applied
-        sched._step_count = applied + 1  # what as many scheduler.step() calls leave
+        compat.set_scheduler_step_count(sched, applied + 1)
         lrs = [
             base * fn(applied) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)
         ]
@@ -451,20 +454,13 @@ class Stepping:
         (DeepSpeed's ``averaged_gradients``, summed over the data-parallel group: what its own
         norm reads), kept on the device; the LAMB scales the gradients by
         ``min(1, gradient_clipping / (norm + 1e-6))`` as it steps (DeepSpeed's formula)."""
-        zero = self._ds.optimizer
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for i in range(len(zero.bit16_groups)):
-            grads = [
-                g
-                for g in (zero.averaged_gradients.get(i) or [])
-                if not getattr(g, "_zero_padding", False)
-            ]
+        for grads, group in compat.zero_reduced_gradients(self._ds.optimizer):
             squares = (
-                torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
+                torch.stack(compat.foreach_ops().norm(grads)).float().pow(2).sum()
                 if grads
                 else torch.zeros((), dtype=torch.float32, device=self.device)
             )  # every rank joins the all-reduce, with or without gradients here
-            group = zero.real_dp_process_group[i]
             if self._collective and torch_dist.get_world_size(group) > 1:
                 torch_dist.all_reduce(squares, group=group)
             total = total + squares
