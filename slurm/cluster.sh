@@ -62,27 +62,63 @@ install_packages() {
 
 node_names() { local i; for i in $(seq 1 "$1"); do echo "$PREFIX$i"; done; }
 
-write_hosts() { # the node names -> 127.0.10.<i>, between marker lines in /etc/hosts
-  local n=$1 tmp i
+# /etc/hosts: the node names between two marker lines, matched as literal whole lines (awk, never
+# a regex: the markers hold a "/"). Before the first edit the file is copied to $STATE/hosts.orig;
+# removing the block gives back that copy byte for byte when nothing else in the file changed.
+# Earlier versions of this script, whose sed took the "/" for the end of the address, replaced the
+# opening marker with the line in HOSTS_GARBAGE: such a line opens a block too, so it is repaired.
+HOSTS_FILE=${ALBATROSS_HOSTS_FILE:-/etc/hosts}
+HOSTS_GARBAGE='luster.sh nodes$/,/^# <<< albatross slurm/cluster.sh nodes$/d'
+
+hosts_without_block() { # $HOSTS_FILE without our blocks (and old versions' leftovers) -> stdout
+  awk -v begin="$HOSTS_BEGIN" -v end="$HOSTS_END" -v garbage="$HOSTS_GARBAGE" '
+    $0 == begin || $0 == garbage { if (inside) printf "%s", held; inside = 1; held = ""; next }
+    inside && $0 == end { inside = 0; held = ""; next }
+    inside { held = held $0 "\n"; next }
+    { print }
+    END { if (inside) printf "%s", held } # a block never closed: keep what followed its marker
+  ' "$HOSTS_FILE"
+}
+
+hosts_rewrite() { # stdin -> $HOSTS_FILE, in place (it may be a bind mount), only when it differs
+  local tmp
   tmp=$(mktemp)
-  sed "/^$HOSTS_BEGIN\$/,/^$HOSTS_END\$/d" /etc/hosts >"$tmp"
-  {
-    echo "$HOSTS_BEGIN"
-    for i in $(seq 1 "$n"); do echo "127.0.10.$i $PREFIX$i"; done
-    echo "$HOSTS_END"
-  } >>"$tmp"
-  cat "$tmp" >/etc/hosts # in place: /etc/hosts may be a bind mount
+  cat >"$tmp"
+  cmp -s "$tmp" "$HOSTS_FILE" || cat "$tmp" >"$HOSTS_FILE"
   rm -f "$tmp"
 }
 
-remove_hosts() {
-  if grep -qF "$HOSTS_BEGIN" /etc/hosts 2>/dev/null; then
-    local tmp
-    tmp=$(mktemp)
-    sed "/^$HOSTS_BEGIN\$/,/^$HOSTS_END\$/d" /etc/hosts >"$tmp"
-    cat "$tmp" >/etc/hosts
-    rm -f "$tmp"
+write_hosts() { # the node names -> 127.0.10.<i>, between the marker lines
+  local n=$1 i stripped
+  mkdir -p "$STATE"
+  if ! grep -qxF -e "$HOSTS_BEGIN" -e "$HOSTS_GARBAGE" "$HOSTS_FILE"; then
+    cp -p "$HOSTS_FILE" "$STATE/hosts.orig" # as it was before this script touched it
   fi
+  stripped=$(mktemp)
+  hosts_without_block >"$stripped"
+  {
+    cat "$stripped"
+    echo "$HOSTS_BEGIN"
+    for i in $(seq 1 "$n"); do echo "127.0.10.$i $PREFIX$i"; done
+    echo "$HOSTS_END"
+  } | hosts_rewrite
+  rm -f "$stripped"
+}
+
+remove_hosts() { # the block (and old leftovers) out; the original bytes back where they match
+  grep -qxF -e "$HOSTS_BEGIN" -e "$HOSTS_GARBAGE" "$HOSTS_FILE" 2>/dev/null || return 0
+  local stripped
+  stripped=$(mktemp)
+  hosts_without_block >"$stripped"
+  # awk ends every line with a newline: an original without a final newline compares equal
+  # once one is added, and is then restored exactly.
+  if [ -f "$STATE/hosts.orig" ] &&
+    cmp -s "$stripped" <(cat "$STATE/hosts.orig"; [ -z "$(tail -c1 "$STATE/hosts.orig")" ] || echo); then
+    hosts_rewrite <"$STATE/hosts.orig"
+  else
+    hosts_rewrite <"$stripped"
+  fi
+  rm -f "$stripped" "$STATE/hosts.orig"
 }
 
 check_conf_is_ours() {
@@ -313,6 +349,12 @@ start() {
   echo "slurm ready: $n nodes $PREFIX[1-$n] ($(nproc) CPUs each), partition debug; $acct; logs in $STATE/log"
 }
 
+stop_stepds() { # the job step daemons outlive slurmd and may ignore SIGTERM: SIGKILL after 5 s
+  pkill -x slurmstepd 2>/dev/null || return 0
+  for _ in $(seq 1 20); do pgrep -x slurmstepd >/dev/null || return 0; sleep 0.25; done
+  pkill -9 -x slurmstepd 2>/dev/null || true
+}
+
 stop() {
   local purge=0
   [ "${1:-}" = "--purge" ] && purge=1
@@ -324,6 +366,7 @@ stop() {
     kill "$pid" 2>/dev/null || true
     for _ in $(seq 1 80); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
   fi
+  stop_stepds
   remove_hosts
   if [ -f "$CONF" ] && grep -qF "$MARK" "$CONF"; then rm -f "$CONF" "$DBD_CONF"; fi
   if [ "$purge" = 1 ]; then rm -rf "$STATE"; fi
@@ -376,5 +419,8 @@ case "${1:-}" in
     ;;
   kill-node) shift; kill_node "$@" ;;
   revive-node) shift; revive_node "$@" ;;
+  # The /etc/hosts edits alone (tests run them on a copy through ALBATROSS_HOSTS_FILE).
+  hosts-write) shift; write_hosts "${1:?hosts-write needs a node count}" ;;
+  hosts-remove) remove_hosts ;;
   *) die "usage: bash slurm/cluster.sh start [--nodes N] [--install] [--no-accounting] | status | stop [--purge] | kill-node NAME | revive-node NAME" 2 ;;
 esac

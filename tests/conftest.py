@@ -12,6 +12,7 @@ module) and ``unit`` when it carries neither. CI runs all three.
 """
 
 import os
+from pathlib import Path
 
 # Before anything imports transformers / huggingface_hub: tests never download.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -62,7 +63,13 @@ def slurm_cluster():
     running_before = (
         subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).returncode == 0
     )
+    hosts = Path("/etc/hosts")
+    hosts_before = hosts.read_bytes() if hosts.exists() else None
     start_cluster()
     yield
     if not running_before:  # leave a cluster that was already up alone
         subprocess.run(["bash", str(REPO / "slurm" / "cluster.sh"), "stop"], capture_output=True)
+        # start + stop leave /etc/hosts as they found it, byte for byte (an error here, at the
+        # session's end, names the last Slurm test)
+        after = hosts.read_bytes() if hosts.exists() else None
+        assert after == hosts_before, f"/etc/hosts changed by cluster.sh start + stop:\n{after!r}"
