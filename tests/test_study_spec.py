@@ -265,7 +265,7 @@ def test_settings_file_and_flags(tmp_path, monkeypatch):
 def test_one_study_run_per_directory(tmp_path):
     with (
         study_lock(tmp_path),
-        pytest.raises(StudyBusy, match=r"in use by another .*pid"),
+        pytest.raises(StudyBusy, match=r"written by another `study run` .*pid"),
         study_lock(tmp_path),
     ):
         pass

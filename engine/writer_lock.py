@@ -1,0 +1,104 @@
+"""One writer per directory: a run directory, a shard set, a fine-tuning sweep or a study.
+
+``one_writer(directory, what)`` holds an exclusive ``flock`` on ``<directory>/.writer.lock`` for
+as long as the writer runs and records the holder in it (host, pid, Slurm job, start time). A
+second writer is refused at once with ``DirectoryBusy`` naming the holder; the commands turn that
+into exit 2. A holder that died (SIGKILL, OOM) releases the lock with its process: the kernel
+drops it, so a resume is never blocked by a dead writer.
+
+Slurm's requeue of the same job is not a second writer: its earlier incarnation has ended, or is
+ending (a lost node's lock on a network file system lasts until the server's lease on it
+expires). A writer whose Slurm job id equals the holder's therefore waits up to
+``REQUEUE_WAIT_S`` for the lock before it gives up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+LOCK_FILE = ".writer.lock"
+REQUEUE_WAIT_S = 180.0
+"""How long a requeued Slurm job waits for its own earlier incarnation's lock: longer than an
+NFSv4 lease (90 s by default), so a lost node's lock has expired by then."""
+
+
+class DirectoryBusy(RuntimeError):
+    """Another live process writes the directory; the message names it and what to do."""
+
+
+def _holder() -> dict[str, object]:
+    record: dict[str, object] = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    job = os.environ.get("SLURM_JOB_ID")
+    if job:
+        array = os.environ.get("SLURM_ARRAY_JOB_ID")
+        task = os.environ.get("SLURM_ARRAY_TASK_ID")
+        record["slurm_job"] = f"{array}_{task}" if array and task else job
+    return record
+
+
+def describe(record: dict[str, object]) -> str:
+    text = f"host {record.get('host', '?')}, pid {record.get('pid', '?')}"
+    if record.get("slurm_job"):
+        text += f", Slurm job {record['slurm_job']}"
+    if record.get("since"):
+        text += f", since {record['since']}"
+    return text
+
+
+def read_holder(directory: Path) -> dict[str, object]:
+    """The recorded holder of ``directory``'s lock ({} when none was recorded)."""
+    try:
+        record = json.loads((Path(directory) / LOCK_FILE).read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def one_writer(directory: str | os.PathLike[str], what: str, hint: str = "") -> Iterator[None]:
+    """Hold ``directory`` as its only writer for the block (the directory is created).
+
+    ``what`` names the writer in the refusal ("pretraining run", "study run", ...); ``hint``
+    adds what the user can do instead."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if not _try_lock(fd):
+            holder = read_holder(directory)
+            mine = _holder().get("slurm_job")
+            deadline = time.monotonic() + (
+                REQUEUE_WAIT_S if mine and holder.get("slurm_job") == mine else 0
+            )
+            while not _try_lock(fd):
+                if time.monotonic() >= deadline:
+                    raise DirectoryBusy(
+                        f"{directory} is written by another {what} ({describe(holder) if holder else 'holder unknown'}); "
+                        f"one writer per directory: wait for it to end or stop it"
+                        + (f"; {hint}" if hint else "")
+                    )
+                time.sleep(1.0)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(_holder()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
