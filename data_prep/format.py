@@ -74,12 +74,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from engine.files import atomic_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -171,39 +172,15 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def publish_mode(path: str | os.PathLike) -> None:
-    """Gives a finished file the mode a normally created file gets (mkstemp's temp files are
-    0600, which would make shards unreadable to the rest of a team on a shared cluster)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Writes via a temp file in the same directory and os.replace: never a half-written file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        publish_mode(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, f"{Path(path).name}", unique=True) as tmp:
+        tmp.write_text(text)
 
 
 def atomic_save_npy(path: str | os.PathLike, array: np.ndarray) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npy", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array, allow_pickle=False)
-        publish_mode(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, f"{Path(path).name}", unique=True) as tmp, open(tmp, "wb") as f:
+        np.save(f, array, allow_pickle=False)
 
 
 @dataclass(frozen=True)

@@ -82,17 +82,19 @@ The CLI prints the acceptance rate and timing of every run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import math
 import os
 import random
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
+
+from engine.files import atomic_file
 
 MIN = "[MIN"
 MAX = "[MAX"
@@ -531,7 +533,7 @@ def write_splits(
 
     `sizes` is {"train": n, "val": n, "test": n} or (train, val, test). Refuses (FileExistsError,
     before generating) when any of the three files exists, unless `overwrite`. Every file goes
-    through a temporary file in `out_dir` and `os.replace`; the three replaces happen only after
+    through a temporary file in `out_dir` (`engine.files.atomic_file`); the three replaces happen only after
     all three files are fully written.
     """
     counts = _normalize_sizes(sizes)
@@ -554,27 +556,18 @@ def write_splits(
         progress=progress,
     )
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    tmps: dict[str, Path] = {}
-    try:
+    with contextlib.ExitStack() as files:  # the three replaces happen as the stack closes
         start = 0
         for split in SPLITS:
             rows = examples[start : start + counts[split]]
             start += counts[split]
-            # Opened with "x" (not mkstemp) so the file gets the usual umask permissions.
-            tmp = paths[split].with_name(f".{paths[split].name}.{uuid.uuid4().hex[:12]}.tmp")
-            tmps[split] = tmp
+            tmp = files.enter_context(atomic_file(paths[split], f"the {split} split", unique=True))
             with open(tmp, "x", newline="", encoding="utf-8") as f:
                 write_tsv(f, rows)
         if not overwrite:
             existing = [str(p) for p in paths.values() if p.exists()]
             if existing:  # appeared while we were generating
                 raise FileExistsError(f"refusing to overwrite {', '.join(existing)}")
-        for split in SPLITS:
-            os.replace(tmps[split], paths[split])
-    except BaseException:
-        for tmp in tmps.values():
-            tmp.unlink(missing_ok=True)
-        raise
     return WrittenSplits(paths=paths, counts=counts, stats=stats)
 
 

@@ -7,15 +7,14 @@ from __future__ import annotations
 import array
 import json
 import logging
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from data_prep import format as fmt
+from engine.files import atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +28,8 @@ def atomic_write_json(path: Path, data: Any) -> None:
 
 def atomic_copy(src: Path, dst: Path) -> None:
     """Copies via a unique temp file + rename (concurrent jobs may copy the same file)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    try:
-        with os.fdopen(fd, "wb") as f, open(src, "rb") as s:
-            shutil.copyfileobj(s, f)
-        fmt.publish_mode(Path(tmp))
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(dst, dst.name, unique=True) as tmp:
+        shutil.copyfile(src, tmp)
 
 
 def _partial_files(out_dir: Path, name: str) -> tuple[Path, Path]:
@@ -47,18 +39,11 @@ def _partial_files(out_dir: Path, name: str) -> tuple[Path, Path]:
 def _raw_to_npy(raw: Path, final: Path, dtype: np.dtype, shape: tuple[int, ...]) -> None:
     """Writes the .npy `final` (np.save's exact bytes) from a raw native-order dump, atomically."""
     assert raw.stat().st_size == int(np.prod(shape)) * dtype.itemsize, (raw, shape)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False}
-            np.lib.format.write_array_header_1_0(f, {**header, "shape": shape})
-            with open(raw, "rb") as src:
-                shutil.copyfileobj(src, f, 1 << 22)
-        fmt.publish_mode(Path(tmp))
-        os.replace(tmp, final)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(final, f"shard file {final.name}", unique=True) as tmp, open(tmp, "wb") as f:
+        header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False}
+        np.lib.format.write_array_header_1_0(f, {**header, "shape": shape})
+        with open(raw, "rb") as src:
+            shutil.copyfileobj(src, f, 1 << 22)
 
 
 class ShardWriter:

@@ -34,6 +34,7 @@ from typing import Any
 
 from data_prep import format as fmt
 from data_prep.readers import DEFAULT_MAX_LINE_CHARS, ReadStats, iter_documents
+from engine.files import atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -239,9 +240,8 @@ def write_tokenizer(
         load_tokenizer(from_tokenizer)  # validates
         out_dir.mkdir(parents=True, exist_ok=True)
         if Path(from_tokenizer).resolve() != target.resolve():
-            tmp = target.with_name(f".{target.name}.tmp")
-            shutil.copyfile(from_tokenizer, tmp)  # byte copy: its sha256 stays the source's
-            os.replace(tmp, target)
+            with atomic_file(target, "the tokenizer") as tmp:
+                shutil.copyfile(from_tokenizer, tmp)  # byte copy: its sha256 stays the source's
         log.info("copied %s to %s", from_tokenizer, target)
         return target
     if not inputs:

@@ -1,16 +1,21 @@
 """Durable file operations: atomic writes (a temporary file, fsync, ``os.replace``, the
 directory fsynced: readers see the old file or the whole new one), checksums of files (hashed in
 threads), and removing a tree without leaving half of it under its name. The checkpoint store
-(`engine/checkpoint.py`) is built on them; every other writer of a status, results or record
-file uses `write_json_atomically` or `write_atomically`."""
+(`engine/checkpoint.py`) is built on them; every other writer of a file or a directory that
+others read goes through `atomic_file`, `write_atomically` / `write_json_atomically` or
+`staged_directory`, which also turn a full disk into `DiskFullError` naming the path and what was
+being written."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -100,23 +105,135 @@ def hash_files(paths: list[Path], algorithm: str, *, fsync: bool) -> list[tuple[
         return [future.result() for future in hashed]
 
 
-def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """Write ``path`` through ``<path>.tmp`` + fsync + ``os.replace``: readers see the old file or
-    the whole new one, never a prefix."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+NEARLY_FULL_BYTES = 64 << 20
+"""A writer's ``RuntimeError`` (torch's zip writer: "unexpected pos ...", "file write failed")
+is taken for a full disk when less than this is left on the file system of the path."""
+
+
+class DiskFullError(OSError):
+    """No space (or quota) left while writing; names the path, what was written and what is
+    kept. An ``OSError`` with ``errno.ENOSPC``, so callers that handle OS errors see one."""
+
+    def __init__(self, path: str | os.PathLike[str], what: str, free: int | None) -> None:
+        left = "" if free is None else f"; {free / 2**20:.1f} MiB free there"
+        super().__init__(
+            errno.ENOSPC,
+            f"no space left on the device while writing {what} to {path}{left}. What was "
+            "complete before is kept and the partial files were removed: free space (or write "
+            "elsewhere) and run the same command again",
+        )
+        self.path = Path(path)
+        self.what = what
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def free_bytes(path: str | os.PathLike[str]) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system of ``path`` (its nearest
+    existing parent), or None where that cannot be asked."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def is_disk_full(exc: BaseException, path: str | os.PathLike[str]) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a full disk or quota while
+    writing under ``path``."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # the cause chain, bounded
+        if seen is None:
+            break
+        if isinstance(seen, OSError) and seen.errno in DISK_FULL_ERRNOS:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    if isinstance(exc, RuntimeError):
+        free = free_bytes(path)
+        return free is not None and free < NEARLY_FULL_BYTES
+    return False
+
+
+@contextlib.contextmanager
+def disk_full_named(path: str | os.PathLike[str], what: str) -> Iterator[None]:
+    """Turn a full disk inside the block into ``DiskFullError`` naming ``path`` and ``what``;
+    every other error passes unchanged."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except (OSError, RuntimeError) as e:
+        if is_disk_full(e, path):
+            raise DiskFullError(path, what, free_bytes(path)) from e
+        raise
+
+
+@contextlib.contextmanager
+def atomic_file(
+    path: str | os.PathLike[str], what: str = "a file", *, unique: bool = False
+) -> Iterator[Path]:
+    """A temporary sibling path to write ``path`` through (for writers that take a path:
+    ``torch.save``, ``np.save``, a tokenizer's ``save``); on success it is fsynced and replaces
+    ``path`` (readers see the old file or the whole new one), on any error it is removed and a
+    full disk is reported as ``DiskFullError``. ``unique``: a hidden temporary name of its own
+    (``.<name>.<random>.tmp``) where several processes may write the same file at once."""
+    path = Path(path)
+    tmp = path.with_name(
+        f".{path.name}.{uuid.uuid4().hex[:12]}.tmp" if unique else path.name + ".tmp"
+    )
+    try:
+        with disk_full_named(path, what):
+            yield tmp
+            fsync_file(tmp)
+            os.replace(tmp, path)
+            fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_atomically(path: Path, write: Callable[[BinaryIO], object], what: str = "a file") -> None:
+    """Write ``path`` through a temporary sibling + fsync + ``os.replace``: readers see the old
+    file or the whole new one, never a prefix (a full disk: ``DiskFullError``)."""
+    with atomic_file(path, what) as tmp, open(tmp, "wb") as f:
         write(f)
         f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
-def write_json_atomically(path: str | os.PathLike[str], value: Any) -> None:
+def write_json_atomically(
+    path: str | os.PathLike[str], value: Any, what: str = "a status file"
+) -> None:
     """``value`` as indented JSON at ``path``, atomically and durably (see
     ``write_atomically``): a status or results file is never seen half-written."""
     data = (json.dumps(value, indent=2) + "\n").encode()
-    write_atomically(Path(path), lambda f: f.write(data))
+    write_atomically(Path(path), lambda f: f.write(data), what)
+
+
+@contextlib.contextmanager
+def staged_directory(final: str | os.PathLike[str], what: str) -> Iterator[Path]:
+    """A staging directory next to ``final`` to fill; on success it is made durable and renamed
+    to ``final`` (which must not exist, or be an empty directory), so ``final`` is whole or
+    absent. On any error the staging directory is removed, and a full disk is reported as
+    ``DiskFullError`` naming ``final`` and ``what``."""
+    final = Path(final)
+    staging = final.with_name(f"{final.name}.partial-{os.getpid()}")
+    remove_tree(staging)
+    try:
+        with disk_full_named(final, what):
+            staging.mkdir(parents=True)
+            yield staging
+            for dirpath, _, names in os.walk(staging):
+                for name in names:
+                    fsync_file(Path(dirpath) / name)
+                fsync_dir(Path(dirpath))
+            os.replace(staging, final)
+            fsync_dir(final.parent)
+    finally:
+        remove_tree(staging)
 
 
 def remove_tree(path: str | os.PathLike[str]) -> None:

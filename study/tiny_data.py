@@ -25,13 +25,14 @@ import os
 import pickle
 import random
 import shutil
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from engine.files import staged_directory
 
 LRA_TASKS = ("listops", "text", "retrieval", "image", "pathfinder")
 GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli", "ax")
@@ -74,14 +75,8 @@ def _staged(root: str | os.PathLike) -> Iterator[Path]:
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise ValueError(f"{root} exists and is not an empty directory; tiny data go to a new one")
     root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = root.parent / f".{root.name}.{uuid.uuid4().hex[:12]}.partial"
-    tmp.mkdir()
-    try:
+    with staged_directory(root, "tiny data") as tmp:  # replaces an empty directory
         yield tmp
-        os.replace(tmp, root)  # replaces an empty directory (POSIX rename)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _np_rng(name: str, seed: int) -> np.random.Generator:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from data_prep.format import atomic_write_text
+from engine.files import atomic_file
 from finetune.glue.tasks import SERVER_FILES, GlueTask, ServerFile, get_task, parse_result_key
 
 log = logging.getLogger(__name__)
@@ -144,11 +145,12 @@ def write_submission_dir(
 def _zip(files: list[Path], target: Path, overwrite: bool) -> Path:
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} already exists; pass overwrite=True to replace it")
-    tmp = target.with_name(f".{target.name}.tmp")
-    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+    with (
+        atomic_file(target, "the GLUE submission archive") as tmp,
+        zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as zf,
+    ):
         for path in files:
             zf.write(path, arcname=path.name)
-    os.replace(tmp, target)
     return target
 
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 import os
 import random
 import re
-import shutil
 from pathlib import Path
 
 from data_prep.corpus import embedded_documents
+from engine.files import staged_directory
 
 POSITIVE = ("good", "great", "excellent", "wonderful", "superb", "brilliant", "lovely", "fine")
 NEGATIVE = ("bad", "awful", "terrible", "boring", "dreadful", "poor", "horrible", "dull")
@@ -90,20 +90,20 @@ def write_synthetic_imdb(
         raise FileExistsError(f"{root} exists; choose another --out or delete it")
     vocab = neutral_words()
     rng = random.Random(f"synthetic-imdb:{seed}")
-    tmp = root.with_name(".aclImdb.partial")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run: ours
-    for split, count in (("train", train), ("test", test)):
-        made = {0: 0, 1: 0}
-        for label in (0, 1):
-            (tmp / split / ("pos" if label else "neg")).mkdir(parents=True, exist_ok=True)
-        while made[0] + made[1] < count:
-            num_words = rng.randint(min_words, max_words)
-            text, label = make_review(rng, vocab, num_words, num_cues, cue_style)
-            if made[label] >= (count + 1 - label) // 2:  # balanced: neg gets the odd one
-                continue
-            rating = rng.randint(7, 10) if label else rng.randint(1, 4)
-            name = f"{made[label]}_{rating}.txt"
-            (tmp / split / ("pos" if label else "neg") / name).write_text(text, encoding="utf-8")
-            made[label] += 1
-    os.replace(tmp, root)
+    with staged_directory(root, "the synthetic IMDb corpus") as tmp:
+        for split, count in (("train", train), ("test", test)):
+            made = {0: 0, 1: 0}
+            for label in (0, 1):
+                (tmp / split / ("pos" if label else "neg")).mkdir(parents=True, exist_ok=True)
+            while made[0] + made[1] < count:
+                num_words = rng.randint(min_words, max_words)
+                text, label = make_review(rng, vocab, num_words, num_cues, cue_style)
+                if made[label] >= (count + 1 - label) // 2:  # balanced: neg gets the odd one
+                    continue
+                rating = rng.randint(7, 10) if label else rng.randint(1, 4)
+                name = f"{made[label]}_{rating}.txt"
+                (tmp / split / ("pos" if label else "neg") / name).write_text(
+                    text, encoding="utf-8"
+                )
+                made[label] += 1
     return root
