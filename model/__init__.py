@@ -9,7 +9,8 @@ Main entry points:
 """
 
 from model.attention import ATTENTION_REGISTRY, register_attention
-from model.config import EncoderConfig, KernelConfig, TISAConfig, TransJectConfig
+from model.attention.tisa import TISAConfig
+from model.config import EncoderConfig, KernelConfig, TransJectConfig
 from model.encoder import Encoder, EncoderOutput
 from model.heads import (
     EncoderForDualClassification,

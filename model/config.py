@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from model.typed_config import (
+    SECTIONS,
     _check_choice,
     _check_positive,
     _check_prob,
     config_from_dict,
     config_to_dict,
     deep_merge,
+    with_sections,
 )
 
 ResidualStyle = Literal["post_ln", "pre_ln", "rezero"]
@@ -33,69 +35,6 @@ AutocastOutput = Literal["compute", "fp32"]
 """What an activation is kept in under autocast: the autocast dtype (bf16), or fp32."""
 
 _ACTIVATIONS = ("gelu_new", "gelu", "relu", "silu")
-
-
-@dataclass
-class TISAConfig:
-    """Translation-invariant self-attention (Wennberg & Henter 2021); docs/methods.md, TISA."""
-
-    num_kernels: int = 5
-    """S, the number of radial-basis kernels per head in f(k) = sum_s a_s exp(-|b_s| (k - c_s)^2)."""
-
-    scope: Literal["shared", "per_layer"] = "shared"
-    """`shared`: one scorer (3*S*H parameters) for every layer application, the TISA authors'
-    setup under ALBERT sharing. `per_layer`: one scorer per layer application (num_hidden_layers x
-    inner_group_num scorers), so positional scoring can differ with depth even when layer weights are shared."""
-
-    init: Literal["random", "zero_amplitude"] = "random"
-    """`random`: the authors' init, c ~ N(0, 5^2), a ~ N(0.1, 0.01^2), b ~ N(0.1, 0.01^2).
-    `zero_amplitude`: same, but a = 0 so adding TISA to a pretrained model leaves its outputs
-    unchanged at step 0 (the paper's GLUE protocol on albert-base-v2)."""
-
-    backend: Literal["auto", "sdpa", "flex", "split"] = "auto"
-    """How the positional score reaches the softmax. `sdpa`: an (H, N, N) float bias built from
-    the 2N-1 values of f per head (plus the key padding, when the batch is padded), passed to
-    scaled_dot_product_attention. `flex`: FlexAttention with a score_mod adding f(j - i) and the
-    key padding in a block mask (no N x N tensor in memory; CUDA, or CPU without gradients,
-    where eager flex still materialises the scores). `split`: SDPA with the same bias but
-    detached, so that the flash / cuDNN kernels, which return no gradient for a bias, stay
-    eligible; the gradient of f's 2N-1 values comes from a Triton kernel of its own (summing the
-    scores' gradients along each diagonal in registers, no atomics; off CUDA a dense reference
-    computes it). No attention dropout (falls back to sdpa, with a warning). Its speed on a GPU
-    is not measured yet (`bench_fast_paths.py tisa-backends` times it). `auto`: per sequence
-    length, flex on CUDA when attention dropout is off and N >= `flex_min_length`, else sdpa."""
-
-    flex_min_length: int = 2048
-    """With `backend: auto` on CUDA: the shortest sequence length that uses FlexAttention; shorter
-    batches use SDPA with the materialised bias, whose (B, H, N, N) tensor is affordable there.
-    Measured (`python bench/bench_fast_paths.py tisa-backends`, H100, bf16, batch 8, 12 heads of
-    64, forward + backward of the mixing step): SDPA is faster up to N = 1024 on a padded batch
-    (4.2 vs 7.6 ms at 1024), flex from 2048 on, padded or not (9.4 vs 15.0 ms at 2048, 85 vs
-    247 ms at 8192); bench/results/fast_paths_tisa_backends_gpu.json. Re-measure for other
-    widths or batch sizes."""
-
-    flex_bias: Literal["table", "dense"] = "table"
-    """How the flex backend's `score_mod` reads f (training on CUDA; the outputs are the same).
-    `table`: from the (H, 2N - 1) table of f's values, no N x N tensor at all; its backward
-    adds the gradient of every score to the table with an atomic, so the 2N - 1 entries of a
-    head are each hit by all the scores on their diagonal (B (N - |k|) of them, many at once).
-    `dense`: from the (H, N, N) fp32 bias built from that table once per forward (H N^2 x 4
-    bytes: 12.6 MB at N = 512, 805 MB at 4096, for 12 heads; no batch dimension); the backward
-    adds each score's gradient to its own entry, the B samples of a batch being the only
-    scores that share one, and the (H, N, N) gradient then goes to the table by the indexing's
-    backward. The bias and its gradient grow as N^2 (3.2 GB each at 8192 tokens): `dense` is for
-    the shorter lengths, the table for long ones. FlexAttention stages the bias's fp32 tiles in
-    shared memory: with torch's three pipeline stages its forward did not compile on an H100
-    (240-304 KB of the 227 KB a block may have), so `dense` asks for two. Which is faster on a
-    GPU is not measured yet (bench_fast_paths.py tisa-backends times both)."""
-
-    def __post_init__(self) -> None:
-        _check_positive("tisa.num_kernels", self.num_kernels)
-        _check_choice("tisa.scope", self.scope, ("shared", "per_layer"))
-        _check_choice("tisa.init", self.init, ("random", "zero_amplitude"))
-        _check_choice("tisa.backend", self.backend, ("auto", "sdpa", "flex", "split"))
-        _check_choice("tisa.flex_bias", self.flex_bias, ("table", "dense"))
-        _check_positive("tisa.flex_min_length", self.flex_min_length)
 
 
 @dataclass
@@ -247,6 +186,16 @@ SIZE_FIELDS = (
 """The encoder's sizes: positive integers that fix the shapes of its tensors."""
 
 
+def _family_options() -> dict[str, type]:
+    """{config key: options class} of the registered attention families, read at parse time:
+    the registry imports no family, and the families (which import this module) register when
+    `model.attention` is imported, before any config is built."""
+    from model.attention.registry import ATTENTION_REGISTRY
+
+    return ATTENTION_REGISTRY.option_sections()
+
+
+@with_sections
 @dataclass
 class EncoderConfig:
     """An ALBERT-style encoder with pluggable attention. Defaults are ALBERT-base v2."""
@@ -340,8 +289,12 @@ class EncoderConfig:
     TransJect's albert-base step. Gauss-Jordan's error is within 3x of LU's (both a few 1e-7 at
     96 x 96; docs/methods.md); its GPU speed is not measured yet, hence not the default."""
 
-    tisa: TISAConfig = field(default_factory=TISAConfig)
-    """Settings of the `tisa` family (ignored by the others)."""
+    family_options: dict[str, Any] = field(
+        default_factory=dict, metadata={SECTIONS: _family_options}
+    )
+    """Each attention family's settings, under the key its `AttentionFamily.options` class is
+    registered with (`tisa`, `kernel`, `transject`, a plugin's own), written and read as a
+    top-level key: `model.tisa.num_kernels` in a recipe, `cfg.tisa.num_kernels` in code."""
 
     kernel: KernelConfig = field(default_factory=KernelConfig)
     """Settings of the `kernel` family (ignored by the others)."""
@@ -352,7 +305,6 @@ class EncoderConfig:
     def __post_init__(self) -> None:
         # Nested sub-configs may arrive as dicts (e.g. from YAML through dataclasses.replace).
         for name, cls in (
-            ("tisa", TISAConfig),
             ("kernel", KernelConfig),
             ("transject", TransJectConfig),
         ):

@@ -10,6 +10,9 @@ Generic helpers with no knowledge of any particular config, used by every layer:
     deep_merge(base, overrides)   nested dicts merged key by key (presets, DeepSpeed configs)
     field_docs(cls)               each field's docstring (the string literal under it), read
                                   from the source; what docs/config.md is generated from
+    with_sections, SECTIONS       a config whose sections are known only when it is parsed
+                                  (``EncoderConfig``'s attention-family settings, each family
+                                  bringing its own class): ``config_sections(cls)`` names them
     _check_choice / _check_positive / _check_prob
                                   one-line field checks for ``__post_init__``; each raises a
                                   ``ValueError`` naming the field and the valid values
@@ -24,8 +27,10 @@ without a cycle. Recipe policy (YAML files, dotted overrides, renamed keys) is
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import difflib
+import functools
 import inspect
 import itertools
 import textwrap
@@ -64,7 +69,7 @@ def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any
 
 
 def _unknown_key_error(cls: type, key: str, prefix: str) -> ValueError:
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = config_keys(cls)
     where = f"{prefix}.{key}" if prefix else key
     hint = difflib.get_close_matches(key, names, n=1)
     suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
@@ -137,19 +142,50 @@ def config_from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     if not isinstance(data, dict):
         raise ValueError(f"{prefix or cls.__name__} must be a mapping, got {type(data).__name__}")
     hints = get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls) if f.init}
-    kwargs = {}
+    store = _sections_store(cls)
+    known = {f.name for f in dataclasses.fields(cls) if f.init and f is not store}
+    sections = config_sections(cls)
+    kwargs: dict[str, Any] = {}
+    given: dict[str, Any] = {}
     for key, value in data.items():
-        if key not in known:
-            raise _unknown_key_error(cls, key, prefix)
         where = f"{prefix}.{key}" if prefix else key
-        kwargs[key] = _coerce(value, hints[key], where)
+        if key in known:
+            kwargs[key] = _coerce(value, hints[key], where)
+        elif key in sections:
+            given[key] = _coerce(value, sections[key], where)
+        else:
+            raise _unknown_key_error(cls, key, prefix)
+    if store is not None:
+        kwargs[store.name] = given
     return cls(**kwargs)
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:
-    """A plain, JSON-serialisable dict of a (nested) config dataclass."""
-    return dataclasses.asdict(cfg)
+    """A plain, JSON-serialisable dict of a (nested) config dataclass; the sections of a
+    ``with_sections`` config are top-level keys, as they are written."""
+    return _plain_dict(cfg)
+
+
+def _plain_dict(cfg: Any) -> Any:
+    """``dataclasses.asdict``, but with the field of `SECTIONS` replaced by its sections."""
+
+    def plain(x: Any) -> Any:
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            return _plain_dict(x)
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(plain(v) for v in x)
+        return copy.deepcopy(x)
+
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if SECTIONS in f.metadata:
+            out.update((key, plain(section)) for key, section in value.items())
+        else:
+            out[f.name] = plain(value)
+    return out
 
 
 def config_dict(cfg: Any) -> dict[str, Any]:
@@ -162,7 +198,7 @@ def config_dict(cfg: Any) -> dict[str, Any]:
             return [plain(v) for v in x]
         return x
 
-    return plain(dataclasses.asdict(cfg))
+    return plain(config_to_dict(cfg))
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -191,3 +227,77 @@ def field_docs(cls: type) -> dict[str, str]:
                 docs[stmt.target.id] = inspect.cleandoc(after.value.value)
     names = {f.name for f in dataclasses.fields(cls)}
     return {name: doc for name, doc in docs.items() if name in names}
+
+
+# ------------------------------------------------------------------ sections known at parse time
+
+SECTIONS = "config_sections"
+"""Metadata key of the field of a `with_sections` config that holds its sections
+(``field(default_factory=dict, metadata={SECTIONS: find})``, typed ``dict[str, Any]``): the
+value ``find`` names the sections and their dataclasses, ``() -> {key: class}``. It is called
+each time a config is built, so classes registered after the config's module was imported (an
+attention family's settings, a plugin's) are known without the config importing them. The
+sections are written (YAML, JSON, keyword arguments) and read (``cfg.<key>``) as top-level
+keys; the field itself is no key of the config."""
+
+
+def _sections_store(cls: type) -> dataclasses.Field | None:
+    found = [f for f in dataclasses.fields(cls) if SECTIONS in f.metadata]
+    return found[0] if found else None
+
+
+def config_sections(cls: type) -> dict[str, type]:
+    """``{key: dataclass}`` of the sections a `with_sections` config takes now; {} for others."""
+    store = _sections_store(cls)
+    return {} if store is None else dict(store.metadata[SECTIONS]())
+
+
+def config_keys(cls: type) -> list[str]:
+    """The keys a config dataclass takes: its init fields, then its sections (if any)."""
+    store = _sections_store(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init and f is not store]
+    return names + list(config_sections(cls))
+
+
+def with_sections(cls: type[T]) -> type[T]:
+    """Class decorator, above ``@dataclass``, for a config with a field of `SECTIONS`.
+
+    ``cls(**kwargs)`` takes each section as a keyword (a mapping or an instance of its class)
+    and gives every known section a value (its class's defaults when not given), in the order
+    ``find()`` names them, before ``__post_init__`` runs; ``cfg.<key>`` reads one. An unknown
+    keyword raises ``ValueError`` with a "did you mean" hint, as `config_from_dict` does.
+    ``dataclasses.replace`` keeps the sections (they travel in the field)."""
+    store = _sections_store(cls)
+    if store is None:
+        raise TypeError(f"{cls.__name__} has no field with {SECTIONS!r} metadata")
+    own = {f.name for f in dataclasses.fields(cls) if f.init}
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        given = dict(kwargs.pop(store.name, None) or {})
+        given.update((key, kwargs.pop(key)) for key in list(kwargs) if key not in own)
+        sections = config_sections(cls)
+        clash = sorted(own & sections.keys())
+        if clash:
+            raise ValueError(f"sections {clash} of {cls.__name__} have the names of its fields")
+        for key in given:
+            if key not in sections:
+                raise _unknown_key_error(cls, key, "")
+        kwargs[store.name] = {
+            key: _coerce(given[key], section, key) if key in given else section()
+            for key, section in sections.items()
+        }
+        init(self, *args, **kwargs)
+
+    def __getattr__(self: Any, name: str) -> Any:
+        # Only called when normal lookup fails; reads __dict__ directly, so a half-built
+        # instance (unpickling, copying) raises AttributeError rather than recursing.
+        sections = self.__dict__.get(store.name)
+        if sections is not None and name in sections:
+            return sections[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    cls.__getattr__ = __getattr__  # type: ignore[attr-defined]
+    return cls

@@ -5,7 +5,8 @@
 
 Every key, type and default comes from the dataclasses themselves, every description from the
 docstring written under the field (``model.typed_config.field_docs``), so the page cannot drift
-from the code: ``tests/test_config_docs.py`` regenerates it and compares. A new config field
+from the code (the encoder's attention-family sections come from the families registered in
+``model.attention``, each family's options class described as any other section): ``tests/test_config_docs.py`` regenerates it and compares. A new config field
 needs a docstring under it, then a run of this script.
 
 The roots are the recipes a user writes: pretraining (``pretrain.config.PretrainConfig``), GLUE
@@ -34,8 +35,9 @@ if str(ROOT) not in sys.path:  # run as a script: make the project importable
 from data_prep.shards import ShardConfig  # noqa: E402
 from finetune.glue.run import GlueConfig  # noqa: E402
 from finetune.lra.run import LraConfig  # noqa: E402
+from model.attention.registry import ATTENTION_REGISTRY, options_key  # noqa: E402
 from model.config import PRESETS, EncoderConfig  # noqa: E402
-from model.typed_config import field_docs  # noqa: E402
+from model.typed_config import SECTIONS, config_sections, field_docs  # noqa: E402
 from pretrain.config import PretrainConfig  # noqa: E402
 from pretrain.init import INIT_KEY  # noqa: E402
 from study.settings import Settings  # noqa: E402
@@ -224,6 +226,15 @@ class Page:
         for f in dataclasses.fields(cls):
             if not f.init:
                 continue
+            if SECTIONS in f.metadata:  # sections known at parse time (attention families')
+                for name, sub in config_sections(cls).items():
+                    value = getattr(instance, name) if instance is not None else sub()
+                    nested.append((name, sub, value))
+                    where = f"{key}.{name}" if key else name
+                    link = f"see [`{where}`](#{anchor(self._heading(where))})"
+                    text = one_line(registered_section_doc(cls, name, sub))
+                    rows.append(f"| `{name}` | section | {link} | {text} |")
+                continue
             tp = hints[f.name]
             has_default, value = default_of(f, instance)
             sub = section_class(cls, f.name, tp)
@@ -281,6 +292,19 @@ class Page:
             ]
 
     prefix = ""
+
+
+def registered_section_doc(owner: type, name: str, sub: type) -> str:
+    """The table row of a section registered at parse time: for ``EncoderConfig``, the
+    families whose settings it holds (`model.attention.registry`); else its class's doc."""
+    if owner is EncoderConfig:
+        families = [
+            f"`{family}`"
+            for family in ATTENTION_REGISTRY.names()
+            if options_key(ATTENTION_REGISTRY.get(family)) == name
+        ]
+        return f"Settings of the {', '.join(families)} family (ignored by the others)."
+    return class_doc(sub)
 
 
 def section_class(owner: type, name: str, tp: Any) -> type | None:

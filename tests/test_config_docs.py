@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from model.typed_config import field_docs
+from model.typed_config import config_sections, field_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gen_config_docs.py"
@@ -52,6 +52,8 @@ def _leaf_fields(gen, cls, seen):
         return
     seen.add(cls)
     hints = typing.get_type_hints(cls)
+    for sub in config_sections(cls).values():  # e.g. the attention families' settings
+        yield from _leaf_fields(gen, sub, seen)
     for f in dataclasses.fields(cls):
         if not f.init:
             continue

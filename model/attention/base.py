@@ -20,10 +20,11 @@ applications (TISA's positional score f, TransJect's eigenvalues): that is a `Fa
 module held by the encoder; what it returns reaches every layer in `LayerContext.extras`.
 
 A family owns everything else about itself too, through the hooks of its `AttentionFamily`
-entry: the checks of its config section (`validate`), its FLOP count (`mixing_flops`, or
-`layer_flops` / `embedding_flops` for a family with its own layer and embeddings), its
-diagnostics (`diagnostics`: scalars; `figures`: plots) and how its residual gates read
-(`residual_weights`). Code outside `model/attention/` never tests a family's name: a family
+entry: its settings (`options`, a dataclass in the family's file that becomes a section of the
+encoder config), their checks against the rest of the config (`validate`), its FLOP count
+(`mixing_flops`, or `layer_flops` / `embedding_flops` for a family with its own layer and
+embeddings), its diagnostics (`diagnostics`: scalars; `figures`: plots) and how its residual
+gates read (`residual_weights`). Code outside `model/attention/` never tests a family's name: a family
 registered from outside the package (`register_attention`) trains, logs and exports like the
 built-in ones; without a FLOP count it trains without an MFU figure.
 """
@@ -266,6 +267,15 @@ class AttentionFamily:
     """Whether ``engine.compile: auto`` compiles this family's encoder on a GPU: true where its
     compiled training step was measured faster there and correct (BENCHMARKS.md). False until
     measured: a new family runs eager under ``auto``."""
+    options: type | None = None
+    """The family's settings: a dataclass whose fields are the keys of its section of the
+    encoder config, ``model.<options_key>.*`` in a recipe, ``cfg.<options_key>`` in code (each
+    field with a docstring under it, for docs/config.md; checks in its ``__post_init__``). Every
+    config has the section, with the class's defaults when not given (ignored by the other
+    families). None: the family has no settings."""
+    options_key: str | None = None
+    """The key of ``options`` in the encoder config; None: the family's name. Families may share
+    one key only with one class."""
 
 
 def cache_fused_qkv(model: nn.Module, store: dict | None, device_type: str) -> None:

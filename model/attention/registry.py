@@ -14,6 +14,11 @@ naming an `AttentionFamily` (or a module holding one as ``FAMILY``):
 Installed (``pip install my-family``), the family is in every process that imports ``model``:
 ``albatross pretrain ... model.attention=mean`` on the command line, in a torchrun rank, in a
 Slurm job.
+
+A family's settings (``AttentionFamily.options``, a dataclass) are a section of the encoder
+config under the family's key (``model.tisa.num_kernels``): `option_sections` names them, and
+`model.config.EncoderConfig` asks for them each time it parses a config, so the config imports
+no family and a plugin's settings work as the built-in ones do.
 """
 
 from __future__ import annotations
@@ -37,8 +42,26 @@ class AttentionRegistry:
             raise ValueError(f"attention family {family.name!r} is already registered")
         if (family.kernel is None) == (family.layer is None):
             raise ValueError(f"family {family.name!r} must give exactly one of kernel= or layer=")
+        key = options_key(family)
+        if key is not None:
+            theirs = self.option_sections().get(key)
+            if theirs is not None and theirs is not family.options:
+                raise ValueError(
+                    f"family {family.name!r}: the config key {key!r} of its options is taken by "
+                    f"{theirs.__module__}.{theirs.__qualname__}"
+                )
         self._families[family.name] = family
         return family
+
+    def option_sections(self) -> dict[str, type]:
+        """``{config key: options dataclass}`` of the registered families that have settings,
+        in the order they were registered (the order of the sections in a saved config)."""
+        sections: dict[str, type] = {}
+        for family in self._families.values():
+            key = options_key(family)
+            if key is not None:
+                sections.setdefault(key, family.options)
+        return sections
 
     def get(self, name: str) -> AttentionFamily:
         if name not in self._families:
@@ -50,6 +73,13 @@ class AttentionRegistry:
 
     def __contains__(self, name: object) -> bool:
         return name in self._families
+
+
+def options_key(family: AttentionFamily) -> str | None:
+    """The encoder config's key for the family's settings (None: it has none)."""
+    if family.options is None:
+        return None
+    return family.options_key or family.name
 
 
 ATTENTION_REGISTRY = AttentionRegistry()

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,70 @@ from model.attention.hf_export import HFExport, family_code
 from model.attention.softmax import softmax_mixing_flops
 from model.attention.tisa_split import offset_index, split_attention
 from model.config import EncoderConfig
+from model.typed_config import _check_choice, _check_positive
+
+
+@dataclass
+class TISAConfig:
+    """Translation-invariant self-attention (Wennberg & Henter 2021); docs/methods.md, TISA."""
+
+    num_kernels: int = 5
+    """S, the number of radial-basis kernels per head in f(k) = sum_s a_s exp(-|b_s| (k - c_s)^2)."""
+
+    scope: Literal["shared", "per_layer"] = "shared"
+    """`shared`: one scorer (3*S*H parameters) for every layer application, the TISA authors'
+    setup under ALBERT sharing. `per_layer`: one scorer per layer application (num_hidden_layers x
+    inner_group_num scorers), so positional scoring can differ with depth even when layer weights are shared."""
+
+    init: Literal["random", "zero_amplitude"] = "random"
+    """`random`: the authors' init, c ~ N(0, 5^2), a ~ N(0.1, 0.01^2), b ~ N(0.1, 0.01^2).
+    `zero_amplitude`: same, but a = 0 so adding TISA to a pretrained model leaves its outputs
+    unchanged at step 0 (the paper's GLUE protocol on albert-base-v2)."""
+
+    backend: Literal["auto", "sdpa", "flex", "split"] = "auto"
+    """How the positional score reaches the softmax. `sdpa`: an (H, N, N) float bias built from
+    the 2N-1 values of f per head (plus the key padding, when the batch is padded), passed to
+    scaled_dot_product_attention. `flex`: FlexAttention with a score_mod adding f(j - i) and the
+    key padding in a block mask (no N x N tensor in memory; CUDA, or CPU without gradients,
+    where eager flex still materialises the scores). `split`: SDPA with the same bias but
+    detached, so that the flash / cuDNN kernels, which return no gradient for a bias, stay
+    eligible; the gradient of f's 2N-1 values comes from a Triton kernel of its own (summing the
+    scores' gradients along each diagonal in registers, no atomics; off CUDA a dense reference
+    computes it). No attention dropout (falls back to sdpa, with a warning). Its speed on a GPU
+    is not measured yet (`bench_fast_paths.py tisa-backends` times it). `auto`: per sequence
+    length, flex on CUDA when attention dropout is off and N >= `flex_min_length`, else sdpa."""
+
+    flex_min_length: int = 2048
+    """With `backend: auto` on CUDA: the shortest sequence length that uses FlexAttention; shorter
+    batches use SDPA with the materialised bias, whose (B, H, N, N) tensor is affordable there.
+    Measured (`python bench/bench_fast_paths.py tisa-backends`, H100, bf16, batch 8, 12 heads of
+    64, forward + backward of the mixing step): SDPA is faster up to N = 1024 on a padded batch
+    (4.2 vs 7.6 ms at 1024), flex from 2048 on, padded or not (9.4 vs 15.0 ms at 2048, 85 vs
+    247 ms at 8192); bench/results/fast_paths_tisa_backends_gpu.json. Re-measure for other
+    widths or batch sizes."""
+
+    flex_bias: Literal["table", "dense"] = "table"
+    """How the flex backend's `score_mod` reads f (training on CUDA; the outputs are the same).
+    `table`: from the (H, 2N - 1) table of f's values, no N x N tensor at all; its backward
+    adds the gradient of every score to the table with an atomic, so the 2N - 1 entries of a
+    head are each hit by all the scores on their diagonal (B (N - |k|) of them, many at once).
+    `dense`: from the (H, N, N) fp32 bias built from that table once per forward (H N^2 x 4
+    bytes: 12.6 MB at N = 512, 805 MB at 4096, for 12 heads; no batch dimension); the backward
+    adds each score's gradient to its own entry, the B samples of a batch being the only
+    scores that share one, and the (H, N, N) gradient then goes to the table by the indexing's
+    backward. The bias and its gradient grow as N^2 (3.2 GB each at 8192 tokens): `dense` is for
+    the shorter lengths, the table for long ones. FlexAttention stages the bias's fp32 tiles in
+    shared memory: with torch's three pipeline stages its forward did not compile on an H100
+    (240-304 KB of the 227 KB a block may have), so `dense` asks for two. Which is faster on a
+    GPU is not measured yet (bench_fast_paths.py tisa-backends times both)."""
+
+    def __post_init__(self) -> None:
+        _check_positive("tisa.num_kernels", self.num_kernels)
+        _check_choice("tisa.scope", self.scope, ("shared", "per_layer"))
+        _check_choice("tisa.init", self.init, ("random", "zero_amplitude"))
+        _check_choice("tisa.backend", self.backend, ("auto", "sdpa", "flex", "split"))
+        _check_choice("tisa.flex_bias", self.flex_bias, ("table", "dense"))
+        _check_positive("tisa.flex_min_length", self.flex_min_length)
 
 
 class PositionScorer(nn.Module):
@@ -396,6 +461,7 @@ FAMILY = AttentionFamily(
     mixing_flops=softmax_mixing_flops,
     figures=tisa_figures,
     hf_export=HFExport(code=family_code(__file__, "tisa_hf.py")),
+    options=TISAConfig,
     # Compiled: 1.28x (ALBERT-base) and 1.20x (ALBERT-large) faster on an H200 at seq 512.
     compile_auto=True,
 )
@@ -403,6 +469,7 @@ FAMILY = AttentionFamily(
 __all__ = [
     "FAMILY",
     "PositionScorer",
+    "TISAConfig",
     "TISAKernel",
     "TISAState",
     "flex_dense_bias",
