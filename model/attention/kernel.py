@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +67,68 @@ from model.attention.base import (
 )
 from model.attention.hf_export import HFExport, family_code
 from model.config import EncoderConfig
+from model.typed_config import _check_choice, _check_positive, _check_prob
+
+
+@dataclass
+class KernelConfig:
+    """Trainable feed-forward kernels for linear attention (Yorsh & Kovalenko 2022).
+
+    The method and the differences from the authors' code: docs/methods.md."""
+
+    feature_map: Literal["ffn", "glu", "oglu", "aoglu", "elu"] = "aoglu"
+    """The learned feature map phi, shared by queries and keys. `elu` is the parameter-free
+    elu(x)+1 baseline of Katharopoulos et al. 2020."""
+
+    num_stacked: int = 1
+    """k units applied in sequence; g is the identity in all but the last, softplus in the last."""
+
+    gate_rank_divisor: int = 4
+    """For `aoglu`: the low-rank gate A B has rank r = head_dim // gate_rank_divisor."""
+
+    orthogonality_penalty: float = 0.0
+    """lambda_orth of the authors' penalty lambda_orth * mean((W W^T - I)^2), counted once per
+    feature-map call as in their code (phi runs on queries and on keys, so each W contributes
+    2 * lambda_orth * mean(...)); summed over the orthogonally initialised W of every unit (ffn,
+    oglu, aoglu); returned as the auxiliary loss `kernel_orthogonality`."""
+
+    dropout: float = 0.1
+    """Dropout on the input of every feature-map unit (the authors' per-unit dropout: a stack of
+    k units drops k times; queries and keys get independent masks). The parameter-free `elu`
+    baseline has no dropout, as in Katharopoulos et al."""
+
+    eps: float = 1e-6
+    """Added to the normaliser phi(q)^T sum_j phi(k_j)."""
+
+    inference_backend: Literal["torch", "triton"] = "torch"
+    """How forwards that need no gradient (evaluation, inference, the scaling benchmark) run on
+    CUDA: `torch`, the default path's operators; `triton`, two fused Triton kernels (one pass
+    over the keys for the [KV | z] summary, one over the queries for the output; the features
+    never reach memory), equal to `torch` up to the order of sums (docs/performance.md). Needs
+    Triton and a head width of at most 128; training steps and forwards that need a gradient
+    or drop out the feature maps' inputs run as `training_backend` says."""
+
+    training_backend: Literal["torch", "triton"] = "torch"
+    """How the mixing of forwards that need a gradient or drop out (training steps) runs on
+    CUDA: `torch`, separate operators (fp32 copies of the features, two fp32 products, the
+    normalisation, each writing its result); `triton`, the feature maps as in `torch` (their
+    operators and dropout) and the mixing after them as one operator of Triton kernels, two in
+    the forward and three in the backward, which keeps only its inputs and a per-head summary
+    for the backward. Equal to `torch` up to the order of sums and rounding (docs/performance.md).
+    Needs Triton and a head width of at most 128."""
+
+    def __post_init__(self) -> None:
+        _check_choice(
+            "kernel.feature_map", self.feature_map, ("ffn", "glu", "oglu", "aoglu", "elu")
+        )
+        _check_choice("kernel.inference_backend", self.inference_backend, ("torch", "triton"))
+        _check_choice("kernel.training_backend", self.training_backend, ("torch", "triton"))
+        _check_positive("kernel.num_stacked", self.num_stacked)
+        _check_positive("kernel.gate_rank_divisor", self.gate_rank_divisor)
+        _check_positive("kernel.orthogonality_penalty", self.orthogonality_penalty, True)
+        _check_prob("kernel.dropout", self.dropout)
+        _check_positive("kernel.eps", self.eps)
+
 
 ORTHOGONAL_MAPS = ("ffn", "oglu", "aoglu")
 """Feature maps whose W is orthogonally initialised (and subject to the penalty)."""
@@ -455,6 +519,7 @@ FAMILY = AttentionFamily(
     validate=validate,
     mixing_flops=kernel_mixing_flops,
     hf_export=HFExport(code=family_code(__file__, "kernel_hf.py")),
+    options=KernelConfig,
     # Compiled: 1.73x (ALBERT-base) and 1.65x (ALBERT-large) faster on an H200 at seq 512.
     compile_auto=True,
 )
@@ -466,6 +531,7 @@ __all__ = [
     "FeatureMapUnit",
     "FeedForwardFeatureMap",
     "KernelAttention",
+    "KernelConfig",
     "kernel_mixing",
     "kernel_mixing_flops",
     "naive_kernel_attention",
