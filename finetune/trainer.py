@@ -42,7 +42,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,14 +57,13 @@ from data_prep.transport import loader_batches
 from engine import checkpoint as ckpt
 from engine.distributed import detect
 from engine.engine import Engine, EngineConfig
-from engine.metrics import Progress
+from engine.loop import LoopConfig, RunLoop, Stage
 from engine.optim import OptimizerConfig, ScheduleConfig
 from engine.recipe import diff_keys
-from engine.signals import StopWatch
-from engine.trackers import TRACKER_KEYS, TrackerConfig, default_run_name, open_trackers
+from engine.trackers import TRACKER_KEYS, TrackerConfig, default_run_name
 from finetune.batching import LengthGroupedBatchSampler, collate, example_lengths
 from finetune.compare import save_predictions
-from model.release import save_release
+from model.hub.release import save_release
 
 ScoreFn = Callable[[np.ndarray, np.ndarray], dict[str, float]]
 
@@ -286,7 +285,10 @@ def task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), labels)
 
 
-class Finetuner:
+class Finetuner(Stage):
+    """One fine-tuning run on this rank, the stage ``engine.loop.RunLoop`` drives (as it
+    drives pretraining): ``Finetuner(...).run()``."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -349,6 +351,14 @@ class Finetuner:
         """The training epoch the next batch comes from."""
         self.position = 0
         """Batches of ``epoch`` this rank has consumed (the resume point)."""
+        # The run, as the loop's stage (``run`` and ``begin`` set them for each run).
+        self.result = FinetuneResult(best_step=None, best={})
+        self._loss_sum, self._count = 0.0, 0  # the logging window's training loss
+        self._window_start: float | None = None
+        self._best_value = -math.inf
+        self._last_predictions: dict[str, np.ndarray] = {}
+        self._last_step: Any = None  # the engine's StepResult of the last step
+        self._batches: Iterator[dict[str, torch.Tensor]] = iter(())
         self.sampler: LengthGroupedBatchSampler | DistributedSampler
         if cfg.group_by_length:
             self.sampler = LengthGroupedBatchSampler(
@@ -447,21 +457,19 @@ class Finetuner:
             extra={"step": self.step},
         )
 
-    # -- checkpoints ---------------------------------------------------------------------------
+    # -- checkpoints (the loop's save_state / restore_state) -------------------------------------
 
-    def save_checkpoint(
-        self, reason: str, result: FinetuneResult, progress: dict[str, Any]
-    ) -> Path:
-        """Collective: the engine, every rank's position and RNG, the evaluation history and
-        the best release so far; then the seal. ``progress`` holds the loss window."""
-        staging = self.store.begin(self.step)
+    def save_state(self, staging: Path, reason: str) -> dict[str, Any]:
+        """Collective (``RunLoop.save_checkpoint``): the engine, every rank's position and RNG,
+        the loss window, the evaluation history and the best release so far."""
+        result = self.result
         self.engine.save(staging)
         state: dict[str, Any] = {
             "step": self.step,
             "epoch": self.epoch,
             "position": self.position,
             "rng": ckpt.rng_state(),
-            "window": json.dumps(progress),
+            "window": json.dumps({"loss_sum": self._loss_sum, "count": self._count}),
             "best_step": result.best_step,
             "best": json.dumps(result.best),
             "history": json.dumps(result.history),
@@ -472,9 +480,12 @@ class Finetuner:
         ckpt.save_rank_state(staging, self.dist.rank, state)
         if self.is_main and result.best_release is not None:
             _link_tree(result.best_release, staging / BEST)
-        return self.store.commit(self.step, {"reason": reason, "world_size": self.dist.world_size})
+        return {"reason": reason, "world_size": self.dist.world_size}
 
-    def _restore(self, path: Path, result: FinetuneResult) -> dict[str, Any]:
+    def restore_state(self, path: Path, record: dict[str, Any]) -> None:
+        """A checkpoint of this run on the same number of processes (the loop's resume)."""
+        ckpt.same_world_size(record, self.dist.world_size)
+        result = self.result
         self.engine.load(path)
         state = ckpt.load_rank_state(path, self.dist.rank)
         ckpt.set_rng_state(state["rng"])
@@ -496,161 +507,47 @@ class Finetuner:
                 os.replace(tmp, self.run_dir / BEST)
         if result.best_step is not None and self.cfg.save_best:
             result.best_release = self.run_dir / BEST
-        return json.loads(state["window"])
+        window = json.loads(state["window"])
+        self._loss_sum, self._count = float(window["loss_sum"]), int(window["count"])
 
-    def resume(self, result: FinetuneResult) -> Path | None:
-        """Collective. The newest usable checkpoint (a damaged one is reported and the next
-        older one tried, on all ranks together); None for a fresh start."""
-
-        def restore(path: Path, record: dict[str, Any]) -> dict[str, Any]:
-            ckpt.same_world_size(record, self.dist.world_size)
-            return self._restore(path, result)
-
-        found = ckpt.resume_collectively(
-            self.store, restore, self.engine.any_rank, checksums=self.is_main
-        )
-        if found is None:
-            return None
-        path, self._window = found
-        return path
-
-    # -- the loop ------------------------------------------------------------------------------
+    # -- the stage the loop drives (engine/loop.py) ----------------------------------------------
 
     def run(self) -> FinetuneResult:
+        """The run: its identity into the run directory, then ``engine.loop.RunLoop``
+        (resume, steps, evaluations, checkpoints, stop requests); a completed run leaves its
+        predictions and ``results.json`` (rank 0)."""
         cfg = self.cfg
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if not (self.run_dir / RUN_FILE).is_file():
                 ckpt.write_json_atomically(self.run_dir / RUN_FILE, self.identity)
         self.engine.barrier()
-        result = FinetuneResult(best_step=None, best={})
-        self._window: dict[str, Any] = {"loss_sum": 0.0, "count": 0}
-        result.resumed_from = self.resume(result)
-        writer = open_trackers(
-            cfg,
-            self.run_dir,
-            enabled=self.is_main,
-            purge_step=self.step + 1 if result.resumed_from else None,
-            config=self.identity,
-            run_name=default_run_name(self.run_dir, getattr(cfg, "run_dir", None)),
+        result = self.result = FinetuneResult(best_step=None, best={})
+        self._loss_sum, self._count = 0.0, 0
+        self._last_predictions = {}
+        loop = RunLoop(
+            self,
+            LoopConfig(
+                name="finetune",
+                run_dir=self.run_dir,
+                total_steps=self.total_steps,
+                trackers=cfg,
+                tracker_config=self.identity,
+                run_name=default_run_name(self.run_dir, getattr(cfg, "run_dir", None)),
+                log_every=cfg.log_every,
+                eval_every=cfg.eval_every,
+                eval_at_start=cfg.eval_at_start,
+                eval_at_end=True,
+                checkpoint_every=cfg.checkpoint_every,
+                time_budget_minutes=cfg.time_budget_minutes,
+            ),
         )
-        progress = Progress(
-            self.total_steps,
-            initial=min(self.step, self.total_steps),
-            enabled=self.is_main,
-            log_every=cfg.log_every,
-            desc="finetune",
-        )
-        if result.resumed_from is not None:
-            progress.write(f"finetune: resumed from {result.resumed_from} (step {self.step})")
-        if self.is_main and self.engine.orthogonal_summary is not None:
-            progress.write(f"finetune: {self.engine.orthogonal_summary}")
-        best_value = -math.inf
-        if result.best_step is not None:
-            best_value = result.best.get(cfg.select_split, {}).get(cfg.select, -math.inf)
-
-        last_predictions: dict[str, np.ndarray] = {}
-
-        def evaluate_now() -> None:
-            nonlocal best_value
-            metrics, predictions = self.evaluate()
-            last_predictions.update(predictions)
-            result.history.append({"step": self.step, **metrics})
-            for split, values in metrics.items():
-                writer.scalars(self.step, {f"eval/{split}/{k}": v for k, v in values.items()})
-            value = metrics.get(cfg.select_split, {}).get(cfg.select, -math.inf)
-            if value > best_value or result.best_step is None:
-                best_value = value
-                result.best_step, result.best = self.step, metrics
-                result.predictions = predictions
-                if cfg.save_best:
-                    result.best_release = self._save_best()
-            progress.write(
-                f"step {self.step}: "
-                + ", ".join(
-                    f"{split} {k} {v:.4f}" for split, m in metrics.items() for k, v in m.items()
-                )
-            )
-
-        stopwatch = StopWatch(
-            None if cfg.time_budget_minutes is None else cfg.time_budget_minutes * 60
-        )
-        if cfg.eval_at_start and result.resumed_from is None:
-            evaluate_now()
-        batches = self._train_batches()
-        loss_sum, count = float(self._window["loss_sum"]), int(self._window["count"])
-        start = time.perf_counter()
-        self.engine.train(True)
-        ended: str | None = None
-        first_started: float | None = time.perf_counter()  # this process's first step compiles
-        try:
-            while self.step < self.total_steps:
-                for _ in range(self.engine.cfg.gradient_accumulation_steps):
-                    batch = self.engine.to_device(next(batches))
-                    out = self.engine.forward(**self.inputs_fn(batch))
-                    loss = task_loss(out.logits, batch["labels"])
-                    loss = loss + sum(out.aux_losses.values(), torch.zeros((), device=loss.device))
-                    self.engine.backward(loss)
-                    loss_sum += float(loss.detach())
-                    count += 1
-                step = self.engine.step()
-                self.step += 1
-                if first_started is not None:
-                    report = self.engine.first_step_report(time.perf_counter() - first_started)
-                    first_started = None
-                    if report and self.is_main:
-                        progress.write(f"finetune: {report}")
-                if self.step % max(cfg.log_every, 1) == 0 or self.step == self.total_steps:
-                    mean = loss_sum / max(count, 1)
-                    writer.scalars(
-                        self.step,
-                        {
-                            "train/loss": mean,
-                            "optim/lr": step.lr,
-                            "optim/grad_norm": step.grad_norm,
-                            "throughput/steps_per_s": count
-                            / self.engine.cfg.gradient_accumulation_steps
-                            / (time.perf_counter() - start),
-                        },
-                    )
-                    progress.update(self.step, {"loss": mean, "lr": step.lr})
-                    loss_sum, count, start = 0.0, 0, time.perf_counter()
-                if (
-                    cfg.eval_every
-                    and self.step % cfg.eval_every == 0
-                    and self.step < self.total_steps
-                ):
-                    evaluate_now()
-                window = {"loss_sum": loss_sum, "count": count}
-                signal_flag, budget_flag = self.engine.all_reduce_max(stopwatch.local_flags())
-                if self.step < self.total_steps and (signal_flag or budget_flag):
-                    result.state = "stopped"
-                    result.reason = (
-                        f"signal {stopwatch.received or 'received by another rank'}"
-                        if signal_flag
-                        else f"time budget of {cfg.time_budget_minutes} min"
-                    )
-                    self.save_checkpoint(result.reason, result, window)
-                    break
-                if (
-                    cfg.checkpoint_every
-                    and self.step % cfg.checkpoint_every == 0
-                    and self.step < self.total_steps
-                ):
-                    self.save_checkpoint("interval", result, window)
-            if result.state == "completed":
-                evaluate_now()
-        except BaseException:
-            ended = "failed"
-            raise
-        finally:
-            progress.close()
-            writer.close(ended or result.state)
-            stopwatch.restore()
-        result.step = self.step
+        outcome = loop.run()
+        result.state, result.reason = outcome.state, outcome.reason
+        result.step, result.resumed_from = self.step, outcome.resumed_from
         if result.state == "stopped":
             if self.is_main:
-                progress.write(
+                loop.say(
                     f"finetune: stopped at step {self.step} ({result.reason}); a checkpoint is "
                     f"in {self.store.root}: run the same command again to resume"
                 )
@@ -658,7 +555,9 @@ class Finetuner:
         if self.is_main:
             # For comparisons between runs (finetune.compare): before results.json, which a
             # finished run writes last.
-            save_predictions(self.run_dir, result.predictions, last_predictions, self.eval_labels)
+            save_predictions(
+                self.run_dir, result.predictions, self._last_predictions, self.eval_labels
+            )
             summary = {
                 "best_step": result.best_step,
                 "best": result.best,
@@ -667,6 +566,79 @@ class Finetuner:
             }
             ckpt.write_json_atomically(self.run_dir / RESULTS_FILE, summary)
         return result
+
+    def begin(self, loop: RunLoop) -> None:
+        """Start-up lines, the best value so far, the training batches from the resume point."""
+        if loop.resumed_from is not None:
+            loop.say(f"finetune: resumed from {loop.resumed_from} (step {self.step})")
+        if self.is_main and self.engine.orthogonal_summary is not None:
+            loop.say(f"finetune: {self.engine.orthogonal_summary}")
+        result = self.result
+        self._best_value = -math.inf
+        if result.best_step is not None:
+            self._best_value = result.best.get(self.cfg.select_split, {}).get(
+                self.cfg.select, -math.inf
+            )
+        self._batches = self._train_batches()
+        self._window_start = None  # set at the first step (after eval_at_start)
+        self.engine.train(True)
+
+    def train_step(self, loop: RunLoop) -> None:
+        if self._window_start is None:
+            self._window_start = time.perf_counter()
+        for _ in range(self.engine.cfg.gradient_accumulation_steps):
+            batch = self.engine.to_device(next(self._batches))
+            out = self.engine.forward(**self.inputs_fn(batch))
+            loss = task_loss(out.logits, batch["labels"])
+            loss = loss + sum(out.aux_losses.values(), torch.zeros((), device=loss.device))
+            self.engine.backward(loss)
+            self._loss_sum += float(loss.detach())
+            self._count += 1
+        self._last_step = self.engine.step()
+        self.step += 1
+
+    def log_step(self, loop: RunLoop) -> dict[str, float]:
+        assert loop.trackers is not None and self._window_start is not None
+        assert self._last_step is not None
+        mean = self._loss_sum / max(self._count, 1)
+        step = self._last_step
+        loop.trackers.scalars(
+            self.step,
+            {
+                "train/loss": mean,
+                "optim/lr": step.lr,
+                "optim/grad_norm": step.grad_norm,
+                "throughput/steps_per_s": self._count
+                / self.engine.cfg.gradient_accumulation_steps
+                / (time.perf_counter() - self._window_start),
+            },
+        )
+        self._loss_sum, self._count, self._window_start = 0.0, 0, time.perf_counter()
+        return {"loss": mean, "lr": step.lr}
+
+    def evaluate_now(self, loop: RunLoop) -> None:
+        """Every evaluation set at this step -> the history and the trackers; a better
+        ``select`` metric makes this step the best (its predictions, its release)."""
+        assert loop.trackers is not None
+        cfg, result = self.cfg, self.result
+        metrics, predictions = self.evaluate()
+        self._last_predictions.update(predictions)
+        result.history.append({"step": self.step, **metrics})
+        for split, values in metrics.items():
+            loop.trackers.scalars(self.step, {f"eval/{split}/{k}": v for k, v in values.items()})
+        value = metrics.get(cfg.select_split, {}).get(cfg.select, -math.inf)
+        if value > self._best_value or result.best_step is None:
+            self._best_value = value
+            result.best_step, result.best = self.step, metrics
+            result.predictions = predictions
+            if cfg.save_best:
+                result.best_release = self._save_best()
+        loop.say(
+            f"step {self.step}: "
+            + ", ".join(
+                f"{split} {k} {v:.4f}" for split, m in metrics.items() for k, v in m.items()
+            )
+        )
 
     def discard_checkpoints(self) -> None:
         """Deletes ``run_dir/checkpoints`` unless ``keep_checkpoints`` (call once the caller has

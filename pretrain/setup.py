@@ -1,7 +1,8 @@
 """What a pretraining run opens and checks before it trains: its shards (per phase and the
-held-out validation split), the identity of its data, and its run directory (a run directory
+held-out validation split), the identity of its data, its run directory (a run directory
 holds one run: another config is refused, keys added to the code later with their old
-behaviour as default do not count). Also the run's result and its errors."""
+behaviour as default do not count) and the checkpoint a resume would start from. Also the
+run's result and its errors."""
 
 from __future__ import annotations
 
@@ -16,8 +17,11 @@ import numpy as np
 
 from data_prep.format import TOKENIZER, sha256_file
 from data_prep.loader import PretrainingData
+from engine import checkpoint as ckpt
+from engine import reshard
+from engine.distributed import DistEnv
 from engine.recipe import diff_keys
-from model.release import directory_digest
+from model.hub.release import directory_digest
 from pretrain.config import (
     LOCATION_KEYS,
     RESUMABLE_CHANGES,
@@ -218,3 +222,41 @@ def check_run_dir(run_dir: Path, resolved: dict[str, Any]) -> bool:
 
 def rank_seed(seed: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+
+
+def resume_accumulation(cfg: PretrainConfig, run_dir: Path, dist: DistEnv) -> int:
+    """Before the process group and the engine, for a run that resumes: the checkpoint it
+    would start from fits this run (its COMPLETE.json, sizes only; the content is checked when
+    it loads). Returns the micro-batches per optimizer step on this number of processes: the
+    config's, or on another number of processes than the checkpoint's, what keeps its global
+    batch (global / (micro-batch x processes)). Raises ValueError (the CLI's exit 2) when the
+    number of processes does not divide that, when the checkpoint's optimizer state cannot be
+    re-partitioned, and for ``train.steps`` below the checkpoint's step."""
+    store = ckpt.CheckpointStore(
+        run_dir / "checkpoints", rank=dist.rank, world_size=dist.world_size
+    )
+    for tag in store.candidates():
+        try:
+            record = store.read_complete(tag, checksums=False)
+        except ckpt.CheckpointError:
+            continue  # the loop's resume reports it and falls back
+        saved_world, step = int(record["world_size"]), int(record["step"])
+        per_step = record["meta"].get(  # micro-batches per optimizer step, all ranks
+            "micro_batches_per_step",
+            cfg.engine.gradient_accumulation_steps * saved_world,  # older checkpoints
+        )
+        micro = cfg.phase_at(step).micro_batch_size
+        accumulation = reshard.gradient_accumulation_for(micro * per_step, micro, dist.world_size)
+        if (
+            saved_world != dist.world_size
+            and reshard.saved_world_size(store.root / tag) is not None
+        ):
+            reshard.check_convertible(store.root / tag)
+        if step > cfg.total_steps:
+            raise ValueError(
+                f"train.steps={cfg.total_steps} is below the step of the checkpoint "
+                f"to resume ({store.root / tag}, step {step}): raise train.steps to "
+                f"{step} or more, or start a new train.run_dir"
+            )
+        return accumulation
+    return cfg.engine.gradient_accumulation_steps

@@ -7,6 +7,10 @@ config there is refused) -> process group and engine -> resume from the newest u
 checkpoint -> steps -> release.
 
 Every rank runs this same code; rank 0 alone writes TensorBoard, the config and the release.
+The loop itself (resume, status.json, trackers, stop requests, the cadences of logging,
+evaluation and checkpoints) is ``engine.loop.RunLoop``, which fine-tuning runs too; the
+``Trainer`` is the stage it drives: one optimizer step, its logging window, the validation, and
+what a checkpoint holds of it.
 A checkpoint (``engine/checkpoint.py`` for the directory protocol) holds:
 
     step_00000100/
@@ -31,6 +35,8 @@ import random
 import resource
 import time
 import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,18 +47,17 @@ from data_prep.format import ShardError
 from data_prep.loader import PretrainingLoader, validation_batches
 from data_prep.masking import masking_budget
 from engine import checkpoint as ckpt
-from engine import reshard
 from engine.distributed import detect
 from engine.engine import DeferredStep, Engine, shutdown
-from engine.metrics import Progress, mfu, peak_flops
+from engine.loop import LoopConfig, RunLoop, Stage
+from engine.metrics import mfu, peak_flops
 from engine.recipe import to_yaml
-from engine.signals import StopWatch
-from engine.trackers import Trackers, open_trackers
+from engine.trackers import Trackers
 from model import diagnostics
 from model.config import EncoderConfig
 from model.flops import counts_flops, training_flops
 from model.heads import EncoderForPretraining
-from model.release import export_release, save_release
+from model.hub.release import export_release, save_release
 from pretrain.config import (
     RELEASE_DIR,
     Phase,
@@ -72,14 +77,65 @@ from pretrain.setup import (  # re-exported: the run's setup, result and errors
     open_phases,
     open_validation,
     rank_seed,
+    resume_accumulation,
 )
 
 log = logging.getLogger("pretrain")
 
+TIMED = ("data", "forward", "backward", "step")
+"""The parts of a step the logging window times (``time/<part>``)."""
+
+
+@dataclass
+class TrainStep:
+    """One optimizer step as ``Trainer._train_step`` ran it: the engine's result (device
+    values nobody has read), the last micro-batch (for diagnostics), and its counts."""
+
+    deferred: DeferredStep
+    batch: dict[str, torch.Tensor]
+    tokens: int
+    """Tokens (not padding) of the step, all ranks."""
+    samples: int
+    """Sequences of the step, all ranks."""
+    flops: float
+    """Training FLOPs of the step, all ranks (0 for a family without a count)."""
+    micro_batches: int
+    """This rank's micro-batches."""
+
+
+@dataclass
+class LogWindow:
+    """What the steps since the last logging step add up. Loss parts, counts and gradient
+    norms stay on the training device and are read once, at the logging step (with the skip
+    counters): no host synchronisation between. Timers and counts are the host's."""
+
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    timers: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMED, 0.0))
+    steps: int = 0
+    micro_batches: int = 0
+    tokens: int = 0
+    samples: int = 0
+    flops: float = 0.0
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, done: TrainStep) -> None:
+        """Counts one step in (its losses and counts are in ``sums`` already)."""
+        self.steps += 1
+        self.micro_batches += done.micro_batches
+        self.tokens += done.tokens
+        self.samples += done.samples
+        self.flops += done.flops
+        if done.deferred.grad_norm is not None:
+            norm = done.deferred.grad_norm.detach().to(torch.float64)
+            self.sums["grad_norm"] = (
+                norm if "grad_norm" not in self.sums else self.sums["grad_norm"] + norm
+            )
+
+
 # ---------------------------------------------------------------------------- the run
 
 
-class Trainer:
+class Trainer(Stage):
     """One pretraining run on this rank. ``Trainer(cfg).run()``."""
 
     def __init__(self, cfg: PretrainConfig):
@@ -109,7 +165,7 @@ class Trainer:
         """Micro-batches per optimizer step on this world size: the config's, or what keeps
         the checkpoint's global batch when resuming on another number of processes."""
         if self.resuming:
-            self._check_resumable()
+            self.accumulation = resume_accumulation(cfg, self.run_dir, self.dist)
 
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
         model = EncoderForPretraining(self.model_cfg)
@@ -154,6 +210,15 @@ class Trainer:
                 "logged",
                 stacklevel=2,
             )
+        # The run, as the loop's stage: its window, the last step and what the run produced.
+        self._batches: Iterator[dict[str, torch.Tensor]] = iter(())
+        self._window = LogWindow()
+        self._last_step: DeferredStep | None = None
+        self._last_batch: dict[str, torch.Tensor] = {}
+        self._peak: float | None = None
+        self.last: dict[str, float] = {}
+        """The last logged averages (``loss/mlm``, ...)."""
+        self.release: Path | None = None
 
     def _make_loader(self, phase: Phase) -> PretrainingLoader:
         """A fresh loader over ``phase``'s data (its position: the phase's first batch)."""
@@ -185,10 +250,10 @@ class Trainer:
             "rng": ckpt.rng_state(),
         }
 
-    def save_checkpoint(self, reason: str) -> Path:
-        """Collective: engine state, per-rank state and a consolidated release, then commit."""
+    def save_state(self, staging: Path, reason: str) -> dict[str, Any]:
+        """Collective (``RunLoop.save_checkpoint``): engine state, per-rank state and a
+        consolidated release into the checkpoint's staging directory; returns its metadata."""
         self._resolve_counters()
-        staging = self.store.begin(self.step)
         self.engine.save(staging)
         ckpt.save_rank_state(staging, self.rank, self._rank_state())
         weights = self.engine.consolidated_state_dict()
@@ -200,7 +265,7 @@ class Trainer:
                 state_dict=weights,
                 extra={"step": self.step, "tokens": self.tokens},
             )
-        meta = {
+        return {
             "reason": reason,
             "world_size": self.dist.world_size,
             "tokens": self.tokens,
@@ -210,15 +275,14 @@ class Trainer:
             * self.dist.world_size,
             "gradient_accumulation_steps": self.engine.cfg.gradient_accumulation_steps,
         }
-        return self.store.commit(self.step, meta)
 
-    def _restore(self, path: Path, saved_world: int) -> None:
-        """Loads a checkpoint; on another number of processes (``saved_world``) the engine
-        re-partitions the state (`engine.reshard`), every rank continues the data at rank 0's
-        global position, and dropout is reseeded per rank (it cannot match an uninterrupted
-        run's anyway)."""
+    def restore_state(self, path: Path, record: dict[str, Any]) -> None:
+        """Loads a checkpoint (the loop's resume); on another number of processes than
+        ``record``'s the engine re-partitions the state (`engine.reshard`), every rank
+        continues the data at rank 0's global position, and dropout is reseeded per rank (it
+        cannot match an uninterrupted run's anyway)."""
         self.engine.load(path)
-        elastic = saved_world != self.dist.world_size
+        elastic = int(record["world_size"]) != self.dist.world_size
         state = ckpt.load_rank_state(path, 0 if elastic else self.rank)
         # The phase of the next step. A checkpoint at a phase's last step holds that phase's
         # loader position: the next phase starts at its own first batch.
@@ -242,57 +306,6 @@ class Trainer:
         self.samples = int(state["samples"])
         self.skipped = int(state["skipped"])
         self.nonfinite_in_a_row = int(state["nonfinite_in_a_row"])
-
-    def _check_resumable(self) -> None:
-        """Before the process group and the engine: the checkpoint a resume would start from
-        fits this run (its COMPLETE.json, sizes only; the content is checked when it loads).
-        On another number of processes the global batch is kept: ``self.accumulation`` becomes
-        global / (micro-batch x processes). Raises ValueError (the CLI's exit 2) when the
-        number of processes does not divide that, when the checkpoint's optimizer state cannot
-        be re-partitioned, and for ``train.steps`` below the checkpoint's step."""
-        store = ckpt.CheckpointStore(
-            self.run_dir / "checkpoints", rank=self.rank, world_size=self.dist.world_size
-        )
-        for tag in store.candidates():
-            try:
-                record = store.read_complete(tag, checksums=False)
-            except ckpt.CheckpointError:
-                continue  # resume() reports it and falls back
-            saved_world, step = int(record["world_size"]), int(record["step"])
-            per_step = record["meta"].get(  # micro-batches per optimizer step, all ranks
-                "micro_batches_per_step",
-                self.cfg.engine.gradient_accumulation_steps * saved_world,  # older checkpoints
-            )
-            micro = self.cfg.phase_at(step).micro_batch_size
-            self.accumulation = reshard.gradient_accumulation_for(
-                micro * per_step, micro, self.dist.world_size
-            )
-            if (
-                saved_world != self.dist.world_size
-                and reshard.saved_world_size(store.root / tag) is not None
-            ):
-                reshard.check_convertible(store.root / tag)
-            if step > self.cfg.total_steps:
-                raise ValueError(
-                    f"train.steps={self.cfg.total_steps} is below the step of the checkpoint "
-                    f"to resume ({store.root / tag}, step {step}): raise train.steps to "
-                    f"{step} or more, or start a new train.run_dir"
-                )
-            return
-
-    def resume(self) -> Path | None:
-        """Collective. Loads the newest usable checkpoint (``latest`` first); one that fails on
-        any rank (a damaged seal, a file whose size or checksum does not match, a load error)
-        is reported and the next older one is tried, on all ranks together. Rank 0 checks the
-        content checksums; every rank checks sizes."""
-
-        def restore(path: Path, record: dict[str, Any]) -> None:
-            self._restore(path, int(record["world_size"]))
-
-        found = ckpt.resume_collectively(
-            self.store, restore, self.engine.any_rank, checksums=self.is_main
-        )
-        return None if found is None else found[0]
 
     # -- validation --------------------------------------------------------------------------
 
@@ -390,222 +403,166 @@ class Trainer:
         for tag, figure in diagnostics.family_figures(model).items():
             writer.figure(tag, figure, self.step)
 
-    # -- the loop ----------------------------------------------------------------------------
+    # -- the stage the loop drives (engine/loop.py) ----------------------------------------------
 
     def run(self) -> RunResult:
-        cfg = self.cfg
+        """The run: the resolved config into the run directory (a fresh run), then
+        ``engine.loop.RunLoop`` (resume, steps, evaluations, checkpoints, stop requests,
+        status.json); rank 0 says how it ended."""
         if self.is_main and not self.resuming:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             tmp = self.run_dir / (CONFIG_FILE + ".tmp")
             tmp.write_text(to_yaml(self.resolved))
             os.replace(tmp, self.run_dir / CONFIG_FILE)
         self.engine.barrier()
-        resumed_from = self.resume()
-        # Only now: a resume that fails leaves the previous status (e.g. "completed") as it
-        # was; a stale "stopped" from an earlier attempt must not survive a later crash.
-        if self.is_main:
-            status = {"state": "running", "step": self.step}
-            ckpt.write_json_atomically(self.run_dir / STATUS_FILE, status)
-        total = cfg.total_steps
-        writer = open_trackers(
-            cfg.train,
-            self.run_dir,
-            enabled=self.is_main,
-            purge_step=self.step + 1 if resumed_from else None,
-            config=self.resolved,
-        )
-        progress = Progress(
-            total,
-            initial=self.step,
-            enabled=self.is_main,
-            force_tty=None if cfg.train.progress else False,
-            log_every=cfg.train.log_every,
-            desc="pretrain",
-        )
-        if self.is_main:
-            progress.write(
-                f"pretrain: {self.model_cfg.attention} encoder, "
-                f"{sum(p.numel() for p in self.engine.module.parameters()):,} parameters, "
-                f"{self.dist.world_size} process(es) on {self.engine.device.type}, "
-                f"global batch {self.engine.global_batch_size}, ZeRO-{cfg.engine.zero_stage}, "
-                f"{cfg.engine.precision}, backend {cfg.engine.backend}; "
-                + (f"resumed from {resumed_from}" if resumed_from else "fresh start")
-            )
-            if self.init_report is not None:
-                progress.write(f"pretrain: {self.init_report.summary()}")
-            if self.engine.orthogonal_summary is not None:
-                progress.write(f"pretrain: {self.engine.orthogonal_summary}")
-            if self.engine.compiled:
-                progress.write(
-                    "pretrain: encoder and loss terms compiled "
-                    f"(engine.compile={str(cfg.engine.compile).lower()}, "
-                    f"{cfg.engine.compile_backend}, mode {cfg.engine.compile_mode}, "
-                    f"scope {cfg.engine.compile_scope}"
-                    + (
-                        f", options {cfg.engine.compile_options}"
-                        if cfg.engine.compile_options
-                        else ""
-                    )
-                    + "): the first "
-                    "steps pay the compilation (up to about 85 s per family on an H200) unless "
-                    f"the compiler's cache has it ({self.engine.compile_cache}); "
-                    "engine.compile=false turns it off"
-                )
-            elif cfg.engine.compile == "auto":
-                progress.write(
-                    "pretrain: encoder not compiled (engine.compile=auto compiles only on a "
-                    "GPU, for attention families measured to gain there)"
-                )
-            if not self.resuming:
-                writer.text("config", "```\n" + to_yaml(self.resolved) + "\n```", self.step)
-        stopwatch = StopWatch(
-            None if cfg.train.time_budget_minutes is None else cfg.train.time_budget_minutes * 60
-        )
-        peak = peak_flops(self.engine.device, _compute_dtype(cfg))
-        batches = iter(self.loader)
-        sums: dict[str, torch.Tensor] = {}
-        # ^ loss parts, counts and gradient norms accumulate on the training device and are
-        # read once per log window (with the skip counters): no host synchronisation between
-        timers: dict[str, float] = {"data": 0.0, "forward": 0.0, "backward": 0.0, "step": 0.0}
-        micro_batches = 0
-        flops = 0.0
-        window_start, window_steps, window_tokens, window_samples = time.perf_counter(), 0, 0, 0
-        last: dict[str, float] = {}
-        state, reason = "completed", ""
-        ended: str | None = None
-        self.engine.train()
-        first_started: float | None = time.perf_counter()  # this process's first step compiles
-        try:
-            while self.step < total:
-                if self.step >= self.phase.end:  # the next phase: its data, its first batch
-                    self.phase = cfg.phase_at(self.step)
-                    self.loader = self._make_loader(self.phase)
-                    batches = iter(self.loader)
-                    if self.is_main:
-                        progress.write(
-                            f"pretrain: step {self.step}: phase {self.phase.name} "
-                            f"({self.phase.max_seq_length} tokens, micro-batch "
-                            f"{self.phase.micro_batch_size}, until step {self.phase.end})"
-                        )
-                result, batch, step_tokens, step_samples, step_flops, micro = self._train_step(
-                    batches, sums, timers
-                )
-                if first_started is not None:
-                    report = self.engine.first_step_report(time.perf_counter() - first_started)
-                    first_started = None
-                    if report and self.is_main:
-                        progress.write(f"pretrain: {report}")
-                self.step += 1
-                self.tokens += step_tokens
-                self.samples += step_samples
-                flops += step_flops
-                micro_batches += micro
-                window_steps += 1
-                window_tokens += step_tokens
-                window_samples += step_samples
-                self._track(result)
-                if result.grad_norm is not None:
-                    norm = result.grad_norm.detach().to(torch.float64)
-                    sums["grad_norm"] = (
-                        norm if "grad_norm" not in sums else sums["grad_norm"] + norm
-                    )
-                if self.step % cfg.train.log_every == 0 or self.step == total:
-                    elapsed = time.perf_counter() - window_start
-                    last = self._log(
-                        writer, result, sums, timers, window_steps, micro_batches, elapsed,
-                        window_tokens, window_samples, flops, peak,
-                    )  # fmt: skip
-                    progress.update(
-                        self.step,
-                        {
-                            "mlm": last.get("loss/mlm", math.nan),
-                            "lr": result.lr,
-                            "tok/s": last.get("throughput/tokens_per_s", 0.0),
-                        },
-                    )
-                    sums.clear()
-                    timers = dict.fromkeys(timers, 0.0)
-                    micro_batches = 0
-                    flops = 0.0
-                    window_start, window_steps, window_tokens, window_samples = (
-                        time.perf_counter(), 0, 0, 0,
-                    )  # fmt: skip
-                if cfg.train.diagnostics_every and self.step % cfg.train.diagnostics_every == 0:
-                    self.diagnostics(writer, batch)
-                if cfg.train.eval_every and (
-                    self.step % cfg.train.eval_every == 0 or self.step == total
-                ):
-                    evaluation = self.evaluate(writer)
-                    if self.is_main:
-                        progress.write(
-                            f"pretrain: step {self.step}: validation mlm "
-                            f"{evaluation['eval/loss/mlm']:.4f} "
-                            f"(accuracy {evaluation['eval/accuracy/mlm']:.3f}), "
-                            f"{evaluation['eval/seconds']:.1f} s"
-                        )
-                checkpoint_due = bool(
-                    cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0
-                )
-                if checkpoint_due:  # the checkpoint holds the host's counters: read them now
-                    self._resolve_counters()
-                # Read at log steps and checkpoints (the device skipped the bad steps already).
-                if self._worst_run >= cfg.train.max_nonfinite_in_a_row:
-                    path = self.save_checkpoint("non-finite loss")
-                    raise NonFiniteLossError(
-                        nonfinite_message(
-                            self._worst_run, self.step, self.skipped, path, self.engine.compiled
-                        )
-                    )
-                if cfg.train.fail_at_step is not None and self.step == cfg.train.fail_at_step:
-                    raise RuntimeError(f"train.fail_at_step={self.step}: failing on purpose")
-                signal_flag, budget_flag = self.engine.all_reduce_max(stopwatch.local_flags())
-                if self.step < total and (signal_flag or budget_flag):
-                    state = "stopped"
-                    reason = (
-                        f"signal {stopwatch.received or 'received by another rank'}"
-                        if signal_flag
-                        else f"time budget of {cfg.train.time_budget_minutes} min"
-                    )
-                    self.save_checkpoint(reason)
-                    break
-                if checkpoint_due:
-                    self.save_checkpoint("interval")
-            release = None
-            if state == "completed":
-                final = self.run_dir / "checkpoints" / ckpt.tag_for(self.step)
-                if not (final / "COMPLETE.json").is_file():
-                    final = self.save_checkpoint("end")
-                if cfg.train.export_at_end and self.is_main:
-                    release = export_release(final / RELEASE_DIR, self.run_dir / RELEASE_DIR)
-            self.engine.barrier()
-        except BaseException:
-            ended = "failed"
-            raise
-        finally:
-            progress.close()
-            writer.close(ended or state)
-            stopwatch.restore()
+        train = self.cfg.train
+        outcome = RunLoop(
+            self,
+            LoopConfig(
+                name="pretrain",
+                run_dir=self.run_dir,
+                total_steps=self.cfg.total_steps,
+                trackers=train,
+                tracker_config=self.resolved,
+                log_every=train.log_every,
+                eval_every=train.eval_every,
+                eval_at_end=bool(train.eval_every),
+                checkpoint_every=train.checkpoint_every,
+                checkpoint_at_end=True,
+                time_budget_minutes=train.time_budget_minutes,
+                status_file=STATUS_FILE,
+                progress_tty=None if train.progress else False,
+            ),
+        ).run()
+        release, reason = self.release, outcome.reason
         if self.is_main:
             message = (
-                f"pretrain: {state} at step {self.step}"
+                f"pretrain: {outcome.state} at step {self.step}"
                 + (f" ({reason}); re-run the same command to resume" if reason else "")
                 + (f"; release in {release}" if release else "")
             )
             log.info(message)
             print(message, flush=True)
-            status = {
-                "state": state,
-                "reason": reason,
-                "step": self.step,
-                "total_steps": total,
-                "tokens": self.tokens,
-                "skipped_steps": self.skipped,
-                "last": last,
-                "validation": self.last_eval or None,
-                "release": None if release is None else str(release),
-            }
-            ckpt.write_json_atomically(self.run_dir / STATUS_FILE, status)
-        return RunResult(state, self.step, self.run_dir, release, last, reason)
+        return RunResult(outcome.state, self.step, self.run_dir, release, self.last, reason)
+
+    def begin(self, loop: RunLoop) -> None:
+        """What the run is (rank 0), the data iterator, the first logging window."""
+        if self.is_main:
+            self._announce(loop)
+        self._peak = peak_flops(self.engine.device, _compute_dtype(self.cfg))
+        self._batches = iter(self.loader)
+        self._window = LogWindow()
+        self.engine.train()
+
+    def _announce(self, loop: RunLoop) -> None:
+        cfg = self.cfg
+        loop.say(
+            f"pretrain: {self.model_cfg.attention} encoder, "
+            f"{sum(p.numel() for p in self.engine.module.parameters()):,} parameters, "
+            f"{self.dist.world_size} process(es) on {self.engine.device.type}, "
+            f"global batch {self.engine.global_batch_size}, ZeRO-{cfg.engine.zero_stage}, "
+            f"{cfg.engine.precision}, backend {cfg.engine.backend}; "
+            + (f"resumed from {loop.resumed_from}" if loop.resumed_from else "fresh start")
+        )
+        if self.init_report is not None:
+            loop.say(f"pretrain: {self.init_report.summary()}")
+        if self.engine.orthogonal_summary is not None:
+            loop.say(f"pretrain: {self.engine.orthogonal_summary}")
+        if self.engine.compiled:
+            loop.say(
+                "pretrain: encoder and loss terms compiled "
+                f"(engine.compile={str(cfg.engine.compile).lower()}, "
+                f"{cfg.engine.compile_backend}, mode {cfg.engine.compile_mode}, "
+                f"scope {cfg.engine.compile_scope}"
+                + (f", options {cfg.engine.compile_options}" if cfg.engine.compile_options else "")
+                + "): the first "
+                "steps pay the compilation (up to about 85 s per family on an H200) unless "
+                f"the compiler's cache has it ({self.engine.compile_cache}); "
+                "engine.compile=false turns it off"
+            )
+        elif cfg.engine.compile == "auto":
+            loop.say(
+                "pretrain: encoder not compiled (engine.compile=auto compiles only on a "
+                "GPU, for attention families measured to gain there)"
+            )
+        if not self.resuming and loop.trackers is not None:
+            loop.trackers.text("config", "```\n" + to_yaml(self.resolved) + "\n```", self.step)
+
+    def train_step(self, loop: RunLoop) -> None:
+        """One optimizer step (``_train_step``), on the next phase's data where one begins;
+        its counts go to the host's counters and the logging window."""
+        if self.step >= self.phase.end:  # the next phase: its data, its first batch
+            self.phase = self.cfg.phase_at(self.step)
+            self.loader = self._make_loader(self.phase)
+            self._batches = iter(self.loader)
+            if self.is_main:
+                loop.say(
+                    f"pretrain: step {self.step}: phase {self.phase.name} "
+                    f"({self.phase.max_seq_length} tokens, micro-batch "
+                    f"{self.phase.micro_batch_size}, until step {self.phase.end})"
+                )
+        done = self._train_step(self._batches, self._window)
+        self.step += 1
+        self.tokens += done.tokens
+        self.samples += done.samples
+        self._window.add(done)
+        self._track(done.deferred)
+        self._last_step, self._last_batch = done.deferred, done.batch
+
+    def log_step(self, loop: RunLoop) -> dict[str, float]:
+        assert loop.trackers is not None and self._last_step is not None
+        self.last = self._log(loop.trackers, self._last_step, self._window)
+        self._window = LogWindow()
+        return {
+            "mlm": self.last.get("loss/mlm", math.nan),
+            "lr": self._last_step.lr,
+            "tok/s": self.last.get("throughput/tokens_per_s", 0.0),
+        }
+
+    def evaluate_now(self, loop: RunLoop) -> None:
+        assert loop.trackers is not None
+        evaluation = self.evaluate(loop.trackers)
+        if self.is_main:
+            loop.say(
+                f"pretrain: step {self.step}: validation mlm "
+                f"{evaluation['eval/loss/mlm']:.4f} "
+                f"(accuracy {evaluation['eval/accuracy/mlm']:.3f}), "
+                f"{evaluation['eval/seconds']:.1f} s"
+            )
+
+    def after_step(self, loop: RunLoop, checkpoint_due: bool) -> None:
+        """Diagnostics at their cadence; the non-finite counters, read at logging steps and
+        before checkpoints (the device skipped the bad steps already): too many bad steps in a
+        row save a checkpoint and raise ``NonFiniteLossError``; ``train.fail_at_step``."""
+        train = self.cfg.train
+        if train.diagnostics_every and self.step % train.diagnostics_every == 0:
+            assert loop.trackers is not None
+            self.diagnostics(loop.trackers, self._last_batch)
+        if checkpoint_due:  # the checkpoint holds the host's counters: read them now
+            self._resolve_counters()
+        if self._worst_run >= train.max_nonfinite_in_a_row:
+            path = loop.save_checkpoint("non-finite loss")
+            raise NonFiniteLossError(
+                nonfinite_message(
+                    self._worst_run, self.step, self.skipped, path, self.engine.compiled
+                )
+            )
+        if train.fail_at_step is not None and self.step == train.fail_at_step:
+            raise RuntimeError(f"train.fail_at_step={self.step}: failing on purpose")
+
+    def complete(self, loop: RunLoop, checkpoint: Path | None) -> None:
+        """The release of the last checkpoint (``train.export_at_end``, rank 0)."""
+        if self.cfg.train.export_at_end and self.is_main and checkpoint is not None:
+            self.release = export_release(checkpoint / RELEASE_DIR, self.run_dir / RELEASE_DIR)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "skipped_steps": self.skipped,
+            "last": self.last,
+            "validation": self.last_eval or None,
+            "release": None if self.release is None else str(self.release),
+        }
 
     def max_masked(self, phase: Phase) -> int | None:
         """The MLM head's slots per row (``pretrain.objective.model_inputs``): the masking
@@ -617,18 +574,17 @@ class Trainer:
         return masking_budget(phase.max_seq_length, masking)
 
     def _train_step(
-        self,
-        batches,
-        sums: dict[str, torch.Tensor],
-        timers: dict[str, float],
-    ) -> tuple[DeferredStep, dict[str, torch.Tensor], int, int, float, int]:
+        self, batches: Iterator[dict[str, torch.Tensor]], window: LogWindow
+    ) -> TrainStep:
         """One optimizer step, without a host synchronisation: the losses and counts are added
-        to ``sums`` on the device, the engine decides skips there (``step(defer=True)``), the
-        host counts come from the CPU batch. ``train.time_split`` synchronises around forward,
-        backward and step to time them (on a GPU; on the CPU they are timed anyway)."""
+        to ``window.sums`` on the device, the engine decides skips there
+        (``step(defer=True)``), the host counts come from the CPU batch. ``train.time_split``
+        synchronises around forward, backward and step to time them (on a GPU; on the CPU they
+        are timed anyway)."""
         engine = self.engine
         sync = _synchronizer(engine.device) if self.cfg.train.time_split else _no_sync
         max_masked = self.max_masked(self.phase)
+        sums, timers = window.sums, window.timers
         tokens = samples = micro = 0
         flops = 0.0
         batch: dict[str, torch.Tensor] = {}
@@ -664,7 +620,7 @@ class Trainer:
         sync()
         timers["step"] += time.perf_counter() - t0
         world = engine.world_size
-        return result, batch, tokens * world, samples * world, flops * world, micro
+        return TrainStep(result, batch, tokens * world, samples * world, flops * world, micro)
 
     def _track(self, result: DeferredStep) -> None:
         """Adds a step's skip and non-finite flags to the pending device counters."""
@@ -698,22 +654,11 @@ class Trainer:
             self._worst_run = max(self._worst_run, round(longest))
         self.engine.sync_schedule(round(values[0]) if position is not None and values else None)
 
-    def _log(
-        self,
-        writer: Trackers,
-        result: DeferredStep,
-        sums: dict[str, torch.Tensor],
-        timers: dict[str, float],
-        steps: int,
-        micro_batches: int,
-        elapsed: float,
-        tokens: int,
-        samples: int,
-        flops: float,
-        peak: float | None,
-    ) -> dict[str, float]:
+    def _log(self, writer: Trackers, result: DeferredStep, window: LogWindow) -> dict[str, float]:
         """Averages over the logging window and over ranks -> TensorBoard (rank 0). The device
         sums and the skip counters are read in one go."""
+        elapsed = time.perf_counter() - window.start
+        steps, sums = window.steps, window.sums
         device = self.engine.device
         names = sorted(sums)
         parts = [sums[n].to(device=device, dtype=torch.float64).reshape(1) for n in names]
@@ -732,7 +677,7 @@ class Trainer:
                 f"the MLM head decoded {self.max_masked(self.phase)} positions per row, but some "
                 "row had more masked tokens (its masking budget should bound them): a bug"
             )
-        micro = max(float(micro_batches), 1.0)
+        micro = max(float(window.micro_batches), 1.0)
         values: dict[str, float | None] = {}
         counts = ("mlm_correct", "mlm_total", "mlm_dropped", "sop_correct", "sop_total")
         for name, total in avg.items():
@@ -749,8 +694,8 @@ class Trainer:
         if len(self.phases) > 1:
             values["train/phase"] = float(self.phase.index)
             values["train/max_seq_length"] = float(self.phase.max_seq_length)
-        values["throughput/tokens_per_s"] = tokens / elapsed
-        values["throughput/samples_per_s"] = samples / elapsed
+        values["throughput/tokens_per_s"] = window.tokens / elapsed
+        values["throughput/samples_per_s"] = window.samples / elapsed
         values["throughput/tokens_seen"] = float(self.tokens)
         # Without synchronisation a GPU's forward / backward / step times would be the host's
         # launch times: logged on the CPU, and on a GPU with train.time_split.
@@ -758,13 +703,15 @@ class Trainer:
         if device.type == "cuda" and not self.cfg.train.time_split:
             timed = ("data",)
         for name in timed:
-            values[f"time/{name}"] = timers.get(name, 0.0) / max(steps, 1)
+            values[f"time/{name}"] = window.timers.get(name, 0.0) / max(steps, 1)
         values["time/step_total"] = elapsed / max(steps, 1)
         values["memory/cpu_max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         if device.type == "cuda":
             values["memory/cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
             values["memory/cuda_max_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
-        achieved = mfu(flops / elapsed / self.engine.world_size, peak) if self.count_flops else None
+        achieved = None
+        if self.count_flops:
+            achieved = mfu(window.flops / elapsed / self.engine.world_size, self._peak)
         if achieved is not None:
             values["throughput/mfu"] = achieved
         writer.scalars(self.step, values)

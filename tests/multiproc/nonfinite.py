@@ -63,7 +63,7 @@ def main() -> None:
         before = digest(trainer.engine.module)
         result = step_fn(*args, **kwargs)
         digests[trainer.step + 1] = (before, digest(trainer.engine.module))
-        lrs[trainer.step + 1] = result[0].lr
+        lrs[trainer.step + 1] = result.deferred.lr
         return result
 
     trainer._train_step = recording_step
