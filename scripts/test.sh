@@ -9,3 +9,6 @@ ruff check .
 ruff format --check .
 # --durations: the slowest tests at the end of the log (the suite's 30-minute budget)
 python -m pytest -q --durations=25 "$@"
+# The floating-point comparisons again on torch's portable kernels: tolerances must hold on every
+# CPU (AVX2, AVX-512, AMX), not only on this one (tests/numerics.py).
+if [ $# -eq 0 ]; then ATEN_CPU_CAPABILITY=default python -m pytest -q -m numerics; fi

@@ -10,7 +10,7 @@ from torch.nn.utils.parametrizations import _OrthMaps, _Orthogonal
 import model.orthogonal as orthogonal_module
 from model.orthogonal import block_inverse, cayley
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.numerics]
 
 
 def skew(b: int, n: int, dtype=torch.float64, seed: int = 0) -> torch.Tensor:
