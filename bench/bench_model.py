@@ -1,7 +1,7 @@
 """Model step vs HF `transformers` ALBERT: forward + backward, same config, same weights, same run.
 
 A random `transformers.AlbertForPreTraining` (ALBERT-base width, `--layers` shared layers) is saved
-to a temp dir and imported through `model.hf_import`, so both models hold identical weights
+to a temp dir and imported through `model.hub.hf_import`, so both models hold identical weights
 (checked: the fp32 losses agree before anything is timed). Each step computes the same loss on
 both (MLM cross-entropy over the full logits + SOP) and its backward. Runs are interleaved (ours,
 theirs, ours, ...) and the median is reported; the ratio is ours / theirs (<= 1.0 means we are at
@@ -47,7 +47,7 @@ from model.norm import LayerNorm
 def build_pair(layers: int, vocab: int, device: str):
     from transformers import AlbertConfig, AlbertForPreTraining
 
-    from model.hf_import import import_hf_albert
+    from model.hub.hf_import import import_hf_albert
 
     hf_cfg = AlbertConfig(
         vocab_size=vocab,

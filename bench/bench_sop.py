@@ -15,7 +15,7 @@
 3. Training: ``python -m pretrain --config <recipe> ...`` (the project's CLI, one process,
    OMP_NUM_THREADS=1) on the training shards, a checkpoint (with its release) every
    ``eval_every`` steps; ``train.seed`` is the seed (weights, data order, masking).
-4. Evaluation: every checkpoint's release (``model.release.load_release``) in eval mode on
+4. Evaluation: every checkpoint's release (``model.hub.release.load_release``) in eval mode on
    ``[CLS] A [SEP] B [SEP]`` (label 0) and ``[CLS] B [SEP] A [SEP]`` (label 1) of every
    held-out pair, unmasked: both orders of every pair, so a constant prediction scores exactly
    0.5. A 95 % Wilson interval is given. The same on (up to) 1000 training pairs tells
@@ -301,7 +301,7 @@ def train(recipe: Path, run_dir: Path, items: list[str], threads: int) -> tuple[
 
 def evaluate_run(run_dir: Path, heldout, novel, train_pairs, special) -> list[dict]:
     from engine.metrics import read_jsonl
-    from model.release import load_release
+    from model.hub.release import load_release
 
     logged = read_jsonl(run_dir / "tensorboard")
     curve = []

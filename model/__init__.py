@@ -4,7 +4,7 @@ Main entry points:
     EncoderConfig            typed config with presets (model.config)
     Encoder                  the ALBERT-style encoder (model.encoder)
     EncoderForPretraining, EncoderForSequenceClassification, EncoderForDualClassification
-    save_release / load_release   the release directory (model.release)
+    save_release / load_release   the release directory (model.hub.release)
     ATTENTION_REGISTRY       attention families (model.attention)
 """
 

@@ -10,7 +10,7 @@ the run used. The release is loaded once before it is written, so a damaged chec
 reported instead of published.
 
 ``--format hf`` writes a directory that Hugging Face `transformers` loads without this project
-(`model.hf_export`): a native ALBERT checkpoint for softmax models with ALBERT's layout, else
+(`model.hub.hf_export`): a native ALBERT checkpoint for softmax models with ALBERT's layout, else
 the family's modeling code beside the weights (``trust_remote_code=True``); the tokenizer with
 its special tokens; a model card (README.md) with the family, the sizes, the run's recipe, its
 data and the validation metrics of the exported step.
@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.checkpoint import CheckpointError, CheckpointStore
-from model.hf_export import ExportError, ModelCardInfo, export_hf
-from model.release import export_release, is_release, read_release_config
+from model.hub.hf_export import ExportError, ModelCardInfo, export_hf
+from model.hub.release import export_release, is_release, read_release_config
 from pretrain.config import RELEASE_DIR
 
 FORMATS = ("release", "hf")

@@ -30,7 +30,7 @@ from typing import Any
 
 from model.config import SIZE_FIELDS, EncoderConfig
 from model.heads import EncoderForPretraining
-from model.release import CONFIG_FILE, is_release, read_release_config
+from model.hub.release import CONFIG_FILE, is_release, read_release_config
 
 INIT_KEY = "init_from"
 """The model-section key naming the checkpoint to start from."""
@@ -68,7 +68,7 @@ def checkpoint_encoder(init: Path) -> tuple[dict[str, Any], str]:
         raise ValueError(f"model.{INIT_KEY}={str(init)!r}: no such directory")
     if is_release(init):
         return dict(read_release_config(init)["encoder"]), "release"
-    from model.hf_export import export_encoder_config, is_export
+    from model.hub.hf_export import export_encoder_config, is_export
 
     if is_export(init):
         return export_encoder_config(init).to_dict(), "export"
@@ -77,7 +77,7 @@ def checkpoint_encoder(init: Path) -> tuple[dict[str, Any], str]:
             f"model.{INIT_KEY}={str(init)!r} is neither a release nor an HF ALBERT checkpoint "
             f"(no {CONFIG_FILE})"
         )
-    from model.hf_import import encoder_config_from_hf, read_hf_config
+    from model.hub.hf_import import encoder_config_from_hf, read_hf_config
 
     return encoder_config_from_hf(read_hf_config(init)).to_dict(), "hf"
 
@@ -132,13 +132,13 @@ def load_init(model: EncoderForPretraining, model_section: dict[str, Any]) -> In
     _, kind = checkpoint_encoder(init)
     report = InitReport(source=str(init), kind=kind)
     if kind == "hf":
-        from model.hf_import import load_hf_state_dict, load_hf_weights
+        from model.hub.hf_import import load_hf_state_dict, load_hf_weights
 
         imported = load_hf_weights(model, load_hf_state_dict(init), allow_new=True)
         report.loaded, report.unused = list(imported.loaded), list(imported.unused)
         report.initialised = list(imported.initialised)
         return report
-    from model.hf_export import load_release_or_export
+    from model.hub.hf_export import load_release_or_export
 
     source = load_release_or_export(init).state_dict()  # its own head (a classifier's: no MLM)
     own = model.state_dict()

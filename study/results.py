@@ -172,7 +172,7 @@ def export_matches(graph: Graph, node: Node) -> bool | None:
     """Whether an export node's release holds the run's own release's weights (None: not run)."""
     import torch
 
-    from model.release import load_release
+    from model.hub.release import load_release
 
     if not node.is_done():
         return None

@@ -422,7 +422,7 @@ def write_hf_albert(
 ) -> Path:
     """A randomly initialised tiny `AlbertForPreTraining` saved as `transformers` does
     (config.json, model.safetensors) with `tokenizer_file` as out/tokenizer.json: the `--init`
-    of `python -m finetune glue --attention tisa` and of `model.hf_import`. `sizes` override
+    of `python -m finetune glue --attention tisa` and of `model.hub.hf_import`. `sizes` override
     `HF_SIZES` (any AlbertConfig field); vocab_size and pad_token_id are the tokenizer's."""
     import torch
 

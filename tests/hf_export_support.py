@@ -15,8 +15,8 @@ from model.attention import ATTENTION_REGISTRY, AttentionFamily
 from model.attention.hf_export import HFExport
 from model.config import EncoderConfig
 from model.heads import build_model
+from model.hub.release import save_release
 from model.orthogonal import orthogonal_modules
-from model.release import save_release
 
 ATOL = 1e-5
 TESTS = Path(__file__).resolve().parent

@@ -18,7 +18,7 @@ from pretrain_support import REPO, SEQ, env, make_shards, torchrun_cmd
 from data_prep.loader import PretrainingData, PretrainingLoader
 from engine.metrics import read_jsonl
 from engine.recipe import load_recipe
-from model.release import load_release
+from model.hub.release import load_release
 from pretrain.__main__ import main as pretrain_main
 from pretrain.config import pretrain_config
 from pretrain.train import SetupError, run

@@ -96,7 +96,7 @@ def test_release_directory_follows_the_umask(tmp_path):
 
     from model.config import EncoderConfig
     from model.heads import EncoderForPretraining
-    from model.release import save_release
+    from model.hub.release import save_release
 
     old = os.umask(0o022)
     try:

@@ -23,7 +23,7 @@ from finetune.glue.tasks import get_task
 from finetune.trainer import FinetuneConfig, Finetuner
 from model.config import EncoderConfig
 from model.heads import EncoderForPretraining
-from model.release import save_release
+from model.hub.release import save_release
 
 pytestmark = pytest.mark.integration  # runs the stages end to end
 

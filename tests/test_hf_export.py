@@ -30,7 +30,7 @@ from data_prep.tokenizer import write_tokenizer
 from model.attention import ATTENTION_REGISTRY
 from model.config import EncoderConfig
 from model.heads import build_model
-from model.hf_export import (
+from model.hub.hf_export import (
     FAMILY_FILE,
     ExportError,
     cayley_inverse,
@@ -38,9 +38,9 @@ from model.hf_export import (
     import_export,
     materialised_state_dict,
 )
-from model.hf_import import import_hf_albert
+from model.hub.hf_import import import_hf_albert
+from model.hub.release import load_release, save_release
 from model.orthogonal import cayley
-from model.release import load_release, save_release
 from pretrain.export import main as export_main
 
 TESTS = Path(__file__).resolve().parent
@@ -187,7 +187,7 @@ def test_remote_code_imports_only_torch_and_transformers():
     """The files an export carries import nothing of this project."""
     sources = [Path(ATTENTION_REGISTRY.get(n).hf_export.code) for n in ("softmax", "tisa")]
     sources += [Path(ATTENTION_REGISTRY.get(n).hf_export.code) for n in ("kernel", "transject")]
-    sources += list((TESTS.parent / "model" / "hf_remote").glob("*ing_albatross.py"))
+    sources += list((TESTS.parent / "model" / "hub" / "hf_remote").glob("*ing_albatross.py"))
     for path in sources:
         for line in path.read_text().splitlines():
             if line.startswith(("import ", "from ")):

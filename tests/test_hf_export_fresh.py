@@ -35,8 +35,8 @@ from safetensors.torch import load_file
 from data_prep.tokenizer import write_tokenizer
 from model.config import EncoderConfig
 from model.heads import build_model
-from model.hf_export import export_hf, materialised_state_dict
-from model.release import load_release, save_release
+from model.hub.hf_export import export_hf, materialised_state_dict
+from model.hub.release import load_release, save_release
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""Parity with HF `transformers` ALBERT through `model.hf_import` (docs/methods.md, ALBERT).
+"""Parity with HF `transformers` ALBERT through `model.hub.hf_import` (docs/methods.md, ALBERT).
 
 Tiny random HF models with perturbed parameters (so LayerNorm ones and zero biases cannot hide a
 mapping bug) are saved to disk, imported through the CLI or the API, and must give the same
@@ -16,12 +16,12 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from model.hf_import import (
+from model.hub.hf_import import (
     encoder_config_from_hf,
     import_hf_albert,
     main,
 )
-from model.release import load_release, read_release_config, tokenizer_path
+from model.hub.release import load_release, read_release_config, tokenizer_path
 
 ATOL = 1e-5
 
@@ -226,7 +226,7 @@ def test_albert_model_parity(tmp_path, caplog):
     assert not any(
         k.startswith("albert.") for k in load_file(str(tmp_path / "hf" / "model.safetensors"))
     )
-    with caplog.at_level(logging.INFO, logger="model.hf_import"):
+    with caplog.at_level(logging.INFO, logger="model.hub.hf_import"):
         ours = import_hf_albert(tmp_path / "hf")
     assert ours.head_type == "pretraining"
     assert (
@@ -379,7 +379,7 @@ def test_unused_tensors_are_reported(hf_small, caplog):
         state["albert.embeddings.position_ids"] = torch.arange(64)[None]  # ignorable buffer
 
     edit_weights(hf_small, add)
-    with caplog.at_level(logging.WARNING, logger="model.hf_import"):
+    with caplog.at_level(logging.WARNING, logger="model.hub.hf_import"):
         import_hf_albert(hf_small)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("encoder.extra_adapter.weight" in w for w in warnings), warnings

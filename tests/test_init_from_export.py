@@ -12,8 +12,8 @@ from finetune.lra.run import LraConfig, build_lra_model
 from finetune.lra.tasks import get_task
 from model.config import EncoderConfig
 from model.heads import EncoderForPretraining, build_model
-from model.hf_export import export_hf, import_export
-from model.release import load_release, save_release
+from model.hub.hf_export import export_hf, import_export
+from model.hub.release import load_release, save_release
 from pretrain.init import checkpoint_encoder, encoder_config, load_init
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

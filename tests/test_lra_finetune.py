@@ -176,7 +176,7 @@ def test_lra_sweep_as_a_slurm_array_then_summary(slurm_cluster, tmp_path):
     from finetune.lra.synthetic import write_synthetic_imdb
     from model import EncoderConfig
     from model.heads import build_model
-    from model.release import save_release
+    from model.hub.release import save_release
 
     data = tmp_path / "lra_release"
     write_splits(data / "listops-1000", {"train": 48, "val": 16, "test": 16}, 20, 60, seed=2)

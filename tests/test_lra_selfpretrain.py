@@ -20,7 +20,7 @@ from finetune.lra.data import load_split, read_aclimdb
 from finetune.lra.shards import lra_tokenizer, write_lra_shards
 from finetune.lra.synthetic import NEGATIVE, POSITIVE, write_synthetic_imdb
 from finetune.lra.tasks import CLS_ID, LISTOPS_VOCAB, MASK_ID, OFFSET, TASKS, get_task
-from model.release import load_release
+from model.hub.release import load_release
 from pretrain.__main__ import main as pretrain_main
 
 pytestmark = pytest.mark.integration  # runs the stages end to end

@@ -20,8 +20,8 @@ from model import (
 )
 from model.attention import LayerContext
 from model.attention.softmax import SoftmaxKernel, naive_softmax_attention
+from model.hub.release import load_release, save_release
 from model.orthogonal import FP32Orthogonal, orthogonal_modules, orthogonality_error
-from model.release import load_release, save_release
 
 FAMILIES = ATTENTION_REGISTRY.names()
 

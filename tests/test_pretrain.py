@@ -31,7 +31,7 @@ from pretrain_support import (
 from safetensors.torch import load_file
 
 from engine.metrics import read_image_tags, read_jsonl, read_scalars
-from model.release import load_release
+from model.hub.release import load_release
 from pretrain import export as export_cli
 from pretrain.__main__ import main as pretrain_main
 

@@ -19,7 +19,7 @@ import torch
 from data_prep.tokenizer import load_tokenizer, write_tokenizer
 from model.config import EncoderConfig
 from model.heads import EncoderForPretraining
-from model.release import (
+from model.hub.release import (
     CONFIG_FILE,
     TOKENIZER_FILE,
     WEIGHTS_FILE,
@@ -138,7 +138,7 @@ def test_unreadable_tokenizer(release, caplog):
     """A tokenizer.json that `tokenizers` cannot read: load_release loads the weights and warns
     (the tokenizer is not needed to use them); check_tokenizer refuses, naming the file."""
     (release / TOKENIZER_FILE).write_text('{"model": "stand-in"}\n')
-    with caplog.at_level(logging.WARNING, logger="model.release"):
+    with caplog.at_level(logging.WARNING, logger="model.hub.release"):
         load_release(release)
     assert str(release / TOKENIZER_FILE) in caplog.text
     with pytest.raises(ValueError, match="not a readable tokenizer") as err:

@@ -53,9 +53,9 @@ def test_preset_key_with_a_typo_fails():
     "module",
     [
         "model",
-        "model.hf_import",
+        "model.hub.hf_import",
         "model.diagnostics",
-        "model.release",
+        "model.hub.release",
         "pretrain",
         "pretrain.train",
         "pretrain.export",

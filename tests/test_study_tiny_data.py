@@ -174,7 +174,7 @@ def tokenizer_file(tmp_path_factory) -> Path:
 def test_hf_albert_imports_with_tisa(tmp_path, tokenizer_file):
     pytest.importorskip("transformers")
     from data_prep.tokenizer import load_tokenizer
-    from model.hf_import import import_hf_albert, read_hf_config
+    from model.hub.hf_import import import_hf_albert, read_hf_config
 
     out = write_hf_albert(tmp_path / "hf", tokenizer_file, seed=1)
     assert (out / "tokenizer.json").read_bytes() == tokenizer_file.read_bytes()

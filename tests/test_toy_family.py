@@ -20,7 +20,7 @@ from model.attention import ATTENTION_REGISTRY, AttentionFamily, LayerContext, S
 from model.attention.base import matmul_flops
 from model.config import EncoderConfig
 from model.flops import FlopsNotCounted, counts_flops, forward_flops
-from model.release import load_release
+from model.hub.release import load_release
 from pretrain.config import pretrain_config
 from pretrain.train import Trainer
 

@@ -626,7 +626,7 @@ def load_glue_tokenizer(path: str | os.PathLike) -> Any:
 
     path = Path(path)
     if path.is_dir():
-        from model.release import tokenizer_path
+        from model.hub.release import tokenizer_path
 
         found = tokenizer_path(path)
         if found is None:

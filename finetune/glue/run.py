@@ -85,7 +85,7 @@ from finetune.trainer import (
     run_identity,
     write_finished,
 )
-from model.release import (
+from model.hub.release import (
     CONFIG_FILE,
     TOKENIZER_FILE,
     directory_digest,
@@ -169,7 +169,7 @@ def prepare_init(init: Path, cfg: GlueConfig, work: Path) -> Path:
                 "release (its attention is fixed): drop model.attention"
             )
         return init
-    from model.hf_import import import_hf_albert
+    from model.hub.hf_import import import_hf_albert
 
     model = import_hf_albert(
         init, attention=cfg.model.attention or "softmax", tisa_overrides=cfg.model.tisa or None

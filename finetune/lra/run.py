@@ -53,8 +53,8 @@ from finetune.trainer import (
 )
 from model.config import EncoderConfig, deep_merge
 from model.heads import build_model
-from model.hf_export import load_release_or_export, release_or_export_encoder
-from model.release import directory_digest
+from model.hub.hf_export import load_release_or_export, release_or_export_encoder
+from model.hub.release import directory_digest
 
 
 @dataclass

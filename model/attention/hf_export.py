@@ -1,11 +1,11 @@
 """The `AttentionFamily.hf_export` hook: how a family's models are exported to Hugging Face
-`transformers` (``python -m pretrain.export --format hf``, `model.hf_export`).
+`transformers` (``python -m pretrain.export --format hf``, `model.hub.hf_export`).
 
 A family gives:
 
 * ``code``: its HF-side source file, next to its own file (``model/attention/<name>_hf.py``),
   importing `torch` (and `transformers`) only. The export copies it as ``albatross_family.py``
-  beside the generic remote code (`model/hf_remote/`), which takes the family's modules from its
+  beside the generic remote code (`model/hub/hf_remote/`), which takes the family's modules from its
   ``PARTS`` dict: ``kernel`` (the mixing step of a standard layer, ``(q, k, v, ctx) -> (out,
   aux)`` on (B, H, N, h) tensors), ``state`` (run once per forward, ``(x0, mask) -> (extras,
   aux)``), ``layer`` and ``embeddings`` (a family with its own). Its modules carry the names of

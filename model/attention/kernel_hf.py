@@ -1,5 +1,5 @@
 """Trainable feed-forward kernels for the Hugging Face side of an export (`torch` only; see
-`model/hf_remote/`). Copied into an export as ``albatross_family.py``: the same computation as
+`model/hub/hf_remote/`). Copied into an export as ``albatross_family.py``: the same computation as
 `model/attention/kernel.py` in inference (fp32 sums).
 
 out_i = phi(q_i)^T sum_j phi(k_j) v_j^T / (phi(q_i)^T sum_j phi(k_j) + eps), phi learned per

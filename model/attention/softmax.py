@@ -71,8 +71,8 @@ def softmax_mixing_flops(cfg: EncoderConfig, seq_len: int) -> int:
 
 
 def native_albert(cfg: EncoderConfig, head: dict, state: dict) -> NativeModel:
-    """The export as a native `transformers` ALBERT (`model.albert_names.albert_export`)."""
-    from model.albert_names import albert_export
+    """The export as a native `transformers` ALBERT (`model.hub.albert_names.albert_export`)."""
+    from model.hub.albert_names import albert_export
 
     return albert_export(cfg, head, state)
 

@@ -1,5 +1,5 @@
 """Softmax attention for the Hugging Face side of an export (`torch` only; see
-`model/hf_remote/`). Copied into an export as ``albatross_family.py`` when a softmax model is not
+`model/hub/hf_remote/`). Copied into an export as ``albatross_family.py`` when a softmax model is not
 a native ALBERT (pre-LN or ReZero residuals, no absolute positions, orthogonal projections):
 the same computation as `model/attention/softmax.py` in inference."""
 

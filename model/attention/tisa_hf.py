@@ -1,4 +1,4 @@
-"""TISA for the Hugging Face side of an export (`torch` only; see `model/hf_remote/`). Copied
+"""TISA for the Hugging Face side of an export (`torch` only; see `model/hub/hf_remote/`). Copied
 into an export as ``albatross_family.py``: the same computation as `model/attention/tisa.py`
 (its SDPA path) in inference.
 

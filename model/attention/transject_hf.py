@@ -1,4 +1,4 @@
-"""TransJect for the Hugging Face side of an export (`torch` only; see `model/hf_remote/`).
+"""TransJect for the Hugging Face side of an export (`torch` only; see `model/hub/hf_remote/`).
 Copied into an export as ``albatross_family.py``: the same computation as
 `model/attention/transject.py` in inference, with its orthogonal maps (experts U_e, V_e, the
 eigenbasis U, the FFN maps, an orthogonal token embedding) stored as the matrices themselves,

@@ -1,6 +1,6 @@
 """The ALBERT checkpoint format of Hugging Face `transformers`: its files, config fields,
 architectures and activations, and the one table of tensor names between its checkpoints and
-our model (`hf_name_map`), read forwards by the import (`model.hf_import`) and backwards by the
+our model (`hf_name_map`), read forwards by the import (`model.hub.hf_import`) and backwards by the
 export of a softmax model as a native ALBERT (`albert_export`). Builds no model, so the softmax
 family's export hook can use it without an import cycle."""
 

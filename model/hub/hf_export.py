@@ -1,6 +1,6 @@
 """Export a release to a directory that Hugging Face `transformers` loads, and import one back.
 
-    from model.hf_export import export_hf
+    from model.hub.hf_export import export_hf
     export_hf("releases/tisa-base", "hub/tisa-base", card=ModelCardInfo(...))
 
 What the directory holds (`transformers` loads it without this project installed):
@@ -11,7 +11,7 @@ What the directory holds (`transformers` loads it without this project installed
     ``AlbertForSequenceClassification``) is a native `transformers` checkpoint: ``AutoModel``
     loads it without remote code;
   - otherwise ``model_type: albatross`` with ``auto_map`` naming the remote code written beside
-    it (``configuration_albatross.py``, ``modeling_albatross.py`` from `model/hf_remote/` and
+    it (``configuration_albatross.py``, ``modeling_albatross.py`` from `model/hub/hf_remote/` and
     ``albatross_family.py``, the family's own HF-side file), loaded with
     ``trust_remote_code=True``; the weights are the release's tensors under their own names,
     each parameterised tensor (an orthogonal map) stored as its value;
@@ -25,7 +25,7 @@ A family without the hook, a head with no `transformers` counterpart (the dual e
 directory that is not a release raise `ExportError` (a ValueError) naming the problem.
 
 `import_export` reads such a directory back into this project's model (fine-tuning from an
-export, `model.hf_import` and GLUE's ``--init`` use it): the config carries the release's
+export, `model.hub.hf_import` and GLUE's ``--init`` use it): the config carries the release's
 encoder config, and each orthogonal map is given back its free parameters by inverting the
 Cayley map (`cayley_inverse`), so the imported model computes the exported one.
 """
@@ -46,10 +46,10 @@ from safetensors.torch import load_file, save_file
 
 from model.attention import ATTENTION_REGISTRY
 from model.attention.hf_export import NativeModel, NotNative
+from model.attention.registry import options_key
 from model.config import EncoderConfig, config_to_dict
 from model.heads import build_model
-from model.orthogonal import cayley, orthogonal_cache, orthogonal_modules
-from model.release import (
+from model.hub.release import (
     CONFIG_FILE,
     TOKENIZER_FILE,
     WEIGHTS_FILE,
@@ -58,6 +58,8 @@ from model.release import (
     load_release,
     read_release_config,
 )
+from model.orthogonal import cayley, orthogonal_cache, orthogonal_modules
+from model.typed_config import config_from_dict, config_keys
 
 log = logging.getLogger(__name__)
 
@@ -421,10 +423,11 @@ def model_card(
         "residual": cfg.residual,
         "position embedding": cfg.position_embedding,
     }
-    settings = getattr(cfg, cfg.attention, None)
+    key = options_key(ATTENTION_REGISTRY.get(cfg.attention))
+    settings = None if key is None else getattr(cfg, key)
     family_settings = (
-        f"\nFamily settings (`{cfg.attention}`): `{json.dumps(config_to_dict(settings))}`\n"
-        if settings is not None and hasattr(settings, "__dataclass_fields__")
+        f"\nFamily settings (`{key}`): `{json.dumps(config_to_dict(settings))}`\n"
+        if settings is not None
         else ""
     )
     body = [
@@ -525,14 +528,12 @@ def export_encoder_config(hf_dir: str | os.PathLike) -> EncoderConfig:
 
 def _export_config(hf: Path) -> tuple[dict[str, Any], EncoderConfig]:
     """(the export's config.json, its encoder config)."""
-    from model.typed_config import config_from_dict
-
     path = hf / CONFIG_FILE
     if not is_export(hf):
         raise ReleaseError(f"{path}: not an albatross export (model_type {EXPORT_MODEL_TYPE!r})")
     config = json.loads(path.read_text())
-    fields = EncoderConfig.__dataclass_fields__
-    encoder = {k: v for k, v in config.items() if k in fields}
+    keys = config_keys(EncoderConfig)  # its fields and the registered families' sections
+    encoder = {k: v for k, v in config.items() if k in keys}
     if encoder.get("orthogonal_map", "cayley") != "cayley":
         log.warning(
             "%s: orthogonal_map=%r; the import gives the matrices back free parameters of the "
@@ -565,7 +566,7 @@ def import_export(
     one, or for a matrix that is no longer orthogonal (trained outside this project).
 
     ``head`` (e.g. {"type": "sequence_classification", "num_labels": 2}) replaces the exported
-    one, as `model.release.load_release` does: the encoder's tensors must all load, the head's
+    one, as `model.hub.release.load_release` does: the encoder's tensors must all load, the head's
     load where names and shapes match (fine-tuning or continued pretraining from an export)."""
     hf = Path(hf_dir)
     path = hf / CONFIG_FILE

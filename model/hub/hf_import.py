@@ -1,9 +1,9 @@
 """Import a local Hugging Face `transformers` ALBERT checkpoint into our model; write a release dir.
-Also reads back this project's own Hugging Face exports (`model.hf_export`, any family), and
-exports a softmax model as a native ALBERT (`model.albert_names.albert_export`, the name
+Also reads back this project's own Hugging Face exports (`model.hub.hf_export`, any family), and
+exports a softmax model as a native ALBERT (`model.hub.albert_names.albert_export`, the name
 table read backwards).
 
-    python -m model.hf_import --hf-dir albert-base-v2/ --out releases/albert-base-v2-tisa \\
+    python -m model.hub.hf_import --hf-dir albert-base-v2/ --out releases/albert-base-v2-tisa \\
         --attention tisa
 
 The HF dir holds `config.json` and `model.safetensors` or `pytorch_model.bin` (or their sharded
@@ -40,7 +40,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from model.albert_names import (
+from model.config import EncoderConfig, config_from_dict
+from model.heads import build_model
+from model.hub.albert_names import (
     HF_ARCHITECTURES,
     HF_CONFIG_FIELDS,
     HF_CONFIG_FILE,
@@ -54,9 +56,7 @@ from model.albert_names import (
     hf_name_map,
     normalise_hf_key,
 )
-from model.config import EncoderConfig, config_from_dict
-from model.heads import build_model
-from model.release import save_release
+from model.hub.release import save_release
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ def _import(
     hf_dir: str | os.PathLike, attention: str, tisa_overrides: dict[str, Any] | None
 ) -> tuple[torch.nn.Module, ImportReport, dict[str, Any]]:
     hf_config = read_hf_config(hf_dir)
-    from model.hf_export import EXPORT_MODEL_TYPE, import_export
+    from model.hub.hf_export import EXPORT_MODEL_TYPE, import_export
 
     if hf_config.get("model_type") == EXPORT_MODEL_TYPE:  # our own export, any family
         if attention != "softmax" or tisa_overrides:
@@ -332,7 +332,7 @@ def import_hf_albert(
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m model.hf_import",
+        prog="python -m model.hub.hf_import",
         description="Import a local HF transformers ALBERT checkpoint into a release dir.",
     )
     p.add_argument("--hf-dir", required=True, help="dir with config.json + model weights")

@@ -23,7 +23,7 @@ from engine.engine import shutdown
 from engine.metrics import read_scalars
 from engine.recipe import load_recipe
 from model import diagnostics
-from model.release import load_release
+from model.hub.release import load_release
 from pretrain.config import pretrain_config
 from pretrain.train import Trainer
 

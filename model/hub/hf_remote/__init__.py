@@ -5,5 +5,5 @@ Nothing here is imported by the project. `configuration_albatross.py` and
 (``trust_remote_code=True``), beside ``albatross_family.py``, a copy of the attention family's
 own HF-side file (``model/attention/<family>_hf.py``, named by its ``AttentionFamily.hf_export``
 hook). They import ``torch`` and ``transformers`` only, so the export loads where this project is
-not installed. See ``model/hf_export.py`` for the export itself.
+not installed. See ``model/hub/hf_export.py`` for the export itself.
 """
