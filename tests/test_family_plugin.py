@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from dataclasses import dataclass
 from importlib.metadata import EntryPoint
 from pathlib import Path
 
@@ -22,20 +23,31 @@ from model.attention.registry import AttentionRegistry, load_installed_families
 
 NAME = "plugin-mean"
 PACKAGE = '''
-"""A uniform-attention family in a package of its own (the test's plugin)."""
+"""A uniform-attention family in a package of its own (the test's plugin), with its settings."""
+from dataclasses import dataclass
+
 from model.attention import AttentionFamily, ScoreKernel
+
+
+@dataclass
+class MeanOptions:
+    scale: float = 1.0
+    """Multiplies the mean of the values."""
 
 
 class MeanKernel(ScoreKernel):
     def __init__(self, cfg):
         super().__init__()
+        self.scale = cfg.mean.scale
 
     def forward(self, q, k, v, ctx):
         w = ctx.mask_BN[:, None, :, None].to(v.dtype)
-        return ((v * w).sum(2, keepdim=True) / w.sum(2, keepdim=True)).expand_as(q), {}
+        mean = (v * w).sum(2, keepdim=True) / w.sum(2, keepdim=True)
+        return (self.scale * mean).expand_as(q), {}
 
 
-FAMILY = AttentionFamily(name="plugin-mean", description="uniform attention", kernel=MeanKernel)
+FAMILY = AttentionFamily(name="plugin-mean", description="uniform attention", kernel=MeanKernel,
+                         options=MeanOptions, options_key="mean")
 '''
 
 
@@ -83,13 +95,14 @@ def test_an_installed_family_pretrains_through_the_command_line(plugin_site, tmp
     run_dir = tmp_path / "run"
     exe = Path(sys.executable).parent / "albatross"
     cmd = [str(exe)] if exe.is_file() else [sys.executable, "-m", "albatross"]
-    proc = subprocess.run([*cmd, "pretrain", *pretrain_args(tmp_path, run_dir)],
-                          env=plugin_env(plugin_site), capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run([*cmd, "pretrain", *pretrain_args(tmp_path, run_dir),
+                           "model.mean.scale=0.5"], env=plugin_env(plugin_site),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((run_dir / "status.json").read_text())["state"] == "completed"
     release = json.loads((run_dir / "release" / "config.json").read_text())
     assert release["encoder"]["attention"] == NAME
+    assert release["encoder"]["mean"] == {"scale": 0.5}  # the plugin's own settings
     # without the plugin on the path, the name is unknown: a clear error, exit 2
     bare = dict(plugin_env(plugin_site), PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-m", "pretrain",
@@ -131,3 +144,39 @@ def test_a_broken_or_duplicate_entry_point_is_left_out_with_a_warning(monkeypatc
     assert any("broken" in m and "albatross_no_such_module" in m for m in messages)
     assert any("again" in m and "already registered" in m for m in messages)
     assert fresh.names() == ["softmax", "tisa"]
+
+
+@dataclass
+class _Toy:
+    """Settings of a family registered by the test."""
+
+    width: int = 2
+    """A setting."""
+
+
+def test_a_familys_settings_are_a_section_of_the_encoder_config(monkeypatch):
+    """A family registered from outside (entry point or register_attention) brings its settings
+    class: the encoder config takes, checks, saves and reads them under the family's key, and
+    every config has the section, with its defaults (ignored by the other families)."""
+    from model.attention import ATTENTION_REGISTRY, AttentionFamily, softmax
+    from model.config import EncoderConfig
+    from model.typed_config import config_keys
+
+    family = AttentionFamily(
+        name="toy-options", description="softmax", kernel=softmax.SoftmaxKernel, options=_Toy
+    )
+    monkeypatch.setitem(ATTENTION_REGISTRY._families, family.name, family)  # undone after
+    cfg = EncoderConfig.preset("debug", attention="toy-options", **{"toy-options": {"width": 3}})
+    assert getattr(cfg, "toy-options") == _Toy(width=3)
+    assert EncoderConfig().family_options["toy-options"] == _Toy()
+    assert cfg.to_dict()["toy-options"] == {"width": 3}
+    assert EncoderConfig.from_dict(cfg.to_dict()) == cfg
+    assert "toy-options" in config_keys(EncoderConfig) and cfg.tisa.num_kernels == 5
+    with pytest.raises(ValueError, match=r"unknown config key 'toy-options.widht'.*'width'"):
+        EncoderConfig.from_dict({"toy-options": {"widht": 3}})
+    with pytest.raises(ValueError, match="must be an integer"):
+        EncoderConfig(**{"toy-options": {"width": "3"}})
+    clash = AttentionFamily(name="other", description="x", kernel=softmax.SoftmaxKernel,
+                            options=_Toy, options_key="tisa")  # fmt: skip
+    with pytest.raises(ValueError, match=r"'tisa' of its options is taken by .*TISAConfig"):
+        ATTENTION_REGISTRY.register(clash)
