@@ -96,6 +96,9 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from engine import compat
+from engine.backends import backend_class
+from engine.backends.base import Backend
+from engine.backends.deepspeed import deepspeed_config
 from engine.collectives import Collectives
 from engine.compile import (
     COMPILES_PER_LAYER,
@@ -108,8 +111,7 @@ from engine.compile import (
 )
 from engine.config import COMPILE_SCOPES, EngineConfig, inductor_options
 from engine.distributed import DistEnv, detect, export_torch_env
-from engine.extensions import import_deepspeed, prepare_extensions
-from engine.lamb import Lamb, attach_zero_layouts
+from engine.lamb import Lamb
 from engine.optim import (
     OptimizerConfig,
     ScheduleConfig,
@@ -124,7 +126,6 @@ from model.orthogonal import (
     OrthogonalStepCache,
     orthogonal_modules,
 )
-from model.typed_config import deep_merge
 
 
 def resolve_device(cfg: EngineConfig, dist: DistEnv) -> torch.device:
@@ -136,24 +137,24 @@ def resolve_device(cfg: EngineConfig, dist: DistEnv) -> torch.device:
     return torch.device("cuda", dist.local_rank % torch.cuda.device_count())
 
 
-def check_compatible(cfg: EngineConfig, opt_cfg: OptimizerConfig, device: torch.device) -> None:
-    """Start-up checks that need the device: fail before any work, warn on silent changes."""
+def check_compatible(
+    cfg: EngineConfig,
+    opt_cfg: OptimizerConfig,
+    device: torch.device,
+    backend: type[Backend] | None = None,
+) -> None:
+    """Start-up checks that need the device: fail before any work, warn on silent changes.
+    ``backend``: the backend class the engine picked (None: the one ``cfg`` names)."""
     if cfg.precision == "fp16" and device.type != "cuda":
         raise ValueError(
             "engine.precision='fp16' needs a CUDA device (DeepSpeed's CPU accelerator has no "
             "fp16); on CPU use 'bf16-mixed', 'bf16' or 'fp32'"
         )
-    if cfg.backend == "deepspeed":
-        try:
-            import_deepspeed()
-        except ImportError as e:
-            raise RuntimeError(
-                "engine.backend='deepspeed' but DeepSpeed is not importable "
-                f"({e}); pip install deepspeed, or use engine.backend='torch'"
-            ) from e
+    backend = backend_class(cfg) if backend is None else backend
+    backend.check_available()
     if opt_cfg.name != "lamb":
         return
-    exact, why = lamb_exactness(cfg, opt_cfg, device.type)
+    exact, why = lamb_exactness(cfg, opt_cfg, device.type, backend)
     if exact:
         return
     try:
@@ -178,14 +179,19 @@ def check_compatible(cfg: EngineConfig, opt_cfg: OptimizerConfig, device: torch.
 
 
 def lamb_exactness(
-    cfg: EngineConfig, opt_cfg: OptimizerConfig, device_type: str = "cpu"
+    cfg: EngineConfig,
+    opt_cfg: OptimizerConfig,
+    device_type: str = "cpu",
+    backend: type[Backend] | None = None,
 ) -> tuple[bool, str]:
     """Whether LAMB's trust ratio is per parameter tensor in this configuration, and if not
     why. The optimizer sees parameter tensors on the torch backend and on DeepSpeed ZeRO-0 in
     fp32 / bf16-mixed; flat buffers otherwise, where only the project's LAMB, given the layout
     of DeepSpeed's ZeRO 1-2 optimizer (``DeepSpeedZeroOptimizer``: ZeRO-2 in any precision,
-    ZeRO-1 except in bf16, which DeepSpeed gives its BF16_Optimizer), is still per tensor."""
-    if cfg.backend == "torch" or (cfg.zero_stage == 0 and cfg.precision in ("fp32", "bf16-mixed")):
+    ZeRO-1 except in bf16, which DeepSpeed gives its BF16_Optimizer), is still per tensor.
+    ``backend``: the backend class (None: the one ``cfg`` names)."""
+    backend = backend_class(cfg) if backend is None else backend
+    if backend.gradients_on_parameters(cfg):
         return True, ""
     try:
         impl = resolve_lamb_implementation(opt_cfg.implementation, device_type)
@@ -204,27 +210,24 @@ def lamb_exactness(
     return False, why
 
 
-def init_distributed(dist: DistEnv, cfg: EngineConfig, device: torch.device) -> None:
-    """Joins the process group once (gloo on CPU, NCCL on CUDA); a no-op for one process
-    with the torch backend. DeepSpeed always wants a group, even of one."""
+def init_distributed(
+    dist: DistEnv, cfg: EngineConfig, device: torch.device, backend: Backend
+) -> None:
+    """Joins the process group once (gloo on CPU, NCCL on CUDA) through ``backend``; a no-op
+    where the backend needs no group (one process with the torch backend)."""
     if torch_dist.is_available() and torch_dist.is_initialized():
         return
-    if not dist.is_distributed and cfg.backend == "torch":
+    if not backend.needs_process_group():
         return
     export_torch_env(dist)
     if dist.is_distributed:  # one line per process: where each rank runs, for the job log
         print(f"distributed: {dist.describe()}", file=sys.stderr, flush=True)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(minutes=cfg.dist_timeout_minutes)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if cfg.backend == "deepspeed":
-        deepspeed = import_deepspeed()
-        deepspeed.init_distributed(
-            dist_backend=backend, auto_mpi_discovery=False, timeout=timeout, verbose=False
-        )
-    else:
-        torch_dist.init_process_group(backend=backend, timeout=timeout)
+    backend.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        timedelta(minutes=cfg.dist_timeout_minutes),
+    )
 
 
 class Engine(Stepping, EngineState, Collectives):
@@ -250,14 +253,12 @@ class Engine(Stepping, EngineState, Collectives):
         self.cfg = cfg
         self.dist = detect() if dist is None else dist
         self.device = resolve_device(cfg, self.dist)
-        check_compatible(cfg, optimizer, self.device)
-        if cfg.backend == "deepspeed":  # before any work: a train_batch_size for another world
-            cfg.deepspeed_overrides(self.dist.world_size)
-        if cfg.backend == "deepspeed" or self.device.type == "cuda":
-            # DeepSpeed JIT-builds ops in init_distributed (CPU: shm collectives) and
-            # build_optimizer (CUDA: fused LAMB): never wait forever on a killed build's lock.
-            prepare_extensions()
-        init_distributed(self.dist, cfg, self.device)
+        backend = backend_class(cfg)  # the one choice of backend: everything else delegates
+        check_compatible(cfg, optimizer, self.device, backend)
+        self.backend: Backend = backend(cfg, self.dist, self.device)
+        """The backend (DeepSpeed or plain PyTorch) that wraps, steps and saves the model."""
+        self.backend.prepare()  # before any work (the extensions' locks; DeepSpeed's layout)
+        init_distributed(self.dist, cfg, self.device, self.backend)
         self.module = model
         if cfg.activation_checkpointing:
             encoder = getattr(model, "encoder", model)
@@ -288,48 +289,11 @@ class Engine(Stepping, EngineState, Collectives):
         self.micro_step = 0  # backward() calls so far
         self._accumulated = 0  # backward() calls since the last step()
         self._poisoned = False
-        self._scaler: torch.amp.GradScaler | None = None
-        self._ds: Any = None
-        self._ddp: nn.Module | None = None
-        if cfg.backend == "deepspeed":
-            deepspeed = import_deepspeed()
-
-            # DeepSpeed's ZeRO calls an API torch deprecated, once per step: not the user's
-            # business, and it would flood every log.
-            warnings.filterwarnings(
-                "ignore",
-                message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
-                category=FutureWarning,
-            )
-            self._ds, _, _, _ = deepspeed.initialize(
-                model=model,
-                optimizer=self.optimizer,
-                config=self.deepspeed_config(),
-                dist_init_required=False,
-            )
-        else:
-            if self.dist.is_distributed:
-                ids = [self.device.index] if self.device.type == "cuda" else None
-                self._ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids)
-            if cfg.precision == "fp16":
-                self._scaler = torch.amp.GradScaler(
-                    "cuda",
-                    init_scale=2.0**cfg.fp16_initial_scale_power,
-                    growth_interval=cfg.fp16_loss_scale_window,
-                )
+        self.backend.wrap(model, self.optimizer, self._guard)
         self.schedule_cfg = schedule
         self._lamb: Lamb | None = self.optimizer if isinstance(self.optimizer, Lamb) else None
-        self.flat_layouts = 0
+        self.flat_layouts = self.backend.flat_layouts
         """Flat ZeRO partitions whose tensor layout the LAMB was given (0: none, or not LAMB)."""
-        if self._lamb is not None and self._ds is not None and cfg.zero_stage in (1, 2):
-            zero_optimizer = self._ds.optimizer
-            if type(zero_optimizer).__name__ == "DeepSpeedZeroOptimizer":
-                self.flat_layouts = attach_zero_layouts(self._lamb, zero_optimizer)
-        if self._clips_flat() and not self.flat_layouts:  # DeepSpeed's clipping is off
-            raise RuntimeError(
-                f"ZeRO-{cfg.zero_stage} gave the optimizer a {type(self._ds.optimizer).__name__}, "
-                "not the DeepSpeedZeroOptimizer whose layout the LAMB reads"
-            )
         self.deferred = (
             self._lamb is not None
             and cfg.precision in ("fp32", "bf16-mixed")
@@ -428,73 +392,9 @@ class Engine(Stepping, EngineState, Collectives):
     # -- configuration -------------------------------------------------------------------------
 
     def deepspeed_config(self) -> dict[str, Any]:
-        """The DeepSpeed config dict this engine passes to ``deepspeed.initialize``."""
-        cfg = self.cfg
-        config: dict[str, Any] = {
-            "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-            # ZeRO-0 in fp32 / bf16-mixed: the gradients sit on the parameters and the engine
-            # clips them itself (one norm, kept on the device), so DeepSpeed does not.
-            "gradient_clipping": (
-                0.0
-                if self._clips_gradients() or self._clips_flat()
-                else float(cfg.gradient_clipping)
-            ),
-            "zero_optimization": {"stage": cfg.zero_stage},
-            # Our LAMB / AdamW are ordinary torch optimizers: ZeRO partitions their state fine.
-            "zero_allow_untested_optimizer": True,
-            "steps_per_print": 2**62,  # the trainer logs; DeepSpeed stays quiet
-            "wall_clock_breakdown": False,
-            # DeepSpeed's throughput timer synchronises the device at every forward and step
-            # (a host stall twice per step on a GPU); the trainer measures throughput itself.
-            "timers": {"throughput": {"enabled": False}},
-        }
-        if self._clips_flat():
-            # ZeRO 1-2 with the foreach LAMB: the engine measures the norm (on the device) and
-            # the LAMB scales the gradients; DeepSpeed's own norm check reads it on the host.
-            config["zero_optimization"]["compute_grad_norm"] = False
-        if cfg.precision == "bf16":
-            config["bf16"] = {"enabled": True}
-        elif cfg.precision == "bf16-mixed":
-            # DeepSpeed's forward turns an autocast that it did not configure OFF on CUDA
-            # (deepspeed.runtime.torch_autocast.autocast_if_enabled): without this section the
-            # "mixed" forward ran in fp32 on a GPU (measured on an H100, albert-base seq 512:
-            # 0.44 s per step instead of 0.075 s). No lower-precision modules: gradients are
-            # reduced in fp32, as the parameters are fp32 (the LAMB's flat layout stays one dtype).
-            config["torch_autocast"] = {
-                "enabled": True,
-                "dtype": "bfloat16",
-                "lower_precision_safe_modules": [],
-            }
-        elif cfg.precision == "fp16":
-            config["fp16"] = {
-                "enabled": True,
-                "loss_scale": 0,  # dynamic
-                "initial_scale_power": cfg.fp16_initial_scale_power,
-                "loss_scale_window": cfg.fp16_loss_scale_window,
-                "hysteresis": cfg.fp16_hysteresis,
-                "min_loss_scale": cfg.fp16_min_loss_scale,
-            }
-        return deep_merge(config, cfg.deepspeed_overrides(self.world_size))
-
-    def _clips_gradients(self) -> bool:
-        """True when the engine clips the gradients itself (torch backend; DeepSpeed ZeRO-0 in
-        fp32 / bf16-mixed, where the reduced gradients sit on the parameters)."""
-        cfg = self.cfg
-        return cfg.backend == "torch" or (
-            cfg.zero_stage == 0 and cfg.precision in ("fp32", "bf16-mixed")
-        )
-
-    def _clips_flat(self) -> bool:
-        """True when the engine measures the gradient norm on DeepSpeed's ZeRO 1-2 partitions
-        and the ``foreach`` LAMB applies the clipping (fp32 / bf16-mixed)."""
-        cfg = self.cfg
-        return (
-            cfg.backend == "deepspeed"
-            and cfg.zero_stage in (1, 2)
-            and cfg.precision in ("fp32", "bf16-mixed")
-            and isinstance(getattr(self, "optimizer", None), Lamb)
-        )
+        """The DeepSpeed config dict an engine of ``self.cfg`` (``backend="deepspeed"``)
+        passes to ``deepspeed.initialize`` (`engine.backends.deepspeed.deepspeed_config`)."""
+        return deepspeed_config(self.cfg, self.world_size, self.optimizer)
 
     # -- properties ----------------------------------------------------------------------------
 
@@ -526,12 +426,7 @@ class Engine(Stepping, EngineState, Collectives):
 
     @property
     def loss_scale(self) -> float:
-        if self._ds is not None and self.cfg.precision == "fp16":
-            opt = self._ds.optimizer
-            return float(getattr(opt, "cur_scale", None) or getattr(opt, "loss_scale", 1.0))
-        if self._scaler is not None:
-            return float(self._scaler.get_scale())
-        return 1.0
+        return self.backend.loss_scale()
 
     def train(self, mode: bool = True) -> None:
         self.module.train(mode)

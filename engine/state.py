@@ -16,9 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import compat
 from engine.checkpoint import CheckpointError
-from engine.extensions import import_deepspeed
 
 
 def _rescaled_micro_step(saved: int, layout: Any, accumulation: int) -> int:
@@ -76,7 +74,7 @@ def load_engine_file(file: str | os.PathLike[str], map_location: Any = "cpu") ->
     return state
 
 
-def _check_weights_only(obj: Any, what: str) -> None:
+def check_weights_only(obj: Any, what: str) -> None:
     """Raise ``TypeError`` unless ``obj`` round-trips through ``torch.load(weights_only=True)``
     (for small objects: it is serialized in memory)."""
     buffer = io.BytesIO()
@@ -100,31 +98,13 @@ class EngineState:
     def gathered_parameters(self) -> Iterator[nn.Module]:
         """Collective. Inside, ``self.module`` holds full parameters on every rank (ZeRO-3
         gathers them; otherwise nothing to do). Read-only: changes are not written back."""
-        if self._ds is not None and self.cfg.zero_stage == 3:
-            deepspeed = import_deepspeed()
-            params = list(self.module.parameters())
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                yield self.module
-        else:
-            yield self.module
+        with self.backend.gathered_parameters() as module:
+            yield module
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective. The model's full state dict in fp32 on CPU, on every rank: fp32 master
         weights where DeepSpeed keeps them (ZeRO 1-3, bf16, fp16), buffers as they are."""
-        master: dict[str, torch.Tensor] = {}
-        if self._ds is not None and (
-            self.cfg.zero_stage > 0 or self.cfg.precision in ("bf16", "fp16")
-        ):
-            from deepspeed.utils import safe_get_full_fp32_param
-
-            by_id: dict[int, torch.Tensor] = {}
-            for name, p in self.module.named_parameters(remove_duplicate=False):
-                if id(p) not in by_id:  # every rank calls this in the same order (collective)
-                    full = safe_get_full_fp32_param(p)
-                    if full is None:
-                        raise RuntimeError(f"DeepSpeed returned no fp32 master weights for {name}")
-                    by_id[id(p)] = full.detach().float().cpu().clone()
-                master[name] = by_id[id(p)]
+        master = self.backend.master_weights()
         with self.gathered_parameters() as module:
             state = {}
             for name, value in module.state_dict().items():
@@ -134,32 +114,13 @@ class EngineState:
     def save(self, directory: Path) -> None:
         """Collective. Writes the engine state (model, optimizer, loss scaler; schedule) into
         ``directory`` (an existing, empty staging directory shared by all ranks)."""
-        directory = Path(directory)
         self.sync_schedule()
         extra = {
             "scheduler": self.scheduler.state_dict(),
             "micro_step": int(self.micro_step),
             "layout": self.layout(),
         }
-        if self._ds is not None:
-            self._ds.save_checkpoint(
-                str(directory.parent),
-                tag=directory.name,
-                client_state={"albatross": extra},
-                save_latest=False,
-            )
-            return
-        if self.rank == 0:
-            _check_weights_only(extra, "the engine's 'albatross' state (schedule, counters)")
-            state = {
-                "model": self.module.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scaler": None if self._scaler is None else self._scaler.state_dict(),
-                "albatross": extra,
-            }
-            tmp = directory / "engine.pt.tmp"
-            torch.save(state, tmp)
-            os.replace(tmp, directory / "engine.pt")
+        self.backend.save(Path(directory), extra)
 
     def layout(self) -> dict[str, Any]:
         """How this engine splits the global batch and its state: recorded in every checkpoint
@@ -169,7 +130,7 @@ class EngineState:
             "world_size": int(self.world_size),
             "micro_batch_size": int(self.cfg.micro_batch_size),
             "gradient_accumulation_steps": int(self.cfg.gradient_accumulation_steps),
-            "backend": self.cfg.backend,
+            "backend": self.backend.name,
             "zero_stage": int(self.cfg.zero_stage),
             "precision": self.cfg.precision,
         }
@@ -193,8 +154,6 @@ class EngineState:
         rescaled to this engine's gradient accumulation). The caller keeps the global batch
         (``engine.reshard.gradient_accumulation_for``) and moves the data loader
         (``PretrainingLoader.load_state_dict`` with a state of another world size)."""
-        from engine import reshard
-
         if self._accumulated:
             # The micro-batches' gradients so far (on the parameters, and the orthogonal step
             # cache's on its matrices) belong to the weights being replaced.
@@ -203,28 +162,9 @@ class EngineState:
                 f"({self._accumulated} of {self.cfg.gradient_accumulation_steps} backward() "
                 "calls done): load at a step boundary, before the first forward or after step()"
             )
-        directory = Path(directory)
-        if self._ds is not None:
-            saved_world = reshard.saved_world_size(directory)
-            if saved_world is not None and saved_world != self.world_size:
-                extra = self._load_universal(directory, universal_dir)
-            else:
-                path, client = self._ds.load_checkpoint(
-                    str(directory.parent),
-                    tag=directory.name,
-                    load_optimizer_states=True,
-                    load_lr_scheduler_states=False,
-                )
-                if path is None or client is None or "albatross" not in client:
-                    raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory}")
-                extra = client["albatross"]
-        else:
-            state = load_engine_file(directory / "engine.pt", self.device)
-            self.module.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            if self._scaler is not None and state.get("scaler") is not None:
-                self._scaler.load_state_dict(state["scaler"])
-            extra = state["albatross"]
+        extra = self.backend.load(
+            Path(directory), universal_dir, lambda flag: bool(self.all_reduce_max([float(flag)])[0])
+        )
         self.scheduler.load_state_dict(extra["scheduler"])
         # load_state_dict restores the schedule's counters but not the lr it last set; DeepSpeed
         # does not restore param-group lrs under ZeRO either. Put the schedule's lr back.
@@ -237,38 +177,3 @@ class EngineState:
         self._applied, self._unsynced_steps, self._bad = None, 0, None
         if self.orthogonal_steps is not None:  # maps of the loaded parameters from now on
             self.orthogonal_steps.reset()
-
-    def _load_universal(self, directory: Path, universal_dir: Path | None) -> dict[str, Any]:
-        """Collective: convert (rank 0; cached) and load ``directory`` in DeepSpeed's universal
-        mode. Returns the ``"albatross"`` client state."""
-        from engine import reshard
-
-        target = reshard.universal_path(directory) if universal_dir is None else universal_dir
-        error: Exception | None = None
-        if self.rank == 0:
-            try:
-                reshard.to_universal(directory, target)
-            except Exception as exc:  # reported on every rank below, not left in a barrier
-                error = exc
-        (failed,) = self.all_reduce_max([float(error is not None)])
-        if error is not None:
-            raise error
-        if failed:
-            raise reshard.ReshardError(
-                f"{directory}: the conversion to a universal checkpoint failed on rank 0"
-            )
-        with compat.universal_checkpoint_loading(self._ds):
-            path, client = self._ds.load_checkpoint(
-                str(target.parent),
-                tag=target.name,
-                load_optimizer_states=True,
-                load_lr_scheduler_states=False,
-            )
-        if self.cfg.zero_stage == 3:
-            reshard.repair_zero3_load(self._ds.optimizer, target)
-        if path is None or client is None or "albatross" not in client:
-            raise RuntimeError(
-                f"DeepSpeed could not load the universal checkpoint in {target} "
-                f"(converted from {directory})"
-            )
-        return client["albatross"]

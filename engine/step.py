@@ -154,20 +154,7 @@ class Stepping:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward on this rank's micro-batch (tensors must be on ``self.device``)."""
         with self.autocast(), self._orthogonal_micro_batch():
-            if self._ds is not None:
-                return self._ds(*args, **kwargs)
-            if self._ddp is not None:
-                # DDP decides in its forward whether the backward all-reduces (it prepares the
-                # reducer there), so no_sync must hold around the forward, not only the
-                # backward: the micro-batches before the last reduce nothing, and their
-                # backward need not reach every parameter (the orthogonal step cache's does not).
-                with (
-                    self._ddp.no_sync()
-                    if not self._next_is_boundary()
-                    else contextlib.nullcontext()
-                ):
-                    return self._ddp(*args, **kwargs)
-            return self.module(*args, **kwargs)
+            return self.backend.forward(args, kwargs, self._next_is_boundary())
 
     def _orthogonal_micro_batch(self) -> contextlib.AbstractContextManager:
         """Tells the model which micro-batch of the step a training forward runs, so that it
@@ -239,23 +226,7 @@ class Stepping:
                 self._poisoned = True
                 loss = loss * 0.0  # keeps DeepSpeed's per-micro-step bookkeeping intact
         last = self._next_is_boundary()
-        if self._ds is not None:
-            self._ds.backward(loss)
-            # DeepSpeed counts micro-steps in its step(), which updates only at the boundary;
-            # the boundary's step() is ours (below), so the update can be vetoed.
-            if not last:
-                self._ds.step()
-        else:
-            loss = loss / self.cfg.gradient_accumulation_steps
-            if self._scaler is not None:
-                loss = self._scaler.scale(loss)
-            no_sync = (
-                self._ddp.no_sync()
-                if self._ddp is not None and not last
-                else contextlib.nullcontext()
-            )
-            with no_sync:
-                loss.backward()
+        self.backend.backward(loss, last)
         self.micro_step += 1
         self._accumulated += 1
         if self.orthogonal_steps is not None and (
@@ -304,20 +275,7 @@ class Stepping:
         lr = self.lr
         grad_norm: float | None
         try:
-            if self._ds is not None:
-                norm = self._clip_gradients() if self._clips_gradients() else None
-                if self._clips_flat():
-                    norm = self._clip_flat_gradients()
-                grad_norm = None if norm is None else float(norm)
-                if grad_norm is not None and not math.isfinite(grad_norm):
-                    self._guard.skip = True  # as DeepSpeed skips a non-finite gradient norm
-                self._ds.step()
-                applied = not self._guard.skip and bool(self._ds.was_step_applied())
-                if grad_norm is None:
-                    norm = self._ds.get_global_grad_norm()
-                    grad_norm = None if norm is None else float(norm)
-            else:
-                grad_norm, applied = self._torch_step(poisoned)
+            grad_norm, applied = self.backend.step(poisoned)
         finally:
             self._guard.skip = False
             if self._lamb is not None:
@@ -353,30 +311,16 @@ class Stepping:
             flag = bad.to(torch.float32)
             torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
             bad = flag > 0
-        grad_norm: Any = None
         ok = ~bad
-        if self._clips_gradients():
-            grad_norm = self._clip_gradients()
-            ok = ok & torch.isfinite(grad_norm)
-        elif self._clips_flat():
-            grad_norm = self._clip_flat_gradients()
+        grad_norm = self.backend.clip_gradients()
+        if grad_norm is not None:
             ok = ok & torch.isfinite(grad_norm)
         position = self._applied.clamp(max=self._lr_table.numel() - 1).reshape(1)
         lamb.skip = ~ok
         lamb.lr_multiplier = self._lr_table.index_select(0, position).reshape(())
         lr = self.lr
         try:
-            if self._ds is not None:
-                self._ds.step()
-                if self.cfg.zero_stage > 0:  # DeepSpeed checked the norm itself (on the host)
-                    if not self._ds.was_step_applied():
-                        ok = torch.zeros_like(ok)
-                    norm = self._ds.get_global_grad_norm()
-                    if norm is not None:
-                        grad_norm = norm if torch.is_tensor(norm) else torch.tensor(float(norm))
-            else:
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+            ok, grad_norm = self.backend.deferred_step(ok, grad_norm)
         finally:
             lamb.skip = None
             lamb.lr_multiplier = None
@@ -437,52 +381,3 @@ class Stepping:
         if self._collective:
             torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
         return bool(t.item() > 0)
-
-    def _clip_gradients(self) -> torch.Tensor:
-        """The global norm of the gradients on the parameters (a device tensor), which are then
-        clipped to ``gradient_clipping`` (no host synchronisation: torch's foreach clip)."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        if not params:
-            return torch.zeros((), device=self.device)
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if self.cfg.gradient_clipping > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.gradient_clipping, norm)
-        return norm
-
-    def _clip_flat_gradients(self) -> torch.Tensor:
-        """ZeRO 1-2 with the foreach LAMB: the global norm of the reduced gradient partitions
-        (DeepSpeed's ``averaged_gradients``, summed over the data-parallel group: what its own
-        norm reads), kept on the device; the LAMB scales the gradients by
-        ``min(1, gradient_clipping / (norm + 1e-6))`` as it steps (DeepSpeed's formula)."""
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for grads, group in compat.zero_reduced_gradients(self._ds.optimizer):
-            squares = (
-                torch.stack(compat.foreach_ops().norm(grads)).float().pow(2).sum()
-                if grads
-                else torch.zeros((), dtype=torch.float32, device=self.device)
-            )  # every rank joins the all-reduce, with or without gradients here
-            if self._collective and torch_dist.get_world_size(group) > 1:
-                torch_dist.all_reduce(squares, group=group)
-            total = total + squares
-        norm = total.sqrt()
-        if self.cfg.gradient_clipping > 0 and self._lamb is not None:
-            self._lamb.grad_scale = (self.cfg.gradient_clipping / (norm + 1e-6)).clamp(max=1.0)
-        return norm
-
-    def _torch_step(self, poisoned: bool) -> tuple[float, bool]:
-        if self._scaler is not None:
-            self._scaler.unscale_(self.optimizer)
-        norm = float(self._clip_gradients())
-        applied = not poisoned
-        if self._scaler is not None:
-            if poisoned:
-                self._scaler.update()
-            else:
-                scale = self._scaler.get_scale()
-                self._scaler.step(self.optimizer)
-                self._scaler.update()
-                applied = self._scaler.get_scale() >= scale  # lowered scale = overflow skip
-        elif applied:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm, applied

@@ -151,6 +151,46 @@ def test_autocast_dtype(backend, precision, dtype):
     assert EngineConfig(backend=backend, precision=precision).autocast_dtype == dtype
 
 
+# ----------------------------------------------------------------------------- the backend
+
+
+class _NoBackendReads:
+    """An engine config whose ``backend`` may not be read (every other field reads through)."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        object.__setattr__(self, "_cfg", cfg)
+
+    def __getattr__(self, name: str):
+        if name == "backend":
+            raise AssertionError("the engine read engine.backend after choosing its backend")
+        return getattr(object.__getattribute__(self, "_cfg"), name)
+
+
+def test_the_backend_is_picked_once_and_used_throughout(monkeypatch, tmp_path):
+    """The engine asks for its backend class once, at start-up; training steps, save and load
+    then go through that backend without reading ``engine.backend`` again."""
+    from engine.backends.torch import TorchBackend
+
+    picked = []
+    real = engine_module.backend_class
+    monkeypatch.setattr(
+        engine_module, "backend_class", lambda cfg: picked.append(cfg.backend) or real(cfg)
+    )
+    engine = make_engine(mlp(), gradient_accumulation_steps=2)
+    assert picked == ["torch"]
+    assert type(engine.backend) is TorchBackend and engine.backend.name == "torch"
+    engine.cfg = _NoBackendReads(engine.cfg)
+    x, y = data()
+    for xs, ys in zip((x[:4], x[4:]), (y[:4], y[4:]), strict=True):
+        engine.backward(mse(engine, xs, ys))
+    assert not engine.step().skipped
+    (tmp_path / "ckpt").mkdir()
+    engine.save(tmp_path / "ckpt")
+    engine.load(tmp_path / "ckpt")
+    assert engine.layout()["backend"] == "torch"
+    assert picked == ["torch"]
+
+
 # ----------------------------------------------------------------------------- start-up checks
 
 

@@ -109,7 +109,7 @@ def run(
     engine = Engine(net, cfg, opt, SCHEDULE, dist)
     split = 0
     if stage > 0 and engine.flat_layouts:
-        for _, layout in zero_layouts(engine._ds.optimizer):
+        for _, layout in zero_layouts(engine.backend.ds.optimizer):
             pieces = {t: n for _, n, t in layout.pieces}
             counts = [0] * layout.num_tensors
             for t in pieces:
