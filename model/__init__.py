@@ -11,7 +11,8 @@ Main entry points:
 from model.attention import ATTENTION_REGISTRY, register_attention
 from model.attention.kernel import KernelConfig
 from model.attention.tisa import TISAConfig
-from model.config import EncoderConfig, TransJectConfig
+from model.attention.transject import TransJectConfig
+from model.config import EncoderConfig
 from model.encoder import Encoder, EncoderOutput
 from model.heads import (
     EncoderForDualClassification,

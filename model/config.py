@@ -1,4 +1,9 @@
-"""Typed model configuration: `EncoderConfig` and its per-family sub-configs, plus named presets.
+"""Typed model configuration: `EncoderConfig`, plus named presets.
+
+Each attention family's settings are a section of the config (`model.tisa.num_kernels`,
+`cfg.tisa`) whose class the family declares in its own file (`AttentionFamily.options`, e.g.
+`model.attention.tisa.TISAConfig`): the config finds them through the attention registry when
+it is parsed and imports no family (`model.typed_config.with_sections`).
 
 Every field is documented where it is declared. Configs validate themselves at construction
 (`__post_init__`) and raise `ValueError` naming the field and the valid values, so a typo in a
@@ -30,85 +35,10 @@ ResidualStyle = Literal["post_ln", "pre_ln", "rezero"]
 PositionEmbedding = Literal["absolute", "none"]
 OrthogonalMap = Literal["matrix_exp", "cayley", "householder"]
 CayleyLeafInverse = Literal["lu", "gauss_jordan"]
-EigenProducts = Literal["fp32", "bf16x3"]
 AutocastOutput = Literal["compute", "fp32"]
 """What an activation is kept in under autocast: the autocast dtype (bf16), or fp32."""
 
 _ACTIVATIONS = ("gelu_new", "gelu", "relu", "silu")
-
-
-@dataclass
-class TransJectConfig:
-    """TransJect (Sengupta, Akhtar, Chakraborty 2023); docs/methods.md, TransJect."""
-
-    num_experts: int = 4
-    """E, the number of orthogonal attention experts mixed by the per-sample gate."""
-
-    eigenvalues: Literal["approx", "random"] = "approx"
-    """`approx`: eigenvalues of X0^T X0 approximated once per forward with a learnable orthogonal
-    basis, plus a reconstruction loss. `random`: Random-TransJect, a learned diagonal (no loss)."""
-
-    reconstruction_weight: float = 1e-3
-    """Weight of the eigen-reconstruction loss (the authors' code: 1e-3 classification, 0.1 LM).
-    The model returns the weighted loss as the auxiliary loss `transject_reconstruction`."""
-
-    reconstruction: Literal["scale_free", "authors"] = "scale_free"
-    """The eigen-reconstruction loss. `scale_free` (default): mean((M/s - U diag(lambda) U^T)^2),
-    s = max|diag(U^T M U)| the scale that normalises lambda; zero exactly when U is an eigenbasis
-    of M, independent of N and of the embedding norm. `authors`: mean((M - U diag(lambda) U^T)^2)
-    with the raw M and the normalised lambda, as in the authors' code: measured, it pushes U
-    AWAY from the eigenbasis (its minimum spreads diag(U^T M U) evenly; docs/methods.md)."""
-
-    gate_input: Literal["sublayer", "attention"] = "sublayer"
-    """What the expert gate max-pools over the real tokens. `sublayer`: each expert's sublayer
-    output X + alpha * A_e(X), as in the authors' code (uniform weights at the ReZero init).
-    `attention`: A_e(X) alone (this project's earlier reading of the paper)."""
-
-    bias: Literal["lipschitz", "authors", "none"] = "lipschitz"
-    """Biases of the expert and FFN maps. `authors`: every bias of the authors' code (the
-    expert's U and V maps, the FFN's two maps), nn.Linear's default init. `lipschitz` (default):
-    the same except V's bias, the one that breaks the paper's Lipschitz bound (it adds
-    (sum of the features of X U) * b_V to every token). `none`: no bias anywhere."""
-
-    token_embedding: Literal["auto", "orthogonal", "plain"] = "auto"
-    """The d/2-wide token embedding. `orthogonal`: rows orthonormal (needs vocab_size <= d/2);
-    `plain`: an ordinary embedding; `auto`: orthogonal when the vocabulary fits, else plain."""
-
-    residual_init: float = 0.0
-    """Initial r_l of the injective residual weight alpha_l = tanh(r_l) / L (0: ReZero, as in the
-    authors' code, so every layer starts as the identity)."""
-
-    eigen_products: EigenProducts = "fp32"
-    """How the eigen-state's two matrix products (X U and the Gram matrix of the embeddings,
-    forward and backward) run; the eigen-state itself is fp32 either way (docs/methods.md).
-    `fp32` (default): fp32 products, which a GPU runs on its CUDA cores (about 7.6 ms of the
-    albert-base step at seq 512, micro-batch 64, on an H100). `bf16x3`: each fp32 operand split
-    into bf16 high and low halves and each product summed from three bf16 products with fp32
-    accumulation (the low x low term, about 2^-16 of the rest, left out), on tensor cores; the
-    eigenvalues and the reconstruction loss within about 1e-5 of fp32's (docs/methods.md).
-    Off CUDA the three products run as fp32 products of the halves (the same values)."""
-
-    residual_stream: AutocastOutput = "fp32"
-    """The dtype of the residual stream between TransJect layers under autocast
-    (`engine.precision: bf16-mixed`). `fp32` (default): as torch's autocast leaves it, and as the
-    authors' code runs: the fp32 embeddings plus each layer's bf16 update stay fp32 (TransJect
-    has no LayerNorm that would round it). `compute`: each layer's output rounded to the
-    autocast dtype (bf16), as a post-LN ALBERT layer's is (`norm_output: compute`); a compiled
-    albert-base step then moves 51.0 instead of 58.9 GB outside its products (docs/methods.md,
-    TransJect). No effect without autocast."""
-
-    def __post_init__(self) -> None:
-        _check_positive("transject.num_experts", self.num_experts)
-        _check_choice("transject.eigenvalues", self.eigenvalues, ("approx", "random"))
-        _check_positive("transject.reconstruction_weight", self.reconstruction_weight, True)
-        _check_choice(
-            "transject.token_embedding", self.token_embedding, ("auto", "orthogonal", "plain")
-        )
-        _check_choice("transject.reconstruction", self.reconstruction, ("authors", "scale_free"))
-        _check_choice("transject.gate_input", self.gate_input, ("sublayer", "attention"))
-        _check_choice("transject.bias", self.bias, ("lipschitz", "authors", "none"))
-        _check_choice("transject.eigen_products", self.eigen_products, get_args(EigenProducts))
-        _check_choice("transject.residual_stream", self.residual_stream, get_args(AutocastOutput))
 
 
 SIZE_FIELDS = (
@@ -229,6 +159,36 @@ class EncoderConfig:
     TransJect's albert-base step. Gauss-Jordan's error is within 3x of LU's (both a few 1e-7 at
     96 x 96; docs/methods.md); its GPU speed is not measured yet, hence not the default."""
 
+    orthogonal_step_cache: bool = True
+    """In training with gradient accumulation, evaluate each orthogonal map (`orthogonal`,
+    TransJect) once per optimizer step, forward and backward, instead of once per micro-batch:
+    the parameters do not change between a step's micro-batches, and the gradient reaches them
+    unchanged (exact to fp32 round-off; docs/methods.md, TransJect;
+    `model.orthogonal_step.OrthogonalStepCache`). With `engine.compile` the step's maps are
+    evaluated eagerly before the compiled encoder, which takes them as inputs. Not under ZeRO-3
+    (partitioned parameters), where the maps are evaluated once per micro-batch forward as with
+    this off; without orthogonal maps, or with accumulation 1, there is nothing to cache. Was
+    `engine.orthogonal_step_cache` (still read, with a warning)."""
+
+    orthogonal_shard_maps: bool = True
+    """In training with several data-parallel ranks, each rank evaluates only its share of the
+    orthogonal maps (`orthogonal`, TransJect) in a step and an all-gather hands every rank all
+    of them; the gradient comes back through a reduce-scatter to the rank that mapped it, and
+    the usual gradient average makes it the unsharded one (exact to fp32 round-off;
+    docs/methods.md, TransJect; `model.orthogonal_step`). Map work per rank drops by the number
+    of ranks, for one all-gather and one reduce-scatter of the matrices per step. Combines with
+    `orthogonal_step_cache` (maps once per step, sharded) and with `engine.compile` (the maps
+    evaluated eagerly before the compiled encoder); not under ZeRO-3. Maps of one shape fewer
+    than the ranks, or smaller than `orthogonal_shard_min_size`, are evaluated by all. Was
+    `engine.orthogonal_shard_maps` (still read, with a warning)."""
+
+    orthogonal_shard_min_size: int = 256
+    """`orthogonal_shard_maps` shares out only matrices whose both sides are at least this long;
+    smaller ones cost less to map than the collectives (2 CPU ranks: 64 x 64 maps were slower
+    sharded, 128 x 128 even, 256 x 256 faster; on a GPU a batched solve of small matrices costs
+    about the same whatever their number). 0 shares out every size. Was
+    `engine.orthogonal_shard_min_size` (still read, with a warning)."""
+
     family_options: dict[str, Any] = field(
         default_factory=dict, metadata={SECTIONS: _family_options}
     )
@@ -236,15 +196,7 @@ class EncoderConfig:
     registered with (`tisa`, `kernel`, `transject`, a plugin's own), written and read as a
     top-level key: `model.tisa.num_kernels` in a recipe, `cfg.tisa.num_kernels` in code."""
 
-    transject: TransJectConfig = field(default_factory=TransJectConfig)
-    """Settings of the `transject` family (ignored by the others)."""
-
     def __post_init__(self) -> None:
-        # Nested sub-configs may arrive as dicts (e.g. from YAML through dataclasses.replace).
-        for name, cls in (("transject", TransJectConfig),):
-            value = getattr(self, name)
-            if isinstance(value, dict):
-                setattr(self, name, config_from_dict(cls, value, prefix=name))
         for name in SIZE_FIELDS:
             _check_positive(name, getattr(self, name))
         _check_prob("hidden_dropout_prob", self.hidden_dropout_prob)
@@ -270,6 +222,14 @@ class EncoderConfig:
             "orthogonal_map", self.orthogonal_map, ("matrix_exp", "cayley", "householder")
         )
         _check_choice("cayley_leaf_inverse", self.cayley_leaf_inverse, get_args(CayleyLeafInverse))
+        for name in ("orthogonal_step_cache", "orthogonal_shard_maps"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; valid: true, false")
+        size = self.orthogonal_shard_min_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(
+                f"orthogonal_shard_min_size={size!r} is invalid; valid: an integer >= 0"
+            )
         _check_choice("norm_output", self.norm_output, get_args(AutocastOutput))
         # The registry imports no family; the families, which import this module, register
         # there when `model.attention` is imported (before any config is built).

@@ -3,7 +3,7 @@ below it (imports inside functions count, those under ``if TYPE_CHECKING:`` do n
 tests/test_import_graph.py's). The layers, bottom to top (docs/architecture.md, Layout):
 
     config      the typed config and the registry the config looks families up in
-    primitives  norms, embeddings, orthogonal maps
+    primitives  norms, embeddings, orthogonal maps, the forward's cache, the step hooks
     base        the attention contract and its export hook; the ALBERT checkpoint format
     families    one file per attention family (and its kernels, its HF side)
     registry    model/attention/__init__.py, which registers the families
@@ -20,7 +20,9 @@ from test_import_graph import REPO, import_graph
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("model.typed_config", "model.config", "model.attention.registry")),
-    ("primitives", ("model.norm", "model.embeddings", "model.orthogonal", "model.orthogonal_kernels")),
+    ("primitives", ("model.norm", "model.embeddings", "model.orthogonal", "model.orthogonal_kernels",
+                    "model.forward_cache", "model.hooks", "model.orthogonal_step",
+                    "model.step_hooks")),
     ("base", ("model.attention.base", "model.attention.hf_export", "model.hub.albert_names")),
     ("families", ("model.attention.*",)),
     ("registry", ("model.attention",)),

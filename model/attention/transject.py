@@ -76,6 +76,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -99,8 +101,85 @@ from model.attention.transject_eigen import (  # re-exported: the family's eigen
     approximate_eigenvalues,
     eigenbasis_error,
 )
-from model.config import EncoderConfig
+from model.config import AutocastOutput, EncoderConfig
 from model.orthogonal import Linear, make_orthogonal, orthogonal_cache
+from model.typed_config import _check_choice, _check_positive
+
+EigenProducts = Literal["fp32", "bf16x3"]
+
+
+@dataclass
+class TransJectConfig:
+    """TransJect (Sengupta, Akhtar, Chakraborty 2023); docs/methods.md, TransJect."""
+
+    num_experts: int = 4
+    """E, the number of orthogonal attention experts mixed by the per-sample gate."""
+
+    eigenvalues: Literal["approx", "random"] = "approx"
+    """`approx`: eigenvalues of X0^T X0 approximated once per forward with a learnable orthogonal
+    basis, plus a reconstruction loss. `random`: Random-TransJect, a learned diagonal (no loss)."""
+
+    reconstruction_weight: float = 1e-3
+    """Weight of the eigen-reconstruction loss (the authors' code: 1e-3 classification, 0.1 LM).
+    The model returns the weighted loss as the auxiliary loss `transject_reconstruction`."""
+
+    reconstruction: Literal["scale_free", "authors"] = "scale_free"
+    """The eigen-reconstruction loss. `scale_free` (default): mean((M/s - U diag(lambda) U^T)^2),
+    s = max|diag(U^T M U)| the scale that normalises lambda; zero exactly when U is an eigenbasis
+    of M, independent of N and of the embedding norm. `authors`: mean((M - U diag(lambda) U^T)^2)
+    with the raw M and the normalised lambda, as in the authors' code: measured, it pushes U
+    AWAY from the eigenbasis (its minimum spreads diag(U^T M U) evenly; docs/methods.md)."""
+
+    gate_input: Literal["sublayer", "attention"] = "sublayer"
+    """What the expert gate max-pools over the real tokens. `sublayer`: each expert's sublayer
+    output X + alpha * A_e(X), as in the authors' code (uniform weights at the ReZero init).
+    `attention`: A_e(X) alone (this project's earlier reading of the paper)."""
+
+    bias: Literal["lipschitz", "authors", "none"] = "lipschitz"
+    """Biases of the expert and FFN maps. `authors`: every bias of the authors' code (the
+    expert's U and V maps, the FFN's two maps), nn.Linear's default init. `lipschitz` (default):
+    the same except V's bias, the one that breaks the paper's Lipschitz bound (it adds
+    (sum of the features of X U) * b_V to every token). `none`: no bias anywhere."""
+
+    token_embedding: Literal["auto", "orthogonal", "plain"] = "auto"
+    """The d/2-wide token embedding. `orthogonal`: rows orthonormal (needs vocab_size <= d/2);
+    `plain`: an ordinary embedding; `auto`: orthogonal when the vocabulary fits, else plain."""
+
+    residual_init: float = 0.0
+    """Initial r_l of the injective residual weight alpha_l = tanh(r_l) / L (0: ReZero, as in the
+    authors' code, so every layer starts as the identity)."""
+
+    eigen_products: EigenProducts = "fp32"
+    """How the eigen-state's two matrix products (X U and the Gram matrix of the embeddings,
+    forward and backward) run; the eigen-state itself is fp32 either way (docs/methods.md).
+    `fp32` (default): fp32 products, which a GPU runs on its CUDA cores (about 7.6 ms of the
+    albert-base step at seq 512, micro-batch 64, on an H100). `bf16x3`: each fp32 operand split
+    into bf16 high and low halves and each product summed from three bf16 products with fp32
+    accumulation (the low x low term, about 2^-16 of the rest, left out), on tensor cores; the
+    eigenvalues and the reconstruction loss within about 1e-5 of fp32's (docs/methods.md).
+    Off CUDA the three products run as fp32 products of the halves (the same values)."""
+
+    residual_stream: AutocastOutput = "fp32"
+    """The dtype of the residual stream between TransJect layers under autocast
+    (`engine.precision: bf16-mixed`). `fp32` (default): as torch's autocast leaves it, and as the
+    authors' code runs: the fp32 embeddings plus each layer's bf16 update stay fp32 (TransJect
+    has no LayerNorm that would round it). `compute`: each layer's output rounded to the
+    autocast dtype (bf16), as a post-LN ALBERT layer's is (`norm_output: compute`); a compiled
+    albert-base step then moves 51.0 instead of 58.9 GB outside its products (docs/methods.md,
+    TransJect). No effect without autocast."""
+
+    def __post_init__(self) -> None:
+        _check_positive("transject.num_experts", self.num_experts)
+        _check_choice("transject.eigenvalues", self.eigenvalues, ("approx", "random"))
+        _check_positive("transject.reconstruction_weight", self.reconstruction_weight, True)
+        _check_choice(
+            "transject.token_embedding", self.token_embedding, ("auto", "orthogonal", "plain")
+        )
+        _check_choice("transject.reconstruction", self.reconstruction, ("authors", "scale_free"))
+        _check_choice("transject.gate_input", self.gate_input, ("sublayer", "attention"))
+        _check_choice("transject.bias", self.bias, ("lipschitz", "authors", "none"))
+        _check_choice("transject.eigen_products", self.eigen_products, get_args(EigenProducts))
+        _check_choice("transject.residual_stream", self.residual_stream, get_args(AutocastOutput))
 
 
 def _compute_dtype(x: Tensor, weight: Tensor) -> Tensor:
@@ -568,6 +647,7 @@ FAMILY = AttentionFamily(
     diagnostics=transject_diagnostics,
     residual_weights=transject_residual_weights,
     hf_export=HFExport(code=family_code(__file__, "transject_hf.py")),
+    options=TransJectConfig,
     # Compiled under `auto`: on an H100 the ALBERT-base recipe's compiled step (inductor,
     # bf16-mixed, seq 512, batch 64) took 129.7 ms against 156.4 ms eager, every loss part, output
     # and gradient finite and within 1.4e-7 of eager (bench/check_compiled_steps.py). Before the
@@ -584,6 +664,7 @@ __all__ = [
     "ExpertBias",
     "PooledAt",
     "TransJectAttention",
+    "TransJectConfig",
     "TransJectEmbeddings",
     "TransJectLayer",
     "approximate_eigenvalues",
