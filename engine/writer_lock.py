@@ -20,7 +20,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 LOCK_FILE = ".writer.lock"
@@ -102,3 +102,27 @@ def one_writer(directory: str | os.PathLike[str], what: str, hint: str = "") -> 
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def one_writer_collectively(
+    directory: str | os.PathLike[str],
+    what: str,
+    is_main: bool,
+    any_rank: Callable[[bool], bool],
+) -> Iterator[None]:
+    """``one_writer`` for a job of several processes (collective): rank 0 holds the lock, and
+    every rank raises ``DirectoryBusy`` when it is refused (``any_rank``: true on every rank
+    when it is true on one), so no rank waits for a peer that left."""
+    with contextlib.ExitStack() as stack:
+        refusal: DirectoryBusy | None = None
+        if is_main:
+            try:
+                stack.enter_context(one_writer(directory, what))
+            except DirectoryBusy as e:
+                refusal = e
+        if any_rank(refusal is not None):
+            raise refusal or DirectoryBusy(
+                f"{directory} is written by another {what} (rank 0 says which)"
+            )
+        yield

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import random
 import resource
 import time
@@ -49,10 +48,12 @@ from data_prep.masking import masking_budget
 from engine import checkpoint as ckpt
 from engine.distributed import detect
 from engine.engine import DeferredStep, Engine, shutdown
+from engine.files import write_atomically
 from engine.loop import LoopConfig, RunLoop, Stage
 from engine.metrics import mfu, peak_flops
 from engine.recipe import to_yaml
 from engine.trackers import Trackers
+from engine.writer_lock import DirectoryBusy, one_writer_collectively
 from model import diagnostics
 from model.config import EncoderConfig
 from model.flops import counts_flops, training_flops
@@ -406,14 +407,23 @@ class Trainer(Stage):
     # -- the stage the loop drives (engine/loop.py) ----------------------------------------------
 
     def run(self) -> RunResult:
-        """The run: the resolved config into the run directory (a fresh run), then
+        """The run, as the run directory's one writer (a second job in it is refused:
+        ``engine.writer_lock``): the resolved config into the run directory (a fresh run), then
         ``engine.loop.RunLoop`` (resume, steps, evaluations, checkpoints, stop requests,
         status.json); rank 0 says how it ended."""
+        with one_writer_collectively(
+            self.run_dir, "pretraining run", self.is_main, self.engine.any_rank
+        ):
+            return self._run()
+
+    def _run(self) -> RunResult:
         if self.is_main and not self.resuming:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            tmp = self.run_dir / (CONFIG_FILE + ".tmp")
-            tmp.write_text(to_yaml(self.resolved))
-            os.replace(tmp, self.run_dir / CONFIG_FILE)
+            write_atomically(
+                self.run_dir / CONFIG_FILE,
+                lambda f: f.write(to_yaml(self.resolved).encode()),
+                "the run's config",
+            )
         self.engine.barrier()
         train = self.cfg.train
         outcome = RunLoop(
@@ -466,8 +476,8 @@ class Trainer(Stage):
         )
         if self.init_report is not None:
             loop.say(f"pretrain: {self.init_report.summary()}")
-        if self.engine.orthogonal_summary is not None:
-            loop.say(f"pretrain: {self.engine.orthogonal_summary}")
+        if self.engine.hooks_summary is not None:
+            loop.say(f"pretrain: {self.engine.hooks_summary}")
         if self.engine.compiled:
             loop.say(
                 "pretrain: encoder and loss terms compiled "
@@ -742,6 +752,9 @@ def run(cfg: PretrainConfig) -> RunResult:
             trainer = Trainer(cfg)  # checks data, run dir and config before any training
         except (ValueError, ShardError) as e:
             raise SetupError(str(e)) from e
-        return trainer.run()
+        try:
+            return trainer.run()
+        except DirectoryBusy as e:  # a second job in the same run directory
+            raise SetupError(str(e)) from e
     finally:
         shutdown()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -83,3 +84,34 @@ def test_slurm_requeue_of_the_same_job_waits_for_its_earlier_incarnation(tmp_pat
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.integration
+def test_a_second_pretraining_job_in_the_same_run_directory_is_refused(tmp_path):
+    """The same command started twice: the second exits 2 in seconds naming the first; once
+    the first is SIGKILLed, the directory is free again."""
+    from pretrain_support import base_overrides, env, make_shards
+
+    shards = make_shards(tmp_path / "data")
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "pretrain", *base_overrides(shards, run_dir, steps=100000)]
+    first = subprocess.Popen(command, cwd=REPO, env=env(), stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while read_holder(run_dir).get("pid") != first.pid:
+            assert time.monotonic() < deadline and first.poll() is None
+            time.sleep(0.2)
+        start = time.monotonic()
+        second = subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert (
+            f"written by another pretraining run (host {socket.gethostname()}, pid {first.pid}"
+            in second.stderr
+        )
+        assert time.monotonic() - start < 60
+    finally:
+        first.kill()
+        first.wait()
+    command = [sys.executable, "-m", "pretrain", *base_overrides(shards, run_dir, steps=2)]
+    again = subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-2000:]
