@@ -5,7 +5,8 @@ Generic helpers with no knowledge of any particular config, used by every layer:
     config_from_dict(cls, data)   builds dataclass ``cls`` (nested ones included) from a dict;
                                   an unknown key or a wrong type raises ``ValueError`` naming
                                   the dotted key, with a "did you mean" hint where one is close
-    config_to_dict(cfg)           ``dataclasses.asdict`` (what ``model.hub.release`` writes as JSON)
+    config_to_dict(cfg)           ``dataclasses.asdict``, sections as top-level keys (what
+                                  ``model.hub.release`` writes as JSON)
     config_dict(cfg)              the same with lists for tuples, so it round-trips through YAML
     deep_merge(base, overrides)   nested dicts merged key by key (presets, DeepSpeed configs)
     field_docs(cls)               each field's docstring (the string literal under it), read
