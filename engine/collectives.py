@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
+from engine import compat
+
 log = logging.getLogger("engine.engine")  # the name its messages always had
 
 
@@ -50,6 +52,12 @@ class Collectives:
                 log.warning("no gloo group for host flags (%s); using the default group", e)
                 self._host_group = False
         return self._host_group or None
+
+    def all_gather_with_autograd(self, part: torch.Tensor) -> torch.Tensor:
+        """Collective, differentiable: every rank's ``part`` (the same shape on each)
+        concatenated along dim 0 in rank order, on the default group; its backward is a
+        reduce-scatter that sums (what a model's step hooks are handed to share work out)."""
+        return compat.all_gather_with_autograd(part, torch_dist.group.WORLD)
 
     def any_rank(self, flag: bool) -> bool:
         """Collective: whether ``flag`` is true on any rank."""

@@ -16,9 +16,7 @@ from torch import nn
 
 from engine import compat
 from engine.config import EngineConfig, check_compile_scope
-from model.orthogonal import (
-    name_forward_cache_keys,
-)
+from model.forward_cache import name_forward_cache_keys
 
 
 def compile_wanted(cfg: EngineConfig, model: nn.Module, device_type: str) -> bool:
@@ -58,7 +56,7 @@ def compile_encoder(
     kwargs = _compile_kwargs(mode, options)
     _widen_autograd_cache(backend)
     # Stable keys of the forward's cache: what the compiled graphs read from it becomes part
-    # of their key in AOTAutograd's cache (model.orthogonal, `forward_cache_key`).
+    # of their key in AOTAutograd's cache (model.forward_cache, `forward_cache_key`).
     name_forward_cache_keys(model)
     with _named_backend(backend):
         for module in modules:
@@ -122,7 +120,7 @@ def _widen_autograd_cache(backend: str) -> None:
     * Graphs with custom autograd Functions inside
       (``torch._functorch.config.autograd_cache_allow_custom_autograd_functions``, torch 2.7+):
       TransJect's encoder (its gate's `PooledAt`, its eigen-state's `Bf16x3Product`; with the
-      forward cache's keys by name, `model.orthogonal.forward_cache_key`, its warm first step
+      forward cache's keys by name, `model.forward_cache.forward_cache_key`, its warm first step
       15.7 -> 8.8 s). Sound because TorchDynamo traces a Function's forward and backward into
       subgraphs of the hashed graph (the higher-order operator ``autograd_function_apply``,
       pure in its inputs): a changed forward or backward is a new key (tested).

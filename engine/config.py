@@ -69,42 +69,17 @@ class EngineConfig:
     with ``data.masking.static_masked_positions``) compile once; batches padded to their longest
     example (fine-tuning) recompile once, at the second length, with dynamic shapes, then not
     again. Eval mode and no-grad (evaluation) compile one more graph. Unused parameters (e.g.
-    the pooler under mean pooling) get zero gradients instead of None. Orthogonal maps
-    (TransJect) in training are evaluated eagerly before the compiled encoder (through
-    ``orthogonal_step_cache`` and ``orthogonal_shard_maps`` where they apply, by themselves
-    otherwise) and enter its graph as inputs: the Cayley maps run as the eager block inverse,
-    not as the LU solve a traced map would be.
+    the pooler under mean pooling) get zero gradients instead of None. What a model's step
+    hooks evaluate before each training forward (TransJect's orthogonal maps,
+    ``model.orthogonal_step_cache``) runs eagerly before the compiled encoder and enters its
+    graph as inputs: the Cayley maps run as the eager block inverse, not as the LU solve a
+    traced map would be.
     Not with ZeRO-3. ``auto``: compile where it was measured to pay, i.e. on a GPU, for an
     attention family whose ``AttentionFamily.compile_auto`` is true (every shipped family:
     softmax, TISA and kernel 1.20-1.73x faster compiled on an H200, TransJect 1.21x on an H100,
     bf16, seq 512, batch 64, the first step paying up to about 85 s of compilation; a family
     added from outside runs eager until measured), never on CPU (1.00-1.07x, not worth the
     compile) nor under ZeRO-3; what the ALBERT recipes set. A run prints what it resolved to."""
-    orthogonal_step_cache: bool = True
-    """With gradient accumulation, evaluate each orthogonal map (TransJect,
-    ``orthogonal: true``) once per optimizer step, forward and backward, instead of once per
-    micro-batch: the parameters do not change between a step's micro-batches, and the
-    gradient reaches them unchanged (exact to fp32 round-off; docs/methods.md, TransJect;
-    ``model.orthogonal.OrthogonalStepCache``). With ``compile`` the step's maps are evaluated
-    eagerly before the compiled encoder, which takes them as inputs. Not under ZeRO-3
-    (partitioned parameters), where the maps are evaluated once per micro-batch forward as with
-    this off; without orthogonal maps, or with accumulation 1, there is nothing to cache."""
-    orthogonal_shard_maps: bool = True
-    """With several data-parallel ranks, each rank evaluates only its share of the orthogonal
-    maps (TransJect, ``orthogonal: true``) in a training step and an all-gather hands every rank
-    all of them; the gradient comes back through a reduce-scatter to the rank that mapped it,
-    and the usual gradient average makes it the unsharded one (exact to fp32 round-off;
-    docs/methods.md, TransJect; ``engine/orthogonal_sharding.py``). Map work per rank drops by
-    the number of ranks, for one all-gather and one reduce-scatter of the matrices per step.
-    Combines with ``orthogonal_step_cache`` (maps once per step, sharded) and with ``compile``
-    (the maps evaluated eagerly before the compiled encoder); not under ZeRO-3. Maps of one
-    shape fewer than the ranks, or smaller than ``orthogonal_shard_min_size``, are evaluated
-    by all."""
-    orthogonal_shard_min_size: int = 256
-    """``orthogonal_shard_maps`` shares out only matrices whose both sides are at least this
-    long; smaller ones cost less to map than the collectives (2 CPU ranks: 64 x 64 maps were
-    slower sharded, 128 x 128 even, 256 x 256 faster; on a GPU a batched solve of small
-    matrices costs about the same whatever their number). 0 shares out every size."""
     compile_backend: str = "inductor"
     """The ``torch.compile`` backend: ``"inductor"`` (generates fused kernels), or a debugging
     backend such as ``"aot_eager"`` (traces forward and backward, runs them eagerly: isolates
@@ -217,16 +192,6 @@ class EngineConfig:
             raise ValueError(
                 f"engine.compile={self.compile!r} is invalid; valid: true, false, auto"
             )
-        size = self.orthogonal_shard_min_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError(
-                f"engine.orthogonal_shard_min_size={size!r} is invalid; valid: an integer >= 0"
-            )
-        for name in ("orthogonal_step_cache", "orthogonal_shard_maps"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(
-                    f"engine.{name}={getattr(self, name)!r} is invalid; valid: true, false"
-                )
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise ValueError(
                 f"engine.compile_backend={self.compile_backend!r} is invalid; valid: a "

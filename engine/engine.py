@@ -119,13 +119,10 @@ from engine.optim import (
     build_scheduler,
     resolve_lamb_implementation,
 )
-from engine.orthogonal_sharding import DataParallelMapSharding
 from engine.state import EngineState
 from engine.step import DeferredStep, StepGuard, Stepping, batch_to_device
-from model.orthogonal import (
-    OrthogonalStepCache,
-    orthogonal_modules,
-)
+from model.hooks import HookContext, StepHooks
+from model.step_hooks import step_hooks
 
 
 def resolve_device(cfg: EngineConfig, dist: DistEnv) -> torch.device:
@@ -307,35 +304,19 @@ class Engine(Stepping, EngineState, Collectives):
         self._lr_table: torch.Tensor | None = None  # the schedule's multiplier per position
         self._unsynced_steps = 0  # deferred steps since the host's schedule was last synced
         self._host_group: Any = None  # a gloo group for host flags when the default is NCCL
-        self._orthogonal_across_micro_batches = (
-            cfg.orthogonal_step_cache and cfg.gradient_accumulation_steps > 1
+        self.step_hooks: list[StepHooks] = step_hooks(
+            model,
+            HookContext(
+                rank=self.rank,
+                world_size=self.world_size,
+                accumulation=cfg.gradient_accumulation_steps,
+                compiled=self.compiled,
+                zero3=cfg.zero3,
+                gather=self.all_gather_with_autograd if self._collective else None,
+            ),
         )
-        maps = [] if cfg.zero3 else orthogonal_modules(model)
-        self._orthogonal_maps = bool(maps)
-        shard = (
-            cfg.orthogonal_shard_maps
-            and self.dist.world_size > 1
-            and any(  # some matrices large enough to share out
-                min(module.parametrizations[name].original.shape[-2:])
-                >= cfg.orthogonal_shard_min_size
-                for _, module, name in maps
-            )
-        )
-        self.orthogonal_steps: OrthogonalStepCache | None = (
-            OrthogonalStepCache(
-                DataParallelMapSharding(
-                    self.dist.rank, self.dist.world_size, cfg.orthogonal_shard_min_size
-                )
-                if shard
-                else None
-            )
-            if (self._orthogonal_across_micro_batches or shard) and maps
-            else None
-        )
-        """The orthogonal maps of a training step: evaluated once per optimizer step
-        (``orthogonal_step_cache``) and/or in shards over the ranks (``orthogonal_shard_maps``;
-        then once per micro-batch without the step cache); None where every forward evaluates
-        them itself."""
+        """What the model's parts do around each training step (`model.step_hooks`: e.g. the
+        orthogonal maps evaluated once per optimizer step); called without knowing whose."""
 
     def compile_cache_activity(self) -> dict[str, int]:
         """Graphs Inductor loaded from its cache (``loaded``), compiled into it (``compiled``)
@@ -366,28 +347,11 @@ class Engine(Stepping, EngineState, Collectives):
         )
 
     @property
-    def orthogonal_summary(self) -> str | None:
-        """One line on how a training step evaluates the orthogonal maps, or None where every
-        forward evaluates them itself (no maps, or neither option applies)."""
-        steps = self.orthogonal_steps
-        if steps is None:
-            return None
-        how = []
-        if self._orthogonal_across_micro_batches:
-            how.append(
-                f"once per optimizer step ({self.cfg.gradient_accumulation_steps} micro-batches)"
-            )
-        if steps.sharding is not None:
-            size = self.cfg.orthogonal_shard_min_size
-            how.append(
-                f"shared out over {self.dist.world_size} ranks"
-                + (f" (matrices from {size} x {size})" if size else "")
-            )
-        return (
-            "orthogonal maps "
-            + ", ".join(how)
-            + (", before the compiled encoder" if self.compiled else "")
-        )
+    def hooks_summary(self) -> str | None:
+        """What the model's step hooks do in a training step, for the run's log (one line), or
+        None when they change nothing worth saying."""
+        lines = [line for hooks in self.step_hooks if (line := hooks.summary()) is not None]
+        return "; ".join(lines) if lines else None
 
     # -- configuration -------------------------------------------------------------------------
 

@@ -12,10 +12,16 @@ Overrides are ``dotted.key=value`` with YAML values (``true``, ``1e-3``, ``[1, 2
 Unknown keys, wrong types and bad values raise ``ValueError`` naming the key, with a
 "did you mean" where one is close, before any work starts.
 
-Renamed keys (``MOVED_KEYS``): a key that moved, e.g. the fine-tuning suites' top-level
-``run_dir`` (now ``train.run_dir``, as in pretraining), is still accepted for now with a
-``FutureWarning``: each recipe file's old key and each ``old=value`` override is moved to the
-new place before merging, so it overrides exactly what it used to.
+Renamed keys (``MOVED_KEYS``, old dotted key -> new dotted key): a key that moved, e.g. the
+fine-tuning suites' top-level ``run_dir`` (now ``train.run_dir``, as in pretraining) or
+``engine.orthogonal_step_cache`` (now ``model.orthogonal_step_cache``, a setting of the model's
+orthogonal maps), is still accepted for now with a ``FutureWarning`` naming the new key: each
+recipe file's old key and each ``old=value`` override is moved to the new place before
+merging, so it overrides exactly what it used to. A run's saved config (its config.yaml or
+run.json) is read through the same table (``move_saved_keys``), so run directories written
+with the old keys still resume. An old key at the default it had (``MOVED_DEFAULTS``; a saved
+config wrote every key of its section) is dropped rather than moved: it says nothing the new
+key's default does not.
 
 The typed building blocks (``config_from_dict``, ``config_dict``) are generic and live in
 ``model.typed_config``; ``build_config`` here adds the recipe policy (moved keys) on top.
@@ -23,6 +29,7 @@ The typed building blocks (``config_from_dict``, ``config_dict``) are generic an
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 from pathlib import Path
@@ -39,50 +46,94 @@ T = TypeVar("T")
 
 MAX_DEFAULTS_DEPTH = 8
 
-MOVED_KEYS: dict[str, str] = {"run_dir": "train.run_dir"}
-"""Top-level keys that moved -> their dotted new place. The old spelling still works, with a
+MOVED_KEYS: dict[str, str] = {
+    "run_dir": "train.run_dir",
+    "engine.orthogonal_step_cache": "model.orthogonal_step_cache",
+    "engine.orthogonal_shard_maps": "model.orthogonal_shard_maps",
+    "engine.orthogonal_shard_min_size": "model.orthogonal_shard_min_size",
+}
+"""Dotted keys that moved -> their dotted new place. The old spelling still works, with a
 FutureWarning (see ``move_keys``); it will be refused in a later version."""
+
+MOVED_DEFAULTS: dict[str, Any] = {
+    "engine.orthogonal_step_cache": True,
+    "engine.orthogonal_shard_maps": True,
+    "engine.orthogonal_shard_min_size": 256,
+}
+"""The default an old key of ``MOVED_KEYS`` had in a section that writes every key (the
+``engine`` section of a saved config): at that value the key is dropped, not moved."""
 
 
 def _moved_message(old: str, new: str, where: str, fix: str) -> str:
+    which = "the old key" if "." in old else "the top-level key"
     return (
-        f"{where}: {old} is now {new}; the top-level key is accepted for now ({fix}). "
+        f"{where}: {old} is now {new}; {which} is accepted for now ({fix}). "
         f"It will be refused in a later version."
     )
 
 
-def move_keys(data: dict[str, Any], where: str) -> dict[str, Any]:
-    """``data`` (not changed) with every top-level key of ``MOVED_KEYS`` moved to its new
-    dotted place, with a FutureWarning naming ``where``. The old and the new key both given
-    with different values is a ``ValueError`` (which one was meant is not known)."""
-    out = dict(data)
+def _is_moved_default(old: str, value: Any) -> bool:
+    """True when ``value`` is the default ``old`` had (``MOVED_DEFAULTS``), in type too."""
+    if old not in MOVED_DEFAULTS:
+        return False
+    default = MOVED_DEFAULTS[old]
+    return type(value) is type(default) and value == default
+
+
+def _section(data: dict[str, Any], path: list[str]) -> dict[str, Any] | None:
+    """The mapping at ``path`` in ``data`` (``data`` itself for ``[]``), or None where a part
+    is missing or not a mapping."""
+    node: Any = data
+    for part in path:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else None
+
+
+def move_keys(data: dict[str, Any], where: str, warn: bool = True) -> dict[str, Any]:
+    """``data`` (not changed) with every key of ``MOVED_KEYS`` moved to its new dotted place
+    (or dropped at its old default, ``MOVED_DEFAULTS``), with a FutureWarning naming ``where``
+    unless ``warn`` is false (a run's saved config, which the user does not write). The old and
+    the new key both given with different values is a ``ValueError`` (which one was meant is
+    not known)."""
+    out = copy.deepcopy(data)
     for old, new in MOVED_KEYS.items():
-        if old not in out:
+        *old_parents, old_last = old.split(".")
+        source = _section(out, old_parents)
+        if source is None or old_last not in source:
             continue
+        value = source.pop(old_last)
         *parents, last = new.split(".")
         node = out
         for part in parents:
-            child = node.get(part)
-            if child is None:
-                child = {}
-            if not isinstance(child, dict):
-                break  # not a mapping: left as it is, for the typed config to refuse
-            node[part] = node = dict(child)
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict):  # not a mapping: for the typed config to refuse
+                source[old_last] = value
+                break
         else:
-            value = out.pop(old)
             if last in node and node[last] != value:
                 raise ValueError(
                     f"{where}: both {old}={value!r} and {new}={node[last]!r} are given; "
                     f"{old} is now {new}: give only {new}"
                 )
-            node[last] = value
+            if not _is_moved_default(old, value):
+                node[last] = value
+        if warn:
             fix = f"write {last}: under {'.'.join(parents)}:" if parents else f"write {new}"
             warnings.warn(_moved_message(old, new, where, fix), FutureWarning, stacklevel=2)
     return out
 
 
-def _move_override(item: str) -> str:
-    """A dotted override with a moved key renamed (``run_dir=x`` -> ``train.run_dir=x``)."""
+def move_saved_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """A run's saved config (``data`` not changed) with its moved keys (``MOVED_KEYS``) where a
+    config written now has them, without warnings: compare it with the config of a resume."""
+    return move_keys(data, "saved config", warn=False)
+
+
+def _move_override(item: str) -> str | None:
+    """A dotted override with a moved key renamed (``run_dir=x`` -> ``train.run_dir=x``), or
+    None when it sets an old key to its old default (``MOVED_DEFAULTS``: nothing to set)."""
     key, value = item.split("=", 1)
     if key in MOVED_KEYS:
         new = MOVED_KEYS[key]
@@ -91,6 +142,8 @@ def _move_override(item: str) -> str:
             FutureWarning,
             stacklevel=2,
         )
+        if _is_moved_default(key, yaml.safe_load(value)):
+            return None
         return f"{new}={value}"
     return item
 
@@ -158,7 +211,7 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> di
             raise ValueError(
                 f"override {item!r} is not of the form dotted.key=value (e.g. optimizer.lr=1e-3)"
             )
-    overrides = [_move_override(item) for item in overrides]
+    overrides = [moved for item in overrides if (moved := _move_override(item)) is not None]
     try:
         node = OmegaConf.merge(OmegaConf.create(data), OmegaConf.from_dotlist(list(overrides)))
         resolved = OmegaConf.to_container(node, resolve=True)

@@ -155,8 +155,8 @@ class EngineState:
         (``engine.reshard.gradient_accumulation_for``) and moves the data loader
         (``PretrainingLoader.load_state_dict`` with a state of another world size)."""
         if self._accumulated:
-            # The micro-batches' gradients so far (on the parameters, and the orthogonal step
-            # cache's on its matrices) belong to the weights being replaced.
+            # The micro-batches' gradients so far (on the parameters, and what the model's step
+            # hooks keep for the step) belong to the weights being replaced.
             raise RuntimeError(
                 f"Engine.load({directory}) between two micro-batches of an optimizer step "
                 f"({self._accumulated} of {self.cfg.gradient_accumulation_steps} backward() "
@@ -175,5 +175,5 @@ class EngineState:
         )
         # Deferred steps restart from the loaded schedule position.
         self._applied, self._unsynced_steps, self._bad = None, 0, None
-        if self.orthogonal_steps is not None:  # maps of the loaded parameters from now on
-            self.orthogonal_steps.reset()
+        for hooks in self.step_hooks:  # the parameters were replaced
+            hooks.after_load()

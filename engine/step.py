@@ -18,11 +18,6 @@ import torch.distributed as torch_dist
 from engine import compat
 from engine.compile import compile_function
 from engine.config import inductor_options
-from model.orthogonal import (
-    OrthogonalStepCache,
-    evaluate_orthogonal_maps,
-    orthogonal_cache,
-)
 
 
 @dataclass
@@ -114,6 +109,15 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+@contextlib.contextmanager
+def _all_entered(managers: list[contextlib.AbstractContextManager]) -> Iterator[None]:
+    """Enters ``managers`` in order (and leaves them in reverse)."""
+    with contextlib.ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
+
+
 class Stepping:
     """The `Engine`'s step methods (a mixin: the state they use is set up by `Engine`)."""
 
@@ -153,53 +157,25 @@ class Stepping:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward on this rank's micro-batch (tensors must be on ``self.device``)."""
-        with self.autocast(), self._orthogonal_micro_batch():
+        with self.autocast(), self._hooks_micro_batch():
             return self.backend.forward(args, kwargs, self._next_is_boundary())
 
-    def _orthogonal_micro_batch(self) -> contextlib.AbstractContextManager:
-        """Tells the model which micro-batch of the step a training forward runs, so that it
-        takes its orthogonal maps from the step's cache (``orthogonal_step_cache``). Forwards in
-        eval mode or without gradients (evaluation) run without it: they evaluate the maps of
-        the current parameters themselves and leave the step's matrices alone."""
-        steps = self.orthogonal_steps
+    def _hooks_micro_batch(self) -> contextlib.AbstractContextManager:
+        """The model's step hooks around a training forward (`model.step_hooks`), told which
+        micro-batch of the step it runs. Forwards in eval mode or without gradients
+        (evaluation) run outside them: they leave the step alone."""
+        hooks = self.step_hooks
         if (
-            not self.module.training
+            not hooks
+            or not self.module.training
             or not torch.is_grad_enabled()
             or self._accumulated >= self.cfg.gradient_accumulation_steps
         ):
             return contextlib.nullcontext()
-        if steps is None:  # every forward maps for itself: eagerly too, when compiled
-            if self.compiled and self._orthogonal_maps:
-                return self._maps_up_front()
-            return contextlib.nullcontext()
-        if not self._orthogonal_across_micro_batches:  # sharded, each micro-batch its own maps
-            index, last = 0, True
-        else:
-            index, last = self._accumulated, self._next_is_boundary()
-        if self.compiled:
-            return self._step_maps_up_front(steps, index, last)
-        return steps.micro_batch(index, last)
-
-    @contextlib.contextmanager
-    def _step_maps_up_front(
-        self, steps: OrthogonalStepCache, index: int, last: bool
-    ) -> Iterator[None]:
-        """``compile``: the step's orthogonal maps, evaluated eagerly (with the step cache and
-        the sharding) before the compiled encoder runs (``_maps_up_front``)."""
-        with steps.micro_batch(index, last), self._maps_up_front():
-            yield
-
-    @contextlib.contextmanager
-    def _maps_up_front(self) -> Iterator[None]:
-        """``compile``: the orthogonal maps evaluated eagerly into the forward's orthogonal
-        cache before the compiled encoder runs; the compiled graph takes them as inputs instead
-        of evaluating its own (it skips maps already in the active cache), and their gradient
-        leaves the graph into the eager maps. Eagerly, the Cayley maps run as the block inverse
-        (matrix products); traced into the graph they would be the LU solve (2.05x slower for
-        TransJect's 121 maps on an H100)."""
-        with orthogonal_cache() as store:
-            evaluate_orthogonal_maps(self.module, store)
-            yield
+        index, last = self._accumulated, self._next_is_boundary()
+        if len(hooks) == 1:
+            return hooks[0].micro_batch(index, last)
+        return _all_entered([each.micro_batch(index, last) for each in hooks])
 
     def all_finite(self, loss: torch.Tensor) -> bool:
         """True when ``loss`` is finite on every rank (one small all-reduce when distributed)."""
@@ -229,11 +205,8 @@ class Stepping:
         self.backend.backward(loss, last)
         self.micro_step += 1
         self._accumulated += 1
-        if self.orthogonal_steps is not None and (
-            last or not self._orthogonal_across_micro_batches
-        ):
-            # The maps' gradients reached the parameters in this backward: drop the maps.
-            self.orthogonal_steps.finish()
+        for hooks in self.step_hooks:
+            hooks.after_backward(last)
         return finite
 
     def _next_is_boundary(self) -> bool:
@@ -250,8 +223,8 @@ class Stepping:
                 f"call it once every {self.cfg.gradient_accumulation_steps} backward() calls"
             )
         self._accumulated = 0
-        if self.orthogonal_steps is not None:  # the parameters change: the next step maps anew
-            self.orthogonal_steps.reset()
+        for hooks in self.step_hooks:  # the parameters are about to change
+            hooks.before_optimizer_step()
         if defer and self.deferred:
             return self._deferred_step()
         result = self._synchronising_step()

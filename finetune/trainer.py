@@ -59,7 +59,7 @@ from engine.distributed import detect
 from engine.engine import Engine, EngineConfig
 from engine.loop import LoopConfig, RunLoop, Stage
 from engine.optim import OptimizerConfig, ScheduleConfig
-from engine.recipe import diff_keys
+from engine.recipe import diff_keys, move_saved_keys
 from engine.trackers import TRACKER_KEYS, TrackerConfig, default_run_name
 from finetune.batching import LengthGroupedBatchSampler, collate, example_lengths
 from finetune.compare import save_predictions
@@ -212,6 +212,7 @@ def check_run_identity(run_dir: str | Path, identity: Mapping[str, Any]) -> bool
         saved = json.loads(path.read_text())
     except ValueError as e:
         raise ValueError(f"{path} is unreadable ({e}); move the run directory aside") from None
+    saved = move_saved_keys(saved)  # keys that moved since (engine.recipe.MOVED_KEYS)
     current = json.loads(json.dumps(dict(identity)))  # the form it is saved in
     if DS_CONFIG_DIGEST not in (saved.get("engine") or {}):  # saved before it was recorded
         (current.get("engine") or {}).pop(DS_CONFIG_DIGEST, None)
@@ -571,8 +572,8 @@ class Finetuner(Stage):
         """Start-up lines, the best value so far, the training batches from the resume point."""
         if loop.resumed_from is not None:
             loop.say(f"finetune: resumed from {loop.resumed_from} (step {self.step})")
-        if self.is_main and self.engine.orthogonal_summary is not None:
-            loop.say(f"finetune: {self.engine.orthogonal_summary}")
+        if self.is_main and self.engine.hooks_summary is not None:
+            loop.say(f"finetune: {self.engine.hooks_summary}")
         result = self.result
         self._best_value = -math.inf
         if result.best_step is not None:

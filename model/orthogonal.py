@@ -27,48 +27,15 @@ update through `.data`, which leaves the version counter alone, is still seen), 
 drops it.
 Training, or any forward that records gradients, always evaluates the map.
 
-Entries of the cache are keyed by `forward_cache_key(module)`: the module's name in the model
-once `name_forward_cache_keys` has named it (the engine names the model it compiles), its `id`
-before that. A compiled graph that reads an entry made before it runs (the engine's maps, put
-there before the compiled encoder; the fused Q/K/V weights before each compiled layer) records
-the key in the source of that input, and AOTAutograd's cache key holds the sources: with `id`
-keys, memory addresses, no new process ever found the graph it had saved, and traced and
-partitioned it again; names are the same in every process.
+The cache is the forward's cache of `model.forward_cache` (``orthogonal_cache`` and
+``active_orthogonal_cache`` here are its `forward_cache` and `active_forward_cache`), keyed by
+`forward_cache_key(module)`.
 
-The active cache is held in a module-level list (not a `contextvars.ContextVar`): TorchDynamo
-traces list and dict operations but graph-breaks on `ContextVar.get`, so with a ContextVar a
-compiled encoder (`EngineConfig.compile`) would split at every orthogonal weight. Like
-`torch.nn.utils.parametrize.cached()`, which also keeps global state, it assumes that threads of
-one process do not run forwards concurrently (the autograd thread that recomputes checkpointed
-layers runs while the caller waits in backward; DataLoader workers are processes).
-
-Across the micro-batches of one optimizer step (gradient accumulation) the free parameters do
-not change, so the training engine (`engine.engine.Engine`) evaluates each map once per step,
-forward and backward, through an `OrthogonalStepCache` it activates around every training
-forward (`OrthogonalStepCache.micro_batch`). The maps are evaluated with their graph at the
-first micro-batch (Q = map(X)); the micro-batches before the last use a detached leaf
-Q' = Q.detach().requires_grad_(), on whose `.grad` their backward passes sum dL_i/dQ; the last
-micro-batch uses Q through an identity whose backward adds Q'.grad to its own dL_k/dQ, so the
-whole step's gradient goes through the map's backward once, inside the LAST micro-batch's own
-backward (where DDP and DeepSpeed ZeRO 1-2 reduce gradients). Exact: the map's backward is
-linear in its incoming gradient, J^T (sum_i g_i) = sum_i J^T g_i, up to fp32 summation order;
-the loss scaling of every micro-batch is already in g_i. The model stays single-device code: it
-only reads which micro-batch of a step it runs (`micro_batch(index, last)`); the engine decides
-where the cache applies (not with ZeRO-3, whose partitioned parameters are gathered only
-around each module's own forward). With `torch.compile` the engine evaluates the step's maps
-eagerly into the forward's cache before calling the compiled encoder, whose graph then takes
-them as inputs (it skips maps already in the active cache) and returns their gradient to the
-eager maps.
-
-With several data-parallel ranks every rank would map the same matrices from the same free
-parameters. Given a `MapSharding` (the engine's, `engine.orthogonal_sharding`), the step cache
-maps each batch of matrices of one kind and shape in shards instead: rank r evaluates its
-share, an all-gather hands every rank the whole batch, and the all-gather's backward (a
-reduce-scatter, summing) gives each owner sum_r dL_r/dQ of its share, whose map backward yields
-the gradient of its free parameters; the other ranks' gradient for them is zero. The data
-parallel reduction (an average over ranks) then gives J^T (mean_r dL_r/dQ) = mean_r J^T dL_r/dQ,
-the gradient of the unsharded evaluation, up to fp32 summation order. The model still only
-calls what it is handed (`bounds`, `gather`); no collective is written here.
+In a training step the maps may come from a step cache instead (`model.orthogonal_step`: once
+per optimizer step across gradient accumulation, shared out over data-parallel ranks): the
+step cache active around a training micro-batch (`step_cache_active`) hands `FP32Orthogonal`
+and `evaluate_orthogonal_maps` the step's matrices, evaluated by `evaluate_grouped`. Nothing
+here knows of ranks or collectives: a `MapSharding` is handed in.
 """
 
 from __future__ import annotations
@@ -85,83 +52,56 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import _OrthMaps, _Orthogonal
 
 from model.config import CayleyLeafInverse
+from model.forward_cache import FORWARD_CACHE_KEY as FORWARD_CACHE_KEY  # re-exported
+from model.forward_cache import active_forward_cache, forward_cache, forward_cache_key
+from model.forward_cache import name_forward_cache_keys as name_forward_cache_keys
 
-_ACTIVE: list[dict[str | int, Any] | None] = [None]
-"""The cache of the innermost `orthogonal_cache()` block (None outside every block), in a list
-of one entry (see the module docstring for why not a ContextVar); each block restores the
-outer one. Compiled code reading it is guarded on which cache is active, not on how deep the
-blocks nest, as it was through a stack's top: a layer compiled on its own
-(``engine.compile_scope: layers``) and recomputed by activation checkpointing re-enters its
-forward's cache one block shallower, and was compiled again."""
+orthogonal_cache = forward_cache
+"""The forward's cache (`model.forward_cache.forward_cache`): within the block each orthogonal
+map is evaluated at most once (the models wrap their forward in it)."""
 
-FORWARD_CACHE_KEY = "_forward_cache_key"
-"""The attribute `name_forward_cache_keys` sets on a module: its key in the forward's cache."""
-
-
-def forward_cache_key(module: nn.Module) -> str | int:
-    """The key of `module`'s entries in the forward's cache (`orthogonal_cache`): its name in
-    the model `name_forward_cache_keys` named, the same in every process, or its `id` if it was
-    never named (then a compiled graph that reads the entry cannot be found again by a new
-    process in the compiler's cache; eager code does not mind)."""
-    return getattr(module, FORWARD_CACHE_KEY, None) or id(module)
+active_orthogonal_cache = active_forward_cache
+"""The cache of the enclosing `orthogonal_cache()` block, or None outside one."""
 
 
-def name_forward_cache_keys(model: nn.Module) -> None:
-    """Keys every module of `model` in the forward's cache by its qualified name in `model`
-    (the root by its class name), so that a compiled graph reading cached entries has the same
-    cache key in every process (module docstring). Names are unique within `model`, so two of
-    its modules never share an entry; call it on the whole model a forward runs (the engine
-    calls it on the model it compiles), not on two models whose forwards share one cache."""
-    for name, module in model.named_modules():
-        object.__setattr__(module, FORWARD_CACHE_KEY, name or f"<{type(model).__name__}>")
+class StepMatrices(Protocol):
+    """A step cache (`model.orthogonal_step.OrthogonalStepCache`) as the maps read it."""
+
+    def matrices(
+        self, pairs: list[tuple[FP32Orthogonal, torch.Tensor]]
+    ) -> dict[str | int, torch.Tensor]:
+        """{forward_cache_key(map): matrix} of this micro-batch for the (map, free parameters)
+        pairs."""
+        ...
 
 
-_STEPS: list[OrthogonalStepCache] = []
-"""Active step caches (`OrthogonalStepCache.micro_batch`), innermost last."""
+_STEPS: list[StepMatrices] = []
+"""Active step caches (`step_cache_active`), innermost last."""
 
 
 @contextlib.contextmanager
-def orthogonal_cache(
-    store: dict[str | int, Any] | None = None,
-) -> Iterator[dict[str | int, Any]]:
-    """Within the block each orthogonal map is evaluated at most once; yields the cache dict.
-
-    The dict is the forward's cache, keyed by `forward_cache_key(module)`: besides the
-    orthogonal matrices it holds what else a forward makes once for all applications of a
-    shared layer (the fused Q/K/V weight and bias of
-    `model.attention.base.MultiHeadAttention`, a tuple).
-
-    Without `store`, an already active cache is reused (nesting) or a new one started; with
-    `store`, that dict becomes the active cache (to re-enter a forward's cache in a recompute).
-    """
-    outer = _ACTIVE[0]
-    if store is None:
-        store = outer if outer is not None else {}
-    _ACTIVE[0] = store
+def step_cache_active(cache: StepMatrices) -> Iterator[None]:
+    """Within the block, training forwards (gradients on) take their maps from ``cache``."""
+    _STEPS.append(cache)
     try:
-        yield store
+        yield
     finally:
-        _ACTIVE[0] = outer
+        _STEPS.pop()
 
 
-def active_orthogonal_cache() -> dict[str | int, Any] | None:
-    """The cache of the enclosing `orthogonal_cache()` block, or None outside one."""
-    return _ACTIVE[0]
-
-
-def active_step_cache() -> OrthogonalStepCache | None:
+def active_step_cache() -> StepMatrices | None:
     """The step cache of the enclosing training micro-batch, or None: outside one, with
     gradients off (evaluation never touches the step's matrices) and while torch.compile
-    traces (a compiled graph either finds the step's maps in the active cache, put there by
-    the engine before the graph runs, or evaluates its own)."""
+    traces (a compiled graph either finds the step's maps in the active cache, put there
+    before the graph runs, or evaluates its own)."""
     if not _STEPS or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None
     return _STEPS[-1]
 
 
 class MapSharding(Protocol):
-    """How a batch of `total` maps is spread over data-parallel ranks (module docstring); the
-    engine provides it (`engine.orthogonal_sharding.DataParallelMapSharding`)."""
+    """How a batch of `total` maps is spread over data-parallel ranks
+    (`model.orthogonal_step.DataParallelMapSharding`)."""
 
     def bounds(self, total: int, shape: tuple[int, int]) -> tuple[int, int] | None:
         """[lo, hi): the rows of a batch of `total` maps of free parameters of `shape` this rank
@@ -173,129 +113,6 @@ class MapSharding(Protocol):
         """Every rank's `part`, in rank order: the whole batch of `total` matrices, on every
         rank; its backward hands each rank the gradient of its part summed over the ranks."""
         ...
-
-
-class OrthogonalStepCache:
-    """Each orthogonal map evaluated once per optimizer step, forward and backward (see the
-    module docstring); driven by the training engine, not state (never saved).
-
-    The engine enters `micro_batch(index, last)` around the forward of micro-batch `index`
-    (0-based) of a step, `last` for the step's last one, calls `finish()` after the last
-    micro-batch's backward and `reset()` at the step (and whenever the parameters may have
-    changed, e.g. a checkpoint load). Inside the block `evaluate_orthogonal_maps` and each
-    map's own forward take the step's matrices from here.
-    """
-
-    def __init__(self, sharding: MapSharding | None = None) -> None:
-        self.sharding = sharding
-        """Spreads the step's maps over data-parallel ranks (module docstring), or None."""
-        self.evaluations = 0
-        """Matrices mapped so far by this rank (an (E, n, n) tensor counts E; with `sharding`
-        only this rank's share); for tests and benchmarks."""
-        self.reset()
-
-    def reset(self) -> None:
-        """Drops the step's matrices, their graph and the gradients gathered on the leaves."""
-        self._graph: dict[str | int, torch.Tensor] = {}  # Q = map(X), with its graph to X
-        self._leaf: dict[str | int, torch.Tensor] = {}  # Q' = Q.detach(): earlier dL/dQ
-        self._current: dict[str | int, torch.Tensor] = {}  # what this micro-batch's forwards use
-        self._micro: tuple[int, bool] | None = None
-        self._delivered: set[str | int] = set()
-
-    @property
-    def empty(self) -> bool:
-        return not self._graph
-
-    @contextlib.contextmanager
-    def micro_batch(self, index: int, last: bool) -> Iterator[OrthogonalStepCache]:
-        """Within the block, training forwards (gradients on) of micro-batch `index` use the
-        step's matrices. Several forwards of one micro-batch (e.g. one encoder applied to two
-        inputs, or a forward run again) share the very same tensors."""
-        if self._micro is not None and index < self._micro[0]:
-            self.reset()  # a new step without reset(): never mix two steps' matrices
-        if self._micro != (index, last):
-            self._micro = (index, last)
-            self._current = {}
-        _STEPS.append(self)
-        try:
-            yield self
-        finally:
-            _STEPS.pop()
-
-    def matrices(
-        self, pairs: list[tuple[FP32Orthogonal, torch.Tensor]]
-    ) -> dict[str | int, torch.Tensor]:
-        """{forward_cache_key(map): matrix} for this micro-batch of the (map, free
-        parameters) pairs: the step's Q (evaluated now, batched, if this is its first use in the
-        step), as the leaf Q' before the last micro-batch, through `_AddStepGradient` in the
-        last."""
-        assert self._micro is not None, "matrices() outside micro_batch()"
-        missing = [(orth, X) for orth, X in pairs if forward_cache_key(orth) not in self._graph]
-        if missing:
-            matrices, evaluated = _evaluate_grouped_counted(missing, self.sharding)
-            self.evaluations += evaluated
-            self._graph.update(matrices)
-        last = self._micro[1]
-        out = {}
-        for orth, _ in pairs:
-            key = forward_cache_key(orth)
-            M = self._current.get(key)
-            if M is None:
-                Q, leaf = self._graph[key], self._leaf.get(key)
-                if not last:
-                    if leaf is None:
-                        leaf = self._leaf[key] = Q.detach().requires_grad_()
-                    # Used through a view, not as the leaf itself: autocast keeps one cast of a
-                    # leaf for all its uses, where the gradients would meet in bf16; a view is
-                    # cast at each use, as the per-forward matrix is, so they meet in fp32.
-                    M = leaf.view_as(leaf)
-                elif leaf is None:  # first used in the last micro-batch: nothing to add
-                    M = Q
-                else:
-                    M = _AddStepGradient.apply(Q, self, key)
-                self._current[key] = M
-            out[key] = M
-        return out
-
-    def finish(self) -> None:
-        """After the last micro-batch's backward: raises if a map's gradient from earlier
-        micro-batches was not handed on (the last micro-batch's loss did not depend on the
-        map), then drops the step's matrices."""
-        try:
-            lost = [
-                key
-                for key, leaf in self._leaf.items()
-                if leaf.grad is not None and key not in self._delivered
-            ]
-            if lost:
-                raise RuntimeError(
-                    f"{len(lost)} orthogonal map(s) received gradients in earlier micro-batches "
-                    "of this optimizer step but not in its last one, so the step cache could "
-                    "not hand their gradient on; set engine.orthogonal_step_cache=false for a "
-                    "model whose last micro-batch may not use every map"
-                )
-        finally:
-            self.reset()
-
-    def _gradient(self, key: str | int) -> torch.Tensor | None:
-        self._delivered.add(key)
-        leaf = self._leaf.get(key)
-        return None if leaf is None else leaf.grad
-
-
-class _AddStepGradient(torch.autograd.Function):
-    """Identity on the step's Q whose backward adds the gradient the earlier micro-batches
-    gathered on the leaf Q' (`OrthogonalStepCache`)."""
-
-    @staticmethod
-    def forward(ctx, Q: torch.Tensor, cache: OrthogonalStepCache, key: str | int) -> torch.Tensor:
-        ctx.cache, ctx.key = cache, key
-        return Q.view_as(Q)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        earlier = ctx.cache._gradient(ctx.key)
-        return (grad if earlier is None else grad + earlier), None, None
 
 
 class FP32Orthogonal(_Orthogonal):
@@ -413,10 +230,10 @@ def _base_inverse(M: torch.Tensor, leaf_inverse: str = "lu") -> torch.Tensor:
 
 GAUSS_JORDAN_WARPS = 8
 """Warps of a `gauss_jordan_inverse` program (its 128 x 128 tile over 256 threads: 64 fp32
-values each). Compiled for the GPUs without one (`python bench/check_triton_kernels.py
---variants`), the 128-wide kernel needs 202 registers a thread on an H100 and 171 on an A100
-with 8 warps, 104-108 with 16, and spills none with either (4 warps: 255 and 12 bytes of
-spills on an H100). Not timed on a GPU yet (`bench_fast_paths.py cayley` times 4, 8 and 16)."""
+values each). Compiled for the GPUs without one (`tests/triton_compile.py`), the 128-wide
+kernel needs 202 registers a thread on an H100 and 171 on an A100 with 8 warps, 104-108 with
+16, and spills none with either (4 warps: 255 and 12 bytes of spills on an H100). Not timed on
+a GPU yet (`bench_fast_paths.py cayley` times 4, 8 and 16)."""
 
 
 def gauss_jordan_inverse(M: torch.Tensor) -> torch.Tensor:
@@ -561,7 +378,7 @@ def cayley(X: torch.Tensor, method: str | None = None, leaf_inverse: str = "lu")
     paths"). Inside a graph torch.compile traces, the LU solve: a graph cannot read or switch
     the fp32 matmul precision that the block inverse needs in full (`ieee_fp32_matmuls`); the
     training engine evaluates the maps eagerly before a compiled encoder runs, so this applies
-    only where a compiled graph maps them itself (`engine.orthogonal_step_cache=false`, or an
+    only where a compiled graph maps them itself (`model.orthogonal_step_cache=false`, or an
     inference forward). `method`: "block" or "lu" to choose (benchmarks, tests); None: as above.
     `leaf_inverse`: how the block inverse inverts its leaves (`block_inverse`).
     """
@@ -637,10 +454,10 @@ def _evaluate_grouped(
 ) -> dict[str | int, torch.Tensor]:
     """{forward_cache_key(map): matrix} of (map, free parameters) pairs, maps of one kind,
     shape, dtype and device in one evaluation (`evaluate_orthogonal_maps`)."""
-    return _evaluate_grouped_counted(pairs, None)[0]
+    return evaluate_grouped(pairs, None)[0]
 
 
-def _evaluate_grouped_counted(
+def evaluate_grouped(
     pairs: list[tuple[FP32Orthogonal, torch.Tensor]], sharding: MapSharding | None
 ) -> tuple[dict[str | int, torch.Tensor], int]:
     """`_evaluate_grouped`, each group's batch spread over the ranks by `sharding` (module

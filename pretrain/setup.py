@@ -20,7 +20,7 @@ from data_prep.loader import PretrainingData
 from engine import checkpoint as ckpt
 from engine import reshard
 from engine.distributed import DistEnv
-from engine.recipe import diff_keys
+from engine.recipe import diff_keys, move_saved_keys
 from model.hub.release import directory_digest
 from pretrain.config import (
     LOCATION_KEYS,
@@ -196,6 +196,7 @@ def check_run_dir(run_dir: Path, resolved: dict[str, Any]) -> bool:
 
     saved = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     assert isinstance(saved, dict)
+    saved = move_saved_keys(saved)  # keys that moved since (engine.recipe.MOVED_KEYS)
     resolved = _without_keys_added_since(saved, resolved)
     ignored = (*RESUMABLE_CHANGES, *LOCATION_KEYS)
     # A listed key covers the keys under it (engine.compile_options.max_autotune_gemm).

@@ -5,7 +5,7 @@ every attention family.
 The compiled runs use the ``aot_eager`` backend (Dynamo's capture and AOTAutograd's joint
 graph, the parts where a model breaks) and, in the slow tier, ``inductor`` itself (its C++
 code generation on the CPU, about 50 s for the four families; its Triton code generation on a
-GPU is checked by ``bench/bench_fast_paths.py gpu-verify``). In fp32 each step's loss and
+GPU is checked by ``tests/test_gpu_fast_paths.py``, ``-m gpu``). In fp32 each step's loss and
 gradient norm must equal the eager run's to round-off (1e-5 with aot_eager; 1e-4 with
 inductor, whose fused kernels sum in another order: 2.4e-5 seen), with no graph break; under
 ``bf16-mixed`` the run must train to the eager run's losses within bf16 rounding. Masks: a batch without padding reaches
@@ -25,6 +25,7 @@ from torch._dynamo.utils import counters
 import pretrain.train as train_module
 from engine.metrics import read_jsonl
 from engine.recipe import load_recipe
+from model.orthogonal_step import OrthogonalMapHooks
 from pretrain.config import pretrain_config
 from pretrain.objective import objective_terms
 
@@ -121,7 +122,8 @@ def test_compiled_transject_keeps_its_maps_once_per_step(shards, tmp_path, monke
     compiled, graphs, breaks = run(
         shards, tmp_path / "compiled", "transject", extra, compiled=True, seen=seen
     )
-    steps = seen["engine"].orthogonal_steps
+    (hooks,) = [h for h in seen["engine"].step_hooks if isinstance(h, OrthogonalMapHooks)]
+    steps = hooks.steps
     assert steps is not None
     assert steps.evaluations == STEPS * orthogonal_matrices(seen["engine"].module)
     assert not breaks, breaks

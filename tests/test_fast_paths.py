@@ -423,12 +423,13 @@ def test_orthogonal_maps_once_per_micro_batch_with_accumulation_and_checkpointin
     """Through the engine (gradient accumulation 2, activation checkpointing), each orthogonal
     map is evaluated once per micro-batch (forward + checkpoint recompute), never per layer
     application: 4 layer applications share one layer's maps; with the step cache
-    (`engine.orthogonal_step_cache`, the default) once per optimizer step
+    (`model.orthogonal_step_cache`, the default) once per optimizer step
     (tests/test_orthogonal_step_cache.py)."""
     calls = count_map_evaluations(monkeypatch)
     torch.manual_seed(0)
-    model = EncoderForPretraining(tiny("transject", num_hidden_layers=4))
-    engine = accumulating_engine(model, lr=1e-3, total_steps=2, orthogonal_step_cache=step_cache)
+    cfg = tiny("transject", num_hidden_layers=4, orthogonal_step_cache=step_cache)
+    model = EncoderForPretraining(cfg)
+    engine = accumulating_engine(model, lr=1e-3, total_steps=2)
     ids, mask = batch(B=4)
     step_in_two_micro_batches(engine, ids, mask)
     maps = orthogonal_matrices(model)

@@ -340,26 +340,31 @@ def test_glue_on_two_ranks_with_deepspeed_zero2(tmp_path, release):
 @pytest.mark.slow
 def test_glue_transject_on_two_ranks_with_sharded_maps(tmp_path, tokenizer_file):
     """Fine-tuning a TransJect release on 2 processes with its orthogonal maps shared out over
-    the ranks (every size): the run says so, and its fine-tuned weights and dev metrics equal
-    those of the run where every rank maps everything."""
+    the ranks (every size; the release's `model.orthogonal_shard_maps`): the run says so, and
+    its fine-tuned weights and dev metrics equal those of the run where every rank maps
+    everything."""
     import subprocess
 
     from pretrain_support import REPO, env, torchrun_cmd
 
-    release = tiny_release(
-        tmp_path / "release", tokenizer_file, attention="transject", transject={"num_experts": 2}
-    )
     data = write_sst2(tmp_path / "glue")
     results = {}
     for shard in (False, True):
+        release = tiny_release(  # the same weights (seeded), the setting in its config
+            tmp_path / f"release-{shard}",
+            tokenizer_file,
+            attention="transject",
+            transject={"num_experts": 2},
+            orthogonal_shard_maps=shard,
+            orthogonal_shard_min_size=0,
+        )
         run_dir = tmp_path / f"runs-{shard}"
         args = ["-m", "finetune", "glue", "--task", "sst2", "--data", str(data)]
         args += ["--init", str(release), "engine.backend=torch", "engine.precision=fp32"]
         args += ["engine.device=cpu", "engine.micro_batch_size=8", "data.max_length=32"]
         args += ["schedule.warmup_steps=2", "schedule.total_steps=12", "train.eval_every=12"]
         args += ["optimizer.lr=0.002", f"train.run_dir={run_dir}"]
-        args += [f"engine.orthogonal_shard_maps={str(shard).lower()}"]
-        args += ["engine.orthogonal_shard_min_size=0", "model.hidden_dropout_prob=0.0"]
+        args += ["model.hidden_dropout_prob=0.0"]
         proc = subprocess.run(
             torchrun_cmd(2, *args), cwd=REPO, env=env(), capture_output=True, text=True, timeout=600
         )

@@ -1,5 +1,5 @@
-"""The orthogonal maps evaluated once per optimizer step (``engine.orthogonal_step_cache``,
-``model.orthogonal.OrthogonalStepCache``): with gradient accumulation the weights after a step
+"""The orthogonal maps evaluated once per optimizer step (``model.orthogonal_step_cache``,
+``model.orthogonal_step.OrthogonalStepCache``, the engine's step hooks): with gradient accumulation the weights after a step
 equal those of the per-micro-batch evaluation (fp32 round-off), with and without activation
 checkpointing, on the torch backend and DeepSpeed ZeRO 0-2; ZeRO-3 keeps the per-forward maps;
 evaluation forwards, non-finite micro-batches and checkpoints leave the step alone."""
@@ -18,9 +18,9 @@ from torch import nn
 from engine.distributed import detect
 from engine.engine import Engine, EngineConfig
 from engine.optim import OptimizerConfig, ScheduleConfig
-from engine.orthogonal_sharding import DataParallelMapSharding
 from model import EncoderConfig, EncoderForPretraining
-from model.orthogonal import Linear, OrthogonalStepCache, make_orthogonal
+from model.orthogonal import Linear, make_orthogonal
+from model.orthogonal_step import DataParallelMapSharding, OrthogonalMapHooks, OrthogonalStepCache
 
 ATOL, RTOL = 1e-6, 1e-5
 ADAMW = OptimizerConfig(name="adamw", lr=1e-3)
@@ -35,9 +35,15 @@ def tiny(family: str = "transject", **kw) -> EncoderConfig:
 
 
 MODELS = {
-    "transject": lambda: tiny("transject", num_hidden_layers=3),
-    "orthogonal-softmax": lambda: tiny("softmax", orthogonal=True, intermediate_size=32),
+    "transject": lambda **kw: tiny("transject", num_hidden_layers=3, **kw),
+    "orthogonal-softmax": lambda **kw: tiny("softmax", orthogonal=True, intermediate_size=32, **kw),
 }
+
+
+def step_cache(engine: Engine) -> OrthogonalStepCache | None:
+    """The orthogonal maps' step cache among the engine's step hooks, or None."""
+    hooks = [h for h in engine.step_hooks if isinstance(h, OrthogonalMapHooks)]
+    return hooks[0].steps if hooks else None
 
 
 def make_engine(
@@ -51,14 +57,13 @@ def make_engine(
     **engine_options,
 ) -> Engine:
     torch.manual_seed(0)
-    model = EncoderForPretraining(MODELS[family]())
+    model = EncoderForPretraining(MODELS[family](orthogonal_step_cache=cache))
     options = {"backend": "torch", "precision": "fp32", **engine_options}
     cfg = EngineConfig(
         device="cpu",
         micro_batch_size=2,
         gradient_accumulation_steps=accumulation,
         activation_checkpointing=checkpointing,
-        orthogonal_step_cache=cache,
         **options,
     )
     return Engine(model, cfg, optimizer, ScheduleConfig(warmup_steps=0, total_steps=8), dist=dist)
@@ -123,7 +128,7 @@ def test_step_cache_gives_the_per_micro_batch_weights(
         engine = make_engine(
             family, cache=cache, accumulation=accumulation, checkpointing=checkpointing
         )
-        assert (engine.orthogonal_steps is not None) == cache
+        assert (step_cache(engine) is not None) == cache
         results = train(engine, steps=2)
         assert not any(r.skipped for r in results)
         finals.append(weights(engine))
@@ -131,8 +136,8 @@ def test_step_cache_gives_the_per_micro_batch_weights(
         maps = orthogonal_matrices(engine.module)
     assert_same_weights(*finals)
     assert counts == [2 * accumulation * maps, 2 * maps], (counts, maps)
-    assert engine.orthogonal_steps.evaluations == 2 * maps
-    assert engine.orthogonal_steps.empty  # nothing kept past the step
+    assert step_cache(engine).evaluations == 2 * maps
+    assert step_cache(engine).empty  # nothing kept past the step
 
 
 def test_step_cache_with_bf16_autocast_and_deferred_lamb():
@@ -184,7 +189,7 @@ def test_evaluation_forward_mid_step_leaves_the_step_alone(monkeypatch):
     engine = make_engine(cache=True)
     calls = count_map_evaluations(monkeypatch)
     engine.backward(loss_of(engine.forward(*batches[0])))
-    assert not engine.orthogonal_steps.empty
+    assert not step_cache(engine).empty
     engine.train(False)
     with torch.no_grad():
         seen = engine.forward(*probe).logits
@@ -211,7 +216,7 @@ def test_nonfinite_micro_batch_leaks_nothing_into_the_next_step(poisoned, defer)
         assert [r.skipped for r in results] == [True, False]
         finals.append(weights(engine))
         if cache:
-            assert engine.orthogonal_steps.empty
+            assert step_cache(engine).empty
     assert_same_weights(*finals)
 
 
@@ -255,8 +260,9 @@ class TwoMaps(nn.Module):
     """Two orthogonal maps, the second used only when asked (not an encoder: the maps are
     taken from the step's cache by their own forward)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache: bool = True) -> None:
         super().__init__()
+        self.config = EncoderConfig(orthogonal_step_cache=cache)  # where the setting is read
         self.a = make_orthogonal(Linear(4, 4))
         self.b = make_orthogonal(Linear(4, 4))
 
@@ -278,36 +284,37 @@ def test_map_missing_from_the_last_micro_batch_is_an_error():
             device="cpu",
             precision="fp32",
             gradient_accumulation_steps=2,
-            orthogonal_step_cache=cache,
         )
-        engine = Engine(TwoMaps(), cfg, ADAMW, ScheduleConfig(warmup_steps=0, total_steps=4), ONE)
+        engine = Engine(
+            TwoMaps(cache), cfg, ADAMW, ScheduleConfig(warmup_steps=0, total_steps=4), ONE
+        )
         for half in x.chunk(2):
             engine.backward(engine.forward(half).square().sum())
         engine.step()
         finals.append(weights(engine))
         if cache:
-            assert engine.orthogonal_steps.evaluations == 2
+            assert step_cache(engine).evaluations == 2
             engine.backward(engine.forward(x[:2]).square().sum())
             with pytest.raises(RuntimeError, match="orthogonal_step_cache=false"):
                 engine.backward(engine.forward(x[2:], use_b=False).square().sum())
-            assert engine.orthogonal_steps.empty
+            assert step_cache(engine).empty
     assert_same_weights(*finals)
 
 
 def test_where_the_step_cache_is_off():
-    assert make_engine(cache=False).orthogonal_steps is None
-    assert make_engine(cache=False).orthogonal_summary is None
-    on = make_engine(accumulation=3).orthogonal_summary
+    assert step_cache(make_engine(cache=False)) is None
+    assert make_engine(cache=False).hooks_summary is None
+    on = make_engine(accumulation=3).hooks_summary
     assert on == "orthogonal maps once per optimizer step (3 micro-batches)"
-    assert make_engine(accumulation=1).orthogonal_steps is None  # nothing to share
+    assert step_cache(make_engine(accumulation=1)) is None  # nothing to share
     torch.manual_seed(0)
     plain = EncoderForPretraining(tiny("softmax"))
     cfg = EngineConfig(backend="torch", device="cpu", gradient_accumulation_steps=2)
-    assert cfg.orthogonal_step_cache  # on by default
+    assert EncoderConfig().orthogonal_step_cache  # on by default
     engine = Engine(plain, cfg, ADAMW, ScheduleConfig(warmup_steps=0, total_steps=2), ONE)
-    assert engine.orthogonal_steps is None  # no orthogonal maps
+    assert step_cache(engine) is None  # no orthogonal maps
     with pytest.raises(ValueError, match="orthogonal_step_cache"):
-        EngineConfig(orthogonal_step_cache="yes")
+        tiny(orthogonal_step_cache="yes")
 
 
 @pytest.mark.integration
@@ -329,7 +336,7 @@ def test_step_cache_under_compile(monkeypatch, checkpointing, backend):
     compiled = make_engine(
         accumulation=3, checkpointing=checkpointing, compile=True, compile_backend=backend
     )
-    assert compiled.orthogonal_steps is not None
+    assert step_cache(compiled) is not None
     train(compiled, steps=2)
     graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
     torch._dynamo.reset()
@@ -357,7 +364,7 @@ def test_compiled_engine_maps_eagerly_without_accumulation(monkeypatch, backend)
     counters.clear()
     calls = count_map_evaluations(monkeypatch)
     compiled = make_engine(accumulation=1, compile=True, compile_backend=backend)
-    assert compiled.orthogonal_steps is None
+    assert step_cache(compiled) is None
     train(compiled, steps=3)
     graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
     torch._dynamo.reset()
@@ -370,7 +377,7 @@ def test_compiled_engine_maps_eagerly_without_accumulation(monkeypatch, backend)
 
 
 def test_map_shares_cover_each_batch_once():
-    """`engine.orthogonal_shard_maps`: the shares of a batch of maps are contiguous, in rank
+    """`model.orthogonal_shard_maps`: the shares of a batch of maps are contiguous, in rank
     order, cover it once and differ by at most one; a batch smaller than the ranks is not
     split; one process never shards."""
     for world in (2, 3, 8):
@@ -388,11 +395,11 @@ def test_map_shares_cover_each_batch_once():
     large = DataParallelMapSharding(1, 2, min_size=256)  # small matrices: mapped by every rank
     assert large.bounds(11, (768, 768)) == (6, 11) and large.bounds(11, (768, 255)) is None
     with pytest.raises(ValueError, match="orthogonal_shard_min_size"):
-        EngineConfig(orthogonal_shard_min_size=-1)
-    assert make_engine(accumulation=1).orthogonal_steps is None  # one rank: nothing to share
-    assert EngineConfig().orthogonal_shard_maps  # on by default
+        tiny(orthogonal_shard_min_size=-1)
+    assert step_cache(make_engine(accumulation=1)) is None  # one rank: nothing to share
+    assert EncoderConfig().orthogonal_shard_maps  # on by default
     with pytest.raises(ValueError, match="orthogonal_shard_maps"):
-        EngineConfig(orthogonal_shard_maps=1)
+        tiny(orthogonal_shard_maps=1)
 
 
 def test_step_cache_resets_when_a_new_step_begins_without_reset():
@@ -442,7 +449,7 @@ def test_step_cache_under_deepspeed_zero(one_process, zero_stage, checkpointing)
             zero_stage=zero_stage,
             dist=detect(),
         )
-        assert (engine.orthogonal_steps is not None) == cache
+        assert (step_cache(engine) is not None) == cache
         results = train(engine, steps=2)
         assert not any(r.skipped for r in results)
         finals.append(
@@ -458,7 +465,7 @@ def test_zero3_keeps_the_per_forward_maps(one_process, monkeypatch):
     engine = make_engine(
         accumulation=2, checkpointing=True, backend="deepspeed", zero_stage=3, dist=detect()
     )
-    assert engine.orthogonal_steps is None
+    assert step_cache(engine) is None
     results = train(engine, steps=1)
     assert not results[0].skipped
     with engine.gathered_parameters():
@@ -528,8 +535,8 @@ def test_sharded_maps_through_the_pretraining_trainer(tmp_path):
             "engine.zero_stage=2",
             "engine.micro_batch_size=2",
             "engine.gradient_accumulation_steps=2",
-            f"engine.orthogonal_shard_maps={str(shard).lower()}",
-            "engine.orthogonal_shard_min_size=0",
+            f"model.orthogonal_shard_maps={str(shard).lower()}",
+            "model.orthogonal_shard_min_size=0",
             "train.diagnostics_every=2",
             "train.checkpoint_every=3",
         ]

@@ -398,6 +398,63 @@ def test_build_config_moves_the_key_of_a_plain_dict():
     assert (cfg.train.run_dir, cfg.train.eval_every) == ("runs/x", 3)
 
 
+ENGINE_MOVED = "engine.orthogonal_step_cache is now model.orthogonal_step_cache"
+
+
+def test_old_engine_orthogonal_keys_load_onto_the_model_keys(tmp_path):
+    """``engine.orthogonal_*`` (now settings of the model's orthogonal maps) in a recipe file
+    and as overrides: a FutureWarning naming the new key, the value under ``model``, the
+    engine section without them; an old key at its old default says nothing and is dropped."""
+    from model.config import EncoderConfig
+
+    recipe = write(
+        tmp_path / "r.yaml",
+        "model:\n  preset: debug\nengine:\n  orthogonal_step_cache: false\n  micro_batch_size: 4\n",
+    )
+    with pytest.warns(FutureWarning, match=ENGINE_MOVED) as caught:
+        data = load_recipe(
+            recipe, ["engine.orthogonal_shard_min_size=0", "engine.orthogonal_shard_maps=true"]
+        )
+    said = " ".join(str(w.message) for w in caught)
+    assert "engine.orthogonal_shard_min_size is now model.orthogonal_shard_min_size" in said
+    assert "engine.orthogonal_shard_maps is now model.orthogonal_shard_maps" in said
+    assert data["engine"] == {"micro_batch_size": 4}
+    assert data["model"] == {
+        "preset": "debug",
+        "orthogonal_step_cache": False,
+        "orthogonal_shard_min_size": 0,
+    }
+    cfg = pretrain_config({**data, "data": {"shards": "s"}})
+    model = EncoderConfig.from_dict(cfg.model)
+    assert (model.orthogonal_step_cache, model.orthogonal_shard_maps) == (False, True)
+    assert model.orthogonal_shard_min_size == 0
+    assert "orthogonal_step_cache" not in cfg.to_dict()["engine"]
+
+
+def test_saved_config_with_the_old_engine_keys_still_resumes(tmp_path, recwarn):
+    """A run directory whose config.yaml was saved with ``engine.orthogonal_*`` (every engine
+    key written, the defaults too) resumes with today's recipe; a non-default old value is
+    compared where it now lives."""
+    from engine.recipe import move_saved_keys
+    from pretrain.setup import check_run_dir
+
+    current = config_dict(pretrain_config(load_recipe(DEBUG, [f"train.run_dir={tmp_path}"])))
+    old = {**current, "engine": {**current["engine"], "orthogonal_step_cache": True}}
+    old["engine"] |= {"orthogonal_shard_maps": True, "orthogonal_shard_min_size": 256}
+    (tmp_path / "config.yaml").write_text(to_yaml(old))
+    assert check_run_dir(tmp_path, current)
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]
+    off = {**old, "engine": {**old["engine"], "orthogonal_shard_maps": False}}
+    moved = move_saved_keys(off)
+    assert "orthogonal_shard_maps" not in moved["engine"]
+    assert moved["model"]["orthogonal_shard_maps"] is False
+    (tmp_path / "config.yaml").write_text(to_yaml(off))
+    with pytest.raises(ValueError, match=r"model\.orthogonal_shard_maps"):
+        check_run_dir(tmp_path, current)
+    resumed = {**current, "model": {**current["model"], "orthogonal_shard_maps": False}}
+    assert check_run_dir(tmp_path, resumed)
+
+
 @pytest.mark.parametrize("suite", ["glue", "lra"])
 def test_finetune_configs_have_the_pretraining_shape(suite):
     """train.run_dir in all three run configs, no top-level run_dir."""

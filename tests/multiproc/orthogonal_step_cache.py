@@ -4,7 +4,7 @@ A small TransJect pretraining model trains STEPS optimizer steps of gradient acc
 ACCUMULATION through ``engine.Engine`` on the torch backend (DDP: ``no_sync`` before the last
 micro-batch, the all-reduce in its backward) and on DeepSpeed ZeRO 0, 1 and 2 (the reduction
 of ZeRO 1-2 in the last backward), with activation checkpointing, each rank on its own
-micro-batches, four ways: ``orthogonal_step_cache`` and ``orthogonal_shard_maps`` each off and
+micro-batches, four ways: ``model.orthogonal_step_cache`` and ``orthogonal_shard_maps`` each off and
 on; on the torch backend also both on under ``engine.compile`` (aot_eager). Rank 0 writes a JSON report: per run and way, whether the step cache was active and with
 sharding, how many matrices each rank mapped, the largest difference between its weights and
 those of the way with both off, and how far the weights moved.
@@ -27,6 +27,7 @@ from engine.distributed import detect
 from engine.engine import Engine, EngineConfig, shutdown
 from engine.optim import OptimizerConfig, ScheduleConfig
 from model import EncoderConfig, EncoderForPretraining
+from model.orthogonal_step import OrthogonalMapHooks
 
 STEPS = 2
 ACCUMULATION = 3
@@ -35,7 +36,7 @@ SCHEDULE = ScheduleConfig(warmup_steps=0, total_steps=8)
 RUNS = [("torch", 0)] + [("deepspeed", stage) for stage in (0, 1, 2)]
 
 
-def model() -> EncoderForPretraining:
+def model(cache: bool = True, shard: bool = True) -> EncoderForPretraining:
     torch.manual_seed(0)
     cfg = EncoderConfig.preset(
         "debug",
@@ -43,6 +44,9 @@ def model() -> EncoderForPretraining:
         hidden_dropout_prob=0.0,
         num_hidden_layers=3,
         transject={"num_experts": 2},
+        orthogonal_step_cache=cache,
+        orthogonal_shard_maps=shard,
+        orthogonal_shard_min_size=0,  # the debug model's maps are small
     )
     return EncoderForPretraining(cfg)
 
@@ -62,14 +66,12 @@ def run(
         micro_batch_size=2,
         gradient_accumulation_steps=ACCUMULATION,
         activation_checkpointing=True,
-        orthogonal_step_cache=cache,
-        orthogonal_shard_maps=shard,
-        orthogonal_shard_min_size=0,  # the debug model's maps are small
         compile=compiled,
         compile_backend="aot_eager",
     )
-    engine = Engine(model(), cfg, OPT, SCHEDULE, dist)
-    steps = engine.orthogonal_steps
+    engine = Engine(model(cache, shard), cfg, OPT, SCHEDULE, dist)
+    hooks = [h for h in engine.step_hooks if isinstance(h, OrthogonalMapHooks)]
+    steps = hooks[0].steps if hooks else None
     g = torch.Generator().manual_seed(1000 + dist.rank)  # each rank its own micro-batches
     for _ in range(STEPS * ACCUMULATION):
         ids = torch.randint(4, 512, (2, 12), generator=g)
