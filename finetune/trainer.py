@@ -3,13 +3,16 @@ encoded examples, through the same engine as pretraining (``engine.Engine``: Dee
 PyTorch, any precision), with evaluation every N steps and the best-dev weights kept as a
 release.
 
-    result = Finetuner(model, train_set, eval_sets, score_fn, cfg, run_dir).run()
+    data = FinetuneData(train_set, eval_sets, score_fn, pad_id)
+    result = Finetuner(model, data, cfg, run_dir, engine=..., optimizer=..., schedule=...).run()
 
 * ``train_set`` / ``eval_sets[name]``: indexable sequences of example dicts holding
   ``input_ids``, ``token_type_ids`` (lists or 1-D arrays), optionally ``index`` and ``label``;
   batches are padded to their longest sequence by :func:`collate`.
 * ``score_fn(predictions, labels) -> dict[str, float]`` computes the task's metrics;
   ``cfg.select`` names the one that picks the best evaluation (higher is better).
+* The loop (resume, checkpoints, stop requests, trackers, the cadences) is
+  ``engine.loop.RunLoop``, the one pretraining runs too; the ``Finetuner`` is its stage.
 * Every rank evaluates the whole evaluation set (evaluation sets are small; under ZeRO-3 the
   forward is collective anyway); rank 0 writes TensorBoard, ``results.json`` and the releases.
 
@@ -286,28 +289,42 @@ def task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), labels)
 
 
+@dataclass
+class FinetuneData:
+    """What a task gives a fine-tuning run: its examples, its metrics, how they are batched."""
+
+    train_set: Sequence[Mapping[str, Any]]
+    eval_sets: Mapping[str, Sequence[Mapping[str, Any]]]
+    """Evaluation sets by name (``train.select_split`` names one)."""
+    score_fn: ScoreFn
+    """``score_fn(predictions, labels) -> {metric: value}``."""
+    pad_id: int
+    tokenizer_file: str | Path | None = None
+    """Copied into the best release."""
+    collate_fn: Callable[..., dict[str, torch.Tensor]] | None = None
+    """``collate_fn(examples, pad_id=...)`` -> a batch; None: :func:`collate`."""
+    inputs_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    """The model's keyword arguments from a batch; None: :func:`model_inputs`."""
+
+
 class Finetuner(Stage):
     """One fine-tuning run on this rank, the stage ``engine.loop.RunLoop`` drives (as it
-    drives pretraining): ``Finetuner(...).run()``."""
+    drives pretraining): ``Finetuner(model, data, cfg, run_dir, ...).run()``. ``identity``:
+    the run's (:func:`run_identity`), refused when ``run_dir`` holds another."""
 
     def __init__(
         self,
         model: torch.nn.Module,
-        train_set: Sequence[Mapping[str, Any]],
-        eval_sets: Mapping[str, Sequence[Mapping[str, Any]]],
-        score_fn: ScoreFn,
+        data: FinetuneData,
         cfg: FinetuneConfig,
         run_dir: str | Path,
         *,
         engine: EngineConfig,
         optimizer: OptimizerConfig,
         schedule: ScheduleConfig,
-        pad_id: int,
-        tokenizer_file: str | Path | None = None,
-        collate_fn: Callable[..., dict[str, torch.Tensor]] | None = None,
-        inputs_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
         identity: Mapping[str, Any] | None = None,
     ):
+        train_set, eval_sets = data.train_set, data.eval_sets
         if cfg.select_split not in eval_sets:
             raise ValueError(
                 f"train.select_split={cfg.select_split!r} is not an evaluation set; "
@@ -332,11 +349,11 @@ class Finetuner(Stage):
         self.identity = dict(identity) if identity is not None else {}
         check_run_identity(self.run_dir, self.identity)  # before any work
         self.train_set, self.eval_sets = train_set, eval_sets
-        self.score_fn = score_fn
-        self.pad_id = pad_id
-        self.tokenizer_file = tokenizer_file
-        self.collate = functools.partial(collate_fn or collate, pad_id=pad_id)
-        self.inputs_fn = inputs_fn or model_inputs
+        self.score_fn = data.score_fn
+        self.pad_id = data.pad_id
+        self.tokenizer_file = data.tokenizer_file
+        self.collate = functools.partial(data.collate_fn or collate, pad_id=data.pad_id)
+        self.inputs_fn = data.inputs_fn or model_inputs
         self.engine = Engine(model, engine, optimizer, schedule, self.dist)
         self.total_steps = cfg.steps if cfg.steps is not None else schedule.total_steps
         self.micro_batch = engine.micro_batch_size

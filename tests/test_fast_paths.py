@@ -38,7 +38,7 @@ from engine.engine import (
 )
 from engine.optim import OptimizerConfig, ScheduleConfig
 from finetune.batching import LengthGroupedBatchSampler, collate, example_lengths
-from finetune.trainer import FinetuneConfig, Finetuner
+from finetune.trainer import FinetuneConfig, FinetuneData, Finetuner
 from model import EncoderConfig, EncoderForPretraining, EncoderForSequenceClassification
 from model.attention import ATTENTION_REGISTRY, LayerContext
 from model.attention.base import key_padding_bias
@@ -667,18 +667,21 @@ def test_finetuner_group_by_length_trains_on_grouped_batches(tmp_path):
 
     torch.manual_seed(0)
     model = EncoderForSequenceClassification(tiny("softmax", max_position_embeddings=128))
-    result = Finetuner(
-        model,
+    data = FinetuneData(
         train,
         {"dev": train[:8]},
         lambda p, y: {"score": float((p == y).mean())},
+        pad_id=0,
+        collate_fn=recording_collate,
+    )
+    result = Finetuner(
+        model,
+        data,
         FinetuneConfig(steps=4, log_every=2, save_best=False, group_by_length=True),
         tmp_path,
         engine=EngineConfig(backend="torch", device="cpu", precision="fp32", micro_batch_size=8),
         optimizer=OptimizerConfig(name="adamw", lr=1e-3),
         schedule=ScheduleConfig(warmup_steps=0, total_steps=4),
-        pad_id=0,
-        collate_fn=recording_collate,
     ).run()
     assert result.best_step == 4
     train_widths = widths[:4]  # then the evaluation batch

@@ -20,7 +20,7 @@ from finetune.glue import run as glue_run
 from finetune.glue.data import encode, load_glue_tokenizer, load_split
 from finetune.glue.metrics import compute_metrics
 from finetune.glue.tasks import get_task
-from finetune.trainer import FinetuneConfig, Finetuner
+from finetune.trainer import FinetuneConfig, FinetuneData, Finetuner
 from model.config import EncoderConfig
 from model.heads import EncoderForPretraining
 from model.hub.release import save_release
@@ -210,17 +210,20 @@ def test_hf_albert_with_tisa_starts_from_the_hf_predictions(tmp_path, tokenizer_
 
     # The fine-tuning run's evaluation before its first step sees exactly those predictions.
     train, _ = load_split(task, data, "train")
-    run = Finetuner(
-        model,
+    data = FinetuneData(
         encode(train, load_glue_tokenizer(tokenizer_file), 32),
         {"dev": enc},
         lambda p, y: compute_metrics(task, p, y),
+        pad_id=0,
+    )
+    run = Finetuner(
+        model,
+        data,
         FinetuneConfig(steps=1, eval_at_start=True, save_best=False),
         tmp_path / "run",
         engine=cfg.engine.__class__(backend="torch", precision="fp32", micro_batch_size=8),
         optimizer=cfg.optimizer,
         schedule=cfg.schedule.__class__(warmup_steps=0, total_steps=1),
-        pad_id=0,
     )
     start, _ = run.evaluate()
     expected = compute_metrics(task, theirs.argmax(-1).numpy(), np.array(enc.labels))

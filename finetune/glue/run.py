@@ -80,6 +80,7 @@ from finetune.glue.tasks import (
 from finetune.trainer import (
     EXIT_STOPPED,
     FinetuneConfig,
+    FinetuneData,
     Finetuner,
     finished_run,
     run_identity,
@@ -234,18 +235,21 @@ def run_one(
     torch.manual_seed(seed)
     model = build_classifier(release, task, cfg)
     opt = OptimizerConfig(**{**config_dict(cfg.optimizer), "lr": lr, "betas": cfg.optimizer.betas})
-    trainer = Finetuner(
-        model,
+    data = FinetuneData(
         encode(train, tokenizer, cfg.data.max_length),
         encoded,
         lambda p, y: compute_metrics(task, p, y),
+        pad_id=pad_token_id(tokenizer),
+        tokenizer_file=release / TOKENIZER_FILE,
+    )
+    trainer = Finetuner(
+        model,
+        data,
         train_cfg,
         run_dir,
         engine=cfg.engine,
         optimizer=opt,
         schedule=cfg.schedule,
-        pad_id=pad_token_id(tokenizer),
-        tokenizer_file=release / TOKENIZER_FILE,
         identity=identity,
     )
     result = trainer.run()

@@ -46,6 +46,7 @@ from finetune.lra.tasks import PAD_ID, get_task
 from finetune.trainer import (
     EXIT_STOPPED,
     FinetuneConfig,
+    FinetuneData,
     Finetuner,
     finished_run,
     run_identity,
@@ -210,19 +211,22 @@ def run_seed(
     torch.manual_seed(seed)
     model = build_lra_model(cfg, init, seq_len)
     train_cfg = replace(cfg.train, seed=seed)
-    trainer = Finetuner(
-        model,
+    data = FinetuneData(
         splits["train"],
         {"val": splits["val"], "test": splits["test"]},
         _accuracy,
+        pad_id=PAD_ID,
+        collate_fn=collate_pair if task.pair else None,
+        inputs_fn=_dual_inputs if task.pair else None,
+    )
+    trainer = Finetuner(
+        model,
+        data,
         train_cfg,
         run_dir,
         engine=cfg.engine,
         optimizer=cfg.optimizer,
         schedule=cfg.schedule,
-        pad_id=PAD_ID,
-        collate_fn=collate_pair if task.pair else None,
-        inputs_fn=_dual_inputs if task.pair else None,
         identity=identity,
     )
     result = trainer.run()
