@@ -2,8 +2,8 @@
 (``[project.scripts]`` in pyproject.toml). Each command hands its arguments, unchanged, to the
 stage's own command line, so ``albatross pretrain --config r.yaml x=1`` is ``python -m pretrain
 --config r.yaml x=1`` (same options, same help, same exit codes), and the ``python -m`` forms
-keep working. ``albatross bench NAME [--] [args ...]`` runs ``bench/bench_NAME.py`` of the
-source tree (an editable install or a clone) with Python.
+keep working. ``albatross bench NAME [--] [args ...]`` runs the benchmark ``python -m
+bench.bench_NAME`` of the source tree (an editable install or a clone) with Python.
 
 Under a launcher, e.g. ``torchrun --nproc_per_node 2 --no-python albatross pretrain ...``.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import difflib
 import importlib
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -164,8 +165,8 @@ def _bench_usage(scripts: dict[str, Path]) -> str:
     lines = [
         f"usage: {PROG} bench NAME [--] [args ...]",
         "",
-        "Runs bench/bench_NAME.py (or bench/NAME.sh) of the source tree with this Python, the",
-        "arguments after NAME going to the script (`--` before them is optional);",
+        "Runs python -m bench.bench_NAME (or bench/NAME.sh) of the source tree with this Python,",
+        "the arguments after NAME going to the script (`--` before them is optional);",
         f"`{PROG} bench NAME --help` shows its options. Results and how to read them:",
         "BENCHMARKS.md.",
         "",
@@ -198,8 +199,12 @@ def bench(argv: list[str]) -> int:
         return _error(
             f"no benchmark {name!r}{hint} (valid: {', '.join(scripts)}; {PROG} bench lists them)"
         )
-    runner = [sys.executable] if script.suffix == ".py" else ["bash"]
-    return subprocess.call([*runner, str(script), *rest])
+    if script.suffix != ".py":
+        return subprocess.call(["bash", str(script), *rest])
+    # the package `bench` of the source tree, importable from any folder
+    path = os.pathsep.join(p for p in (str(root.parent), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    return subprocess.call([sys.executable, "-m", f"bench.{script.stem}", *rest], env=env)
 
 
 def run() -> None:

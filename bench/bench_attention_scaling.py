@@ -19,10 +19,10 @@ unpadded path. `--compile` compiles each point's encoder with inductor first, as
 `engine.compile` does in training (the ALBERT recipes' `auto`), so the families compare as
 they ship; the warm-up forwards absorb the compilation.
 
-    python bench/bench_attention_scaling.py --lengths 256 512 1024 2048 4096 8192 --out bench/results/scaling.json
-    python bench/bench_attention_scaling.py --device cuda --dtype bf16 --lengths 256 512 1024 2048 4096 8192 16384 --out scaling_gpu.json
-    python bench/bench_attention_scaling.py --device cuda --dtype bf16 --batch 8 --width 768 --heads 12 --no-mask --compile --lengths 2048 4096 8192
-    python bench/bench_attention_scaling.py --device cuda --dtype bf16 --batch 8 --width 768 --heads 12 --no-mask --compile --families softmax kernel kernel-triton --lengths 512 4096 8192
+    python -m bench.bench_attention_scaling --lengths 256 512 1024 2048 4096 8192 --out bench/results/scaling.json
+    python -m bench.bench_attention_scaling --device cuda --dtype bf16 --lengths 256 512 1024 2048 4096 8192 16384 --out scaling_gpu.json
+    python -m bench.bench_attention_scaling --device cuda --dtype bf16 --batch 8 --width 768 --heads 12 --no-mask --compile --lengths 2048 4096 8192
+    python -m bench.bench_attention_scaling --device cuda --dtype bf16 --batch 8 --width 768 --heads 12 --no-mask --compile --families softmax kernel kernel-triton --lengths 512 4096 8192
 
 `--families kernel-triton`: kernel attention (aoglu) with `kernel.inference_backend: triton`,
 its fused inference kernels (not in the default families: off CUDA it is `kernel`).
@@ -41,6 +41,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench.common import module_command, subprocess_env, write_result
 
 FAMILY_CONFIGS = {
     "softmax": {},
@@ -205,12 +207,10 @@ def main() -> None:
             if args.device == "cuda":
                 rows.append(run_point_cuda(family, n, args))
                 print(rows[-1], file=sys.stderr, flush=True)
-                if args.out:  # what is done survives a kill of this process
-                    args.out.parent.mkdir(parents=True, exist_ok=True)
-                    partial = {"args": vars(args), "complete": False, "rows": rows}
-                    args.out.write_text(json.dumps(partial, indent=2, default=str))
+                # what is done survives a kill of this process
+                write_result(args.out, {"args": vars(args), "complete": False, "rows": rows})
                 continue
-            cmd = [sys.executable, __file__, "--point", family, str(n)]
+            cmd = module_command("bench.bench_attention_scaling", "--point", family, str(n))
             cmd += [
                 "--width",
                 str(args.width),
@@ -220,7 +220,7 @@ def main() -> None:
                 str(args.layers),
             ]
             cmd += ["--repeats", str(args.repeats), "--threads", str(args.threads)]
-            res = subprocess.run(cmd, capture_output=True, text=True)
+            res = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env())
             if res.returncode != 0:
                 rows.append(
                     {"family": family, "N": n, "error": res.stderr.strip().splitlines()[-1]}
@@ -235,19 +235,7 @@ def main() -> None:
         where += ", compiled (inductor)" if args.compile else ""
     else:
         where = f"{args.threads} threads"
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps(
-                {
-                    "args": {k: v for k, v in vars(args).items() if k != "out"},
-                    "where": where,
-                    "rows": rows,
-                },
-                indent=2,
-                default=str,
-            )
-        )
+    write_result(args.out, {"args": vars(args), "where": where, "rows": rows})
     by = {(r["family"], r["N"]): r for r in rows}
     digits = 2 if args.device == "cuda" else 1
     print(

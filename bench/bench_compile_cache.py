@@ -3,19 +3,18 @@ with the compiler's cache folder empty (cold) and then holding the graphs of an 
 (warm), as a requeued or resumed job, the next phase or another fine-tuning task on another node
 would find it on shared storage.
 
-For each family, ``bench/bench_pretrain_throughput.py`` runs twice in new processes on the same
-recipe (``--configs``, e.g. ``albert-base-512``), ``engine.compile=true`` and
+For each family, the throughput benchmark (``bench.bench_pretrain_throughput``) runs twice in new
+processes on the same recipe (``--configs``, e.g. ``albert-base-512``), ``engine.compile=true`` and
 ``engine.compile_cache_dir`` pointing both at one folder made empty for the family: the first
 compiles into it, the second loads from it. Reported per run: the first step's seconds (the
-compilation included; the throughput benchmark's ``first_step_s``), the later steps' median
-(the same in both, unless the cache changed the code: a check), the graphs loaded from and
-compiled into the folder, and the whole process's wall time; then warm / cold ratios. The
-peer is the same command without the cache (cold), in the same run. The folders are removed
-at the end unless ``--keep``.
+compilation included; the throughput benchmark's ``first_step_s``), the later steps' median (the
+same in both, unless the cache changed the code: a check), the graphs loaded from and compiled into
+the folder, and the whole process's wall time; then warm / cold ratios. The peer is the same command
+without the cache (cold), in the same run. The folders are removed at the end unless ``--keep``.
 
-    python bench/bench_compile_cache.py --device cpu --families softmax tisa kernel transject \
+    python -m bench.bench_compile_cache --device cpu --families softmax tisa kernel transject \
         --seq 128 --batch 2 --out bench/results/compile_cache_cpu.json
-    python bench/bench_compile_cache.py --device cuda --families softmax tisa transject \
+    python -m bench.bench_compile_cache --device cuda --families softmax tisa transject \
         --out compile_cache_gpu.json      # the suite's part `compilecache`
 """
 
@@ -26,12 +25,12 @@ import json
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT, module_command, subprocess_env, write_result
+
 FAMILIES = ("softmax", "tisa", "kernel", "transject")
 
 
@@ -45,8 +44,7 @@ def one_run(args, point: list[str], cache: Path, out: Path, overrides: tuple = (
     run, e.g. `family_point`), compiled, with the compiler's cache in ``cache``; its row and
     the process's wall seconds. ``overrides``: recipe overrides before ``args.override``."""
     cmd = [
-        sys.executable, str(ROOT / "bench" / "bench_pretrain_throughput.py"),
-        "--device", args.device, *point, "--padding", "none", "--warmup", "0",
+        *module_command("bench.bench_pretrain_throughput"), "--device", args.device, *point, "--padding", "none", "--warmup", "0",
         "--steps", str(args.steps), "--steady-steps", "0", "--threads", str(args.threads),
         "--out", str(out),
     ]  # fmt: skip
@@ -59,7 +57,7 @@ def one_run(args, point: list[str], cache: Path, out: Path, overrides: tuple = (
     cmd += ["--override", "engine.compile=true", f"engine.compile_cache_dir={cache}",
             *overrides, *args.override]  # fmt: skip
     start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True)
     wall = time.perf_counter() - start
     rows = json.loads(out.read_text())["rows"] if out.is_file() else []
     if done.returncode != 0 or not rows or "error" in rows[0]:
@@ -79,7 +77,7 @@ def one_run(args, point: list[str], cache: Path, out: Path, overrides: tuple = (
 
 def add_run_args(p: argparse.ArgumentParser, steps: int) -> None:
     """The options `one_run` and `family_point` read (``steps``: the default of ``--steps``),
-    and ``--root`` and ``--out``; shared with ``bench_compile_scope.py``."""
+    and ``--root`` and ``--out``; shared with ``bench_compile_scope``."""
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--config", default="albert-base-512", help="a name of the albert preset")
     p.add_argument("--seq", type=int, default=None, help="override the config's length")
@@ -132,9 +130,7 @@ def paired(row: dict, a: str, first: dict, b: str, second: dict) -> dict:
 
 
 def write_results(out: Path | None, meta: dict, results: list[dict]) -> None:
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"meta": meta, "rows": results}, indent=1) + "\n")
+    write_result(out, {"meta": meta, "rows": results})
 
 
 def print_pairs(results: list[dict], name: str, a: str, b: str, header: list[str], cells) -> None:

@@ -2,18 +2,19 @@
 training step when each distinct layer is compiled once instead of the encoder unrolled over
 every application of its layers, and what it costs in later steps.
 
-Each point runs ``bench/bench_pretrain_throughput.py`` compiled (``engine.compile=true``) in
-new processes, once per scope, each with the compiler's cache in a new empty folder (every run
-cold: a warm cache would hide the compilation): the peer is the whole-encoder compilation
-(``engine.compile_scope=encoder``, the default) in the same run. Points: the albert-base recipe
-of each family (``--families``), and one shared softmax layer at albert-base width applied
-``--depth`` times (the throughput benchmark's depth points: activation checkpointing on unless
-``--no-checkpointing``). Reported per run: the first step's seconds (compilation included), the
-later steps' median, the process's wall time, peak memory; then layers / encoder ratios.
+Each point runs the throughput benchmark (``bench.bench_pretrain_throughput``) compiled
+(``engine.compile=true``) in new processes, once per scope, each with the compiler's cache in a new
+empty folder (every run cold: a warm cache would hide the compilation): the peer is the
+whole-encoder compilation (``engine.compile_scope=encoder``, the default) in the same run. Points:
+the albert-base recipe of each family (``--families``), and one shared softmax layer at albert-base
+width applied ``--depth`` times (the throughput benchmark's depth points: activation checkpointing
+on unless ``--no-checkpointing``). Reported per run: the first step's seconds (compilation
+included), the later steps' median, the process's wall time, peak memory; then layers / encoder
+ratios.
 
-    python bench/bench_compile_scope.py --device cpu --families softmax tisa kernel transject \
+    python -m bench.bench_compile_scope --device cpu --families softmax tisa kernel transject \
         --depth 12 48 96 --seq 128 --batch 2 --out bench/results/compile_scope_cpu.json
-    python bench/bench_compile_scope.py --device cuda --families softmax --depth 48 \
+    python -m bench.bench_compile_scope --device cuda --families softmax --depth 48 \
         --out compile_scope_gpu.json      # the suite's part `compilescope`
 """
 
@@ -25,7 +26,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from bench_compile_cache import (
+from bench.bench_compile_cache import (
     FAMILIES,
     add_run_args,
     family_point,
@@ -34,11 +35,7 @@ from bench_compile_cache import (
     print_pairs,
     write_results,
 )
-
-SCOPES = (
-    "encoder",
-    "layers",
-)  # engine.engine.COMPILE_SCOPES (this script runs outside the package)
+from engine.config import COMPILE_SCOPES as SCOPES
 
 
 def points(args) -> list[tuple[str, list[str]]]:

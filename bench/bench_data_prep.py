@@ -14,7 +14,7 @@ from the start of its script to the tokenized dataset on disk (the token count a
 timed). Reported: wall time, tokens/s, MB/s per process, the peak RSS of the largest process.
 Ratio = our tokens/s / theirs (>= 1.0 means we are faster).
 
-    python bench/bench_data_prep.py --size-mb 200 --procs 2 --out bench/results/data_prep_cpu.json
+    python -m bench.bench_data_prep --size-mb 200 --procs 2 --out bench/results/data_prep_cpu.json
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench.common import write_result
 
 HF_SCRIPT = r"""
 import sys, time
@@ -196,9 +198,7 @@ def main() -> None:
             f"{row['ours_mb_per_s_per_proc']:.2f} | {row['theirs_mb_per_s_per_proc']:.2f} | {row['ratio']:.2f} | "
             f"{ours_rss:.0f} / {theirs_rss:.0f} |"
         )
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"args": vars(args), "row": row}, indent=2, default=str))
+        write_result(args.out, {"args": vars(args), "row": row})
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

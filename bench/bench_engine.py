@@ -1,6 +1,6 @@
 """Training-step throughput of the engine against a plain PyTorch loop, same model, same batches.
 
-    python bench/bench_engine.py [--hidden 256 --layers 4 --seq 128 --batch 16 --steps 30 --repeats 3]
+    python -m bench.bench_engine [--hidden 256 --layers 4 --seq 128 --batch 16 --steps 30 --repeats 3]
 
 One process on CPU (DeepSpeed with a process group of one over gloo). Variants:
 
@@ -19,8 +19,6 @@ quotes (target: the engine within 15% of the plain loop).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import tempfile
 import time
@@ -28,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import write_result
 from data_prep.loader import PretrainingData, PretrainingLoader
 from data_prep.shards import ShardConfig, build_shards
 from data_prep.tokenizer import write_tokenizer
@@ -150,14 +149,7 @@ def main() -> None:
     print(f"\n{'variant':<24} {'steps/s':>8} {'time vs plain':>14}")
     for name, row in rows.items():
         print(f"{name:<24} {row['steps_per_s']:>8.2f} {row['time_ratio_vs_plain']:>14.3f}")
-    meta = {
-        "args": vars(args),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+    write_result(args.out, {"meta": {"args": vars(args)}, "results": rows})
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 directory holds a loadable checkpoint; then let the run finish and compare it with an
 uninterrupted run of the same command.
 
-    python bench/bench_kill_resume.py --stage finetune --kills 20      # LRA ListOps, tiny
-    python bench/bench_kill_resume.py --stage pretrain --kills 20      # debug recipe, tiny
+    python -m bench.bench_kill_resume --stage finetune --kills 20      # LRA ListOps, tiny
+    python -m bench.bench_kill_resume --stage pretrain --kills 20      # debug recipe, tiny
 
 A quarter of the kills land during start-up (imports, the resume, the first steps), the rest
 1 to 15 steps into training at a random moment inside a step: a training step, an evaluation,
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -28,10 +27,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from engine.checkpoint import CheckpointStore, load_rank_state  # noqa: E402
+from bench.bench_loader import make_data
+from bench.common import ROOT as REPO
+from bench.common import subprocess_env, write_result
+from engine.checkpoint import CheckpointStore, load_rank_state
 
 CHECKPOINT_EVERY = 5
 
@@ -47,8 +46,8 @@ TINY = [
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = subprocess_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    return {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
 
 
 def finetune_setup(root: Path, steps: int) -> tuple[list[str], Path, Path]:
@@ -75,16 +74,17 @@ def finetune_setup(root: Path, steps: int) -> tuple[list[str], Path, Path]:
 
 
 def pretrain_setup(root: Path, steps: int):
-    sys.path.insert(0, str(REPO / "tests"))
-    from pretrain_support import base_overrides, make_shards
-
-    shards = make_shards(root / "data")
+    _, shards = make_data(root / "data", {32}, _env(), vocab_size=300)
 
     def command(run_dir: Path) -> list[str]:
         return [
             sys.executable, "-m", "pretrain", "--config", str(REPO / "configs/pretrain/debug.yaml"),
-            *base_overrides(shards, run_dir, steps), "engine.backend=torch", "engine.zero_stage=0",
-            f"train.checkpoint_every={CHECKPOINT_EVERY}", "train.log_every=1", "model.hidden_dropout_prob=0.1",
+            *TINY, "model.num_hidden_layers=2", "model.max_position_embeddings=32",
+            f"data.shards={shards[32]}", "data.max_seq_length=32", "data.num_workers=0",
+            "engine.micro_batch_size=4", "engine.zero_stage=0", "optimizer.name=adamw",
+            "optimizer.lr=0.003", "schedule.warmup_steps=2", "schedule.total_steps=1000",
+            f"train.steps={steps}", f"train.checkpoint_every={CHECKPOINT_EVERY}", "train.log_every=1",
+            "train.progress=false", f"train.run_dir={run_dir}",
         ]  # fmt: skip
 
     # A finished pretraining run keeps its checkpoints: "finished" never applies.
@@ -216,7 +216,7 @@ def main() -> None:
     args.steps = args.steps or 1000
     report = run(args)
     out = args.out or REPO / "bench" / "results" / f"kill_resume_{args.stage}_cpu.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(out, report)
     print(
         f"{args.stage}: {report['kills']} SIGKILLs, {report['loadable_after_kill']} left a "
         f"loadable checkpoint, {report['no_checkpoint_yet']} came before the first one, "

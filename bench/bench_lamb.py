@@ -10,25 +10,20 @@ materialised with random values), the gradients are random and fixed; each varia
 of them and its own state; the variants' steps are interleaved, median of ``--repeats`` after
 ``--warmup``. On CUDA, device time (CUDA events); on the CPU, host time.
 
-    python bench/bench_lamb.py --recipe albert-base-transject --device cpu --threads 2
-    python bench/bench_lamb.py --recipe albert-base albert-base-transject --device cuda
-    python bench/bench_lamb.py --traffic --recipe albert-base albert-base-transject  # bytes/param
+    python -m bench.bench_lamb --recipe albert-base-transject --device cpu --threads 2
+    python -m bench.bench_lamb --recipe albert-base albert-base-transject --device cuda
+    python -m bench.bench_lamb --traffic --recipe albert-base albert-base-transject  # bytes/param
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import sys
-import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import ROOT, time_interleaved, write_result
 
 VARIANTS = ("ours_skippable", "ours_compiled", "ours_plain", "pytorch_optimizer")
 
@@ -70,25 +65,14 @@ def bench_recipe(recipe: str, args) -> dict:
         for p, grad in zip(params, grads):
             p.grad = grad.to(device, copy=True)
         optimizers[variant] = make_optimizer(variant, params)
-    cuda = device.type == "cuda"
-    times: dict[str, list[float]] = {v: [] for v in args.variants}
-    for i in range(args.warmup + args.repeats):
-        for variant, opt in optimizers.items():
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
-                torch.cuda.synchronize()
-                start.record()
-                opt.step()
-                end.record()
-                torch.cuda.synchronize()
-                seconds = start.elapsed_time(end) / 1e3
-            else:
-                t0 = time.perf_counter()
-                opt.step()
-                seconds = time.perf_counter() - t0
-            if i >= args.warmup:
-                times[variant].append(seconds)
-    ms = {v: statistics.median(t) * 1e3 for v, t in times.items()}
+    timings = time_interleaved(
+        {variant: opt.step for variant, opt in optimizers.items()},
+        args.warmup,
+        args.repeats,
+        device.type,
+        device_time=True,
+    )
+    ms = {v: t.median * 1e3 for v, t in timings.items()}
     first = [p.detach().cpu() for p in optimizers[args.variants[0]].param_groups[0]["params"]]
     differences = {}
     for variant in args.variants[1:]:
@@ -111,9 +95,9 @@ def count_traffic(recipe: str) -> dict:
     and compiled (the bytes of the kernels Inductor generates, by its scheduler's estimate);
     on the CPU, no timing: the same operators a GPU runs, the compiled kernels the CPU's."""
     import torch._dynamo
-    from traffic_per_token import InductorTraffic, eager_traffic
 
     import engine.lamb
+    from bench.traffic_per_token import InductorTraffic, eager_traffic
 
     shapes = recipe_shapes(recipe)
     numel = sum(s.numel() for s in shapes)
@@ -159,10 +143,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.traffic:
         rows = [count_traffic(recipe) for recipe in args.recipe]
-        if args.out:
-            args.out.write_text(
-                json.dumps({"args": vars(args), "rows": rows}, default=str, indent=2)
-            )
+        write_result(args.out, {"args": vars(args), "rows": rows})
         return
     rows = [bench_recipe(recipe, args) for recipe in args.recipe]
     print(f"\nLAMB step, {args.device}, torch {torch.__version__}; ms (median of {args.repeats})\n")
@@ -171,8 +152,7 @@ def main() -> None:
     for r in rows:
         cells = " | ".join(f"{r['ms'][v]:.1f}" for v in args.variants)
         print(f"| {r['recipe']} | {r['tensors']} | {r['parameters'] / 1e6:.1f}M | {cells} |")
-    if args.out:
-        args.out.write_text(json.dumps({"args": vars(args), "rows": rows}, default=str, indent=2))
+    write_result(args.out, {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -11,36 +11,29 @@
    (``EpochPlan.batch_indices``: index arithmetic, window arrangements included, amortised).
 3. At scale (``--synthetic``): example lengths made by ALBERT's example construction
    (``data_prep.shards.build_examples``, short_seq_prob 0.1) from synthetic documents of a
-   log-normal length (median ``--doc-tokens``), as bench_fast_paths.py pretrain-padding does;
-   the order computed by ``EpochPlan`` with the default window and chunk, for several
-   micro-steps (batch x ranks), counting each rank's batches. Also the time to arrange one
-   window.
+   log-normal length (median ``--doc-tokens``); the order computed by ``EpochPlan`` with the
+   default window and chunk, for several micro-steps (batch x ranks), counting each rank's
+   batches. Also the time to arrange one window.
 
-    python bench/bench_length_grouping.py --out bench/results/length_grouping_cpu.json
+    python -m bench.bench_length_grouping --out bench/results/length_grouping_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_loader import make_data  # noqa: E402  (the real CLI, as bench_loader runs it)
-
-from data_prep.loader import (  # noqa: E402
+from bench.bench_loader import make_data  # the real CLI, as bench_loader runs it
+from bench.common import subprocess_env, write_result
+from data_prep.loader import (
     DEFAULT_GROUP_CHUNK,
     DEFAULT_GROUP_WINDOW,
     EpochPlan,
@@ -179,11 +172,7 @@ def main() -> None:
     torch.set_num_threads(1)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench_grouping_"))
     work.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = subprocess_env(HF_HUB_OFFLINE="1")
     rows, cost, synthetic = [], [], []
     try:
         _, shards = make_data(work, set(args.seqs), env)
@@ -286,10 +275,8 @@ def main() -> None:
         for seq in args.seqs:
             arr = next(r["window_arrange_s"] for r in synthetic if r["seq"] == seq)
             print(f"seq {seq}: arranging one window of {DEFAULT_GROUP_WINDOW}: {arr * 1e3:.2f} ms")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        out = {"args": vars(args), "loader": rows, "cost": cost, "synthetic": synthetic}
-        args.out.write_text(json.dumps(out, indent=2, default=str))
+    out = {"args": vars(args), "loader": rows, "cost": cost, "synthetic": synthetic}
+    write_result(args.out, out)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ Configs: ``debug`` (configs/pretrain/debug.yaml: d=64, 4 layers, seq 64, batch 1
 (d=256, 4 layers, seq 128, batch 16), and for a GPU ``albert-base-128`` / ``albert-base-512``
 (configs/pretrain/albert-base.yaml, batch 64, bf16-mixed, ZeRO-0).
 
-    python bench/bench_loader.py --configs debug small --workers 0 2 --threads 1 --out bench/results/loader_cpu.json
-    python bench/bench_loader.py --device cuda --configs albert-base-128 albert-base-512 --workers 2 4 --out loader_gpu.json
+    python -m bench.bench_loader --configs debug small --workers 0 2 --threads 1 --out bench/results/loader_cpu.json
+    python -m bench.bench_loader --device cuda --configs albert-base-128 albert-base-512 --workers 2 4 --out loader_gpu.json
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT, free_port, subprocess_env, write_result
 
 SMALL_MODEL = [
     "model.hidden_size=256",
@@ -59,12 +58,6 @@ CONFIGS: dict[str, tuple[str, int, int, list[str]]] = {
     "albert-base-128": ("albert-base.yaml", 128, 64, []),
     "albert-base-512": ("albert-base.yaml", 512, 64, []),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_data(
@@ -206,12 +199,7 @@ def main() -> None:
         runs = [(c, w) for c in args.configs for w in args.workers]
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench_loader_"))
     work.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": str(args.threads),
-    }
+    env = subprocess_env(HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(args.threads))
     import torch
 
     torch.set_num_threads(args.threads)
@@ -234,10 +222,8 @@ def main() -> None:
                     row["trainer"] = {"error": str(e)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-            if args.out:  # what is done survives a kill of this process
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                partial = {"args": vars(args), "complete": False, "rows": rows}
-                args.out.write_text(json.dumps(partial, indent=2, default=str))
+            # what is done survives a kill of this process
+            write_result(args.out, {"args": vars(args), "complete": False, "rows": rows})
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -257,17 +243,8 @@ def main() -> None:
         else:
             cells = "- | - | - | -"
         print(f"| {r['config']} | {r['workers']} | {r['loader']['batches_per_s']:.1f} | {cells} |")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {
-            "torch": torch.__version__,
-            "cpus": os.cpu_count(),
-            "threads": args.threads,
-            "device": where,
-        }
-        args.out.write_text(
-            json.dumps({"args": vars(args), "meta": meta, "rows": rows}, indent=2, default=str)
-        )
+    meta = {"threads": args.threads, "device": where}
+    write_result(args.out, {"args": vars(args), "meta": meta, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -20,17 +20,15 @@ On CUDA each step is timed with CUDA events after `--warmup` untimed steps (medi
 `--repeats`), and the peak memory of one step is
 `torch.cuda.max_memory_allocated()` after a reset, minus what was allocated before the step.
 
-    python bench/bench_model.py --seq 128 512 --batch 8 --layers 4 --repeats 5 --out bench/results/model_cpu.json
-    python bench/bench_model.py --device cuda --dtype bf16 --seq 128 512 --batch 32 --layers 12 --repeats 20 --out model_gpu.json
+    python -m bench.bench_model --seq 128 512 --batch 8 --layers 4 --repeats 5 --out bench/results/model_cpu.json
+    python -m bench.bench_model --device cuda --dtype bf16 --seq 128 512 --batch 32 --layers 12 --repeats 20 --out model_gpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,8 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.common import write_result
 from engine.engine import batch_to_device
 from model.norm import LayerNorm
 
@@ -211,10 +208,7 @@ def main() -> None:
             "hf_attn_implementation": attn,
             "warmup": warmup,
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps({"args": vars(args), "meta": meta, "rows": rows}, indent=2, default=str)
-        )
+        write_result(args.out, {"args": vars(args), "meta": meta, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -44,10 +44,10 @@ Configs:
   checkpointing on, seq ``--seq`` (512) and batch ``--batch`` (32, the albert-base-96 recipe's
   micro-batch); softmax unless ``--families`` says otherwise.
 
-    python bench/bench_pretrain_throughput.py --preset cpu --interleave --steps 8 --out bench/results/pretrain_cpu.json
-    python bench/bench_pretrain_throughput.py --device cuda --preset albert --out pretrain_gpu.json
-    python bench/bench_pretrain_throughput.py --device cuda --preset albert --zero-stage 2 --families softmax --out pretrain_zero2_gpu.json
-    python bench/bench_pretrain_throughput.py --device cuda --depth 12 24 48 96 --out depth_gpu.json
+    python -m bench.bench_pretrain_throughput --preset cpu --interleave --steps 8 --out bench/results/pretrain_cpu.json
+    python -m bench.bench_pretrain_throughput --device cuda --preset albert --out pretrain_gpu.json
+    python -m bench.bench_pretrain_throughput --device cuda --preset albert --zero-stage 2 --families softmax --out pretrain_zero2_gpu.json
+    python -m bench.bench_pretrain_throughput --device cuda --depth 12 24 48 96 --out depth_gpu.json
 
 Extra recipe overrides go after ``--override`` (e.g. ``optimizer.implementation=torch``).
 """
@@ -60,7 +60,6 @@ import gc
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -68,7 +67,8 @@ import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT, free_port, module_command, subprocess_env, write_result
+
 RECIPES = ROOT / "configs" / "pretrain"
 FAMILIES = ("softmax", "tisa", "kernel", "transject")
 
@@ -105,18 +105,10 @@ def recipe_path(base: str, family: str) -> Path:
     return RECIPES / (f"{base}.yaml" if family == "softmax" else f"{base}-{family}.yaml")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def add_single_point_args(p: argparse.ArgumentParser, family: bool = True) -> None:
-    """The options of a script that builds one `Measurement` per family (a diagnostic beside
-    this benchmark): the recipe, the batch and the engine settings this benchmark varies."""
+def add_single_point_args(p: argparse.ArgumentParser) -> None:
+    """The options of a script that builds one `Measurement` per family (``profile_step``):
+    the recipe, the batch and the engine settings this benchmark varies."""
     p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
-    if family:
-        p.add_argument("--family", default="transject")
     p.add_argument(
         "--base", default="albert-base", help="recipe: configs/pretrain/<base>[-<family>]"
     )
@@ -575,8 +567,10 @@ def main() -> None:
         if not points:
             continue
         argv = [a for a in sys.argv[1:]]
-        cmd = [sys.executable, __file__, *argv, "--group", json.dumps(points)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+        cmd = module_command(
+            "bench.bench_pretrain_throughput", *argv, "--group", json.dumps(points)
+        )
+        env = subprocess_env()
         t0 = time.perf_counter()
         try:
             res = subprocess.run(
@@ -604,11 +598,7 @@ def main() -> None:
 
 
 def write(args, meta: dict, rows: list[dict]) -> None:
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps({"args": vars(args), "meta": meta, "rows": rows}, indent=2, default=str)
-        )
+    write_result(args.out, {"args": vars(args), "meta": meta, "rows": rows})
 
 
 def meta_info(args) -> dict:

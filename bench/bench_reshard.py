@@ -11,7 +11,7 @@ world size pays the first time), and on 2 processes (the ordinary same-world-siz
 reference). ``seconds`` are wall-clock, one run each (the conversion is I/O- and
 pickle-bound: expect +-20% between runs on a shared machine).
 
-    python bench/bench_reshard.py --models tiny albert-base albert-large xlarge xxlarge \
+    python -m bench.bench_reshard --models tiny albert-base albert-large xlarge xxlarge \
         --out bench/results/reshard_cpu.json
 
 Models: ``tiny`` is the engine test's (tests/multiproc/elastic_engine.py), the others ALBERT
@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -32,8 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.common import ROOT as REPO
+from bench.common import subprocess_env, write_result
 
 MODELS = {
     "tiny": (
@@ -137,14 +135,15 @@ def worker(mode: str, directory: Path, model_name: str, stage: int) -> None:
 
 
 def _torchrun(nproc: int, *args: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = subprocess_env(OMP_NUM_THREADS="1")
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
-        str(Path(__file__).resolve()),
+        "-m",
+        "bench.bench_reshard",
         "--worker",
         *args,
     ]
@@ -212,16 +211,10 @@ def main() -> None:
         worker(mode, Path(directory), model_name, int(stage))
         return
     import deepspeed
-    import torch
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_reshard_"))
     results = {
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "torch": torch.__version__,
-            "deepspeed": deepspeed.__version__,
-        },
+        "deepspeed": deepspeed.__version__,
         "zero_stage": args.stage,
         "precision": "fp32",
         "models": {},
@@ -232,8 +225,7 @@ def main() -> None:
         print(name, json.dumps(row), flush=True)
     if args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_result(args.out, results)
 
 
 if __name__ == "__main__":

@@ -23,24 +23,23 @@ Rules), syntok (rule-based tokenizer + segmenter), and a naive regex (split afte
 by a space and an upper-case letter) as the floor. A splitter that is not installed is skipped.
 
     pip install blingfire pysbd syntok
-    python bench/bench_sentence_split.py --pipeline-mb 20 --out bench/results/sentence_split_cpu.json
+    python -m bench.bench_sentence_split --pipeline-mb 20 --out bench/results/sentence_split_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import platform
 import re
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.common import write_result
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GOLD = Path(__file__).resolve().parent / "data" / "sentence_gold.txt"
 
@@ -331,14 +330,12 @@ def main() -> None:
         for r in results.values():
             r["quality"].pop("wrong_paragraphs")
         payload = {
-            "machine": {"python": platform.python_version(), "cpu": platform.machine()},
             "versions": sentences_mod.splitter_versions(),
             "results": results,
             "split_document": whole,
             "pipeline": piped,
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(payload, indent=1) + "\n")
+        write_result(args.out, payload)
         print(f"wrote {args.out}")
 
 

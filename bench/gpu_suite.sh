@@ -14,83 +14,66 @@
 #   SCALING="--no-mask --compile --families softmax kernel --lengths 4096 8192" SCALING_LIMIT=150 \
 #     PARTS=scaling bash bench/gpu_suite.sh       # compiled, as the recipes ship (a compile per point)
 #   PRETRAIN_LIMIT=180 bash bench/gpu_suite.sh  # the pretrain part's time limit (default 210 s)
-#   SYNCS="--points zero0:kernel" SYNCS_LIMIT=120 bash bench/gpu_suite.sh  # the syncs part's
-#                                       # options and time limit (default 60 s)
 #   PROFILE="--override engine.compile=true" bash bench/gpu_suite.sh  # the profile part's options
 #   PROFILE_LIMIT=200 bash bench/gpu_suite.sh   # the profile part's time limit (default 120 s)
 #   ENV_PART= PARTS=pretrain bash bench/gpu_suite.sh  # without the env part (a second pass)
 #
-# On the device machine (see BENCHMARKS.md): run(command="bash bench/gpu_suite.sh",
-# carry=[".whl"], timeout_s=600). .whl/ (made by bench/gpu_wheels.sh) holds the wheels the image lacks (DeepSpeed built here
-# with DS_BUILD_OPS=0, hjson, pydantic + pydantic-core + annotated-types + typing-inspection +
-# typing-extensions, omegaconf, pytorch-optimizer, zstandard); they are installed into
-# /tmp/site. Without $OUT the results go to bench/results/gpu/.
+# Run it from the repository root of a checkout installed with `pip install -e .` over a CUDA
+# build of torch. Without $OUT the results go to bench/results/gpu/. The GPU's correctness checks
+# are tests: python -m pytest -m gpu.
 #
 # Parts (each under its own time limit, so one that hangs cannot eat the others' time):
-#   model     bench_model.py: ours vs HF ALBERT, albert-base (12 layers), batch 32, seq 128/512,
+#   model     bench_model: ours vs HF ALBERT, albert-base (12 layers), batch 32, seq 128/512,
 #             bf16 autocast                                              -> model_gpu.json
-#   qkv       bench_fused_qkv.py: the fused Q/K/V weight made once per forward vs at each of the
-#             12 applications, albert-base width, bf16 autocast       -> fused_qkv_gpu.json
-#   scaling   bench_attention_scaling.py: one layer, d=768, H=12, batch 8, N = 256 .. 16384,
+#   scaling   bench_attention_scaling: one layer, d=768, H=12, batch 8, N = 256 .. 16384,
 #             every family, bf16 autocast, forward                     -> scaling_gpu.json
-#   pretrain  bench_pretrain_throughput.py: the shipped recipe (DeepSpeed ZeRO-0, bf16-mixed,
+#   pretrain  bench_pretrain_throughput: the shipped recipe (DeepSpeed ZeRO-0, bf16-mixed,
 #             LAMB foreach), albert-base seq 128 / 512 and albert-large seq 512, micro-batch 64,
 #             every family; "opt share" = the optimizer step's share of the step
 #                                                                      -> pretrain_gpu.json
 #   pretrain2 the same on ZeRO-2 (flat partitions, LAMB per tensor on them), softmax,
 #             albert-base seq 512                                 -> pretrain_zero2_gpu.json
-#   syncs     bench_host_syncs.py: the real trainer under torch.cuda.set_sync_debug_mode("error")
-#             between logging steps, ZeRO-0 x every family and ZeRO-2 softmax -> syncs_gpu.json
 #   depth     the same at albert-base width with 12/24/48/96 shared layers, activation
 #             checkpointing, seq 512, batch 32, softmax               -> depth_gpu.json
-#   loader    bench_loader.py: loader alone vs the real trainer (python -m pretrain), albert-base
+#   loader    bench_loader: loader alone vs the real trainer (python -m pretrain), albert-base
 #             seq 128 (num_workers 0 and 4) and 512 (4): data-wait share -> loader_gpu.json
-#   compilecheck  check_compiled_steps.py: TransJect's albert-base recipe, seq 512, batch 64,
-#             eager / aot_eager / inductor, 3 steps each, every loss part, output and gradient
-#             checked for non-finite values (not in the default PARTS) -> compile_check_gpu.json
-#   cayley    bench_fast_paths.py cayley: TransJect's 121 orthogonal maps at d = 768 (albert-base),
+#   cayley    bench_fast_paths cayley: TransJect's 121 orthogonal maps at d = 768 (albert-base),
 #             forward + backward, by block inverse (the default) vs the LU solve vs torch's own
 #             parametrization, with their errors; then a 12-layer TransJect pretraining step,
 #             seq 512, batch 16, bf16, block vs LU                       -> cayley_gpu.json
-#   tjexperts bench_fast_paths.py transject-experts: a 12-layer TransJect step (albert-base width,
-#             seq 512, batch 16, bf16) with its expert block as products over the whole batch vs
-#             broadcast against the expert stacks (before)     -> transject_experts_gpu.json
-#   lamb      bench_lamb.py: the LAMB step alone on albert-base's, albert-base-transject's and
+#   lamb      bench_lamb: the LAMB step alone on albert-base's, albert-base-transject's and
 #             albert-large-transject's parameters: ours as the engine runs it (a step that may
 #             be skipped on the device), ours plain, pytorch_optimizer's LAMB     -> lamb_gpu.json
-#   profile   profile_step.py: softmax and TransJect's albert-base recipes, seq 512, batch 64, eager
+#   profile   profile_step: softmax and TransJect's albert-base recipes, seq 512, batch 64, eager
 #             (PROFILE="--override engine.compile=true": compiled), 3 steps under torch.profiler:
 #             each operator's device time per step and the share of each kind of work (not in
 #             the default PARTS)                                        -> profile_gpu.json
-#   tisabackends  bench_fast_paths.py tisa-backends: TISA flex (f from its table, and from the
+#   tisabackends  bench_fast_paths tisa-backends: TISA flex (f from its table, and from the
 #             dense (H, N, N) bias: tisa.flex_bias) and split vs SDPA bias per length, softmax's
 #             SDPA beside, the length from which flex wins (tisa.flex_min_length)
 #                                                                     -> tisa_backends_gpu.json
 #   tisasplit the same at the recipe's shape (batch 64, 512 tokens), the split backend's Triton
 #             kernels with several tile sizes / launch options         -> tisa_split_gpu.json
-#   tisabiasgrad  bench_fast_paths.py tisa-bias-grad: the gradient of TISA's table through the
-#             indexing's scatter vs sums along the diagonals, eager and compiled
-#                                                                     -> tisa_bias_grad_gpu.json
-#   objective bench_fast_paths.py objective: the pretraining loss terms on the MLM logits of
+#   objective bench_fast_paths objective: the pretraining loss terms on the MLM logits of
 #             albert-base at seq 512 (64 x 77 slots x 30000), eager vs compiled as the trainer
 #             compiles them beside the encoder, and the bytes each moves -> objective_gpu.json
-#   normoutput  bench_fast_paths.py norm-output: softmax's albert-base forward + backward at the
+#   normoutput  bench_fast_paths norm-output: softmax's albert-base forward + backward at the
 #             recipe's shape, compiled, the LayerNorms returning bf16 (model.norm_output: compute,
 #             the default) vs fp32 (torch's autocast rule)              -> norm_output_gpu.json
-#   kernelmixing  bench_fast_paths.py kernel-mixing: kernel attention's mixing alone (after the
+#   kernelmixing  bench_fast_paths kernel-mixing: kernel attention's mixing alone (after the
 #             feature maps), forward + backward, 8 x 512-8192, albert-base width: the torch
 #             operators eager and compiled vs the Triton operator (kernel.training_backend) and
 #             variants of its backward kernels' options, softmax's SDPA beside; checked against
 #             the torch path first                                     -> kernel_mixing_gpu.json
-#   compilecache  bench_compile_cache.py: the first step of a new process compiled with
+#   compilecache  bench_compile_cache: the first step of a new process compiled with
 #             engine.compile_cache_dir empty (cold) and then holding the first process's
 #             graphs (warm), softmax and TransJect's albert-base recipes at seq 512 (not in the
 #             default PARTS)                                           -> compile_cache_gpu.json
-#   compilescope  bench_compile_scope.py: engine.compile_scope=layers (each distinct layer
+#   compilescope  bench_compile_scope: engine.compile_scope=layers (each distinct layer
 #             compiled once) vs encoder (the unrolled encoder, the default), every run cold:
 #             the first step and later steps, softmax's albert-base recipe at seq 512 and one
 #             shared layer applied 48 times (not in the default PARTS) -> compile_scope_gpu.json
-#   eigenproducts  bench_fast_paths.py eigen-products: TransJect's eigen-state at the recipe's
+#   eigenproducts  bench_fast_paths eigen-products: TransJect's eigen-state at the recipe's
 #             shape (64 x 512, d = 768), its products in fp32 vs three bf16 products each
 #             (transject.eigen_products), errors against fp64 and times -> eigen_products_gpu.json
 set -uo pipefail
@@ -99,18 +82,10 @@ OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT"
 LOG=$OUT/suite.log
 : >"$LOG"
-if [ -d /tmp/site/deepspeed ]; then # installed by an earlier pass of this call
-  export PYTHONPATH=/tmp/site:$PWD
-elif ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 SMOKE=${SMOKE:-0}
-PARTS=${PARTS:-jit cayley tjexperts lamb model qkv scaling pretrain pretrain2 syncs depth loader tisa tisabackends tisasplit tisabiasgrad objective normoutput kernelmixing eigenproducts orthocache fastpaths}
+PARTS=${PARTS:-jit cayley lamb model scaling pretrain pretrain2 depth loader tisa tisabackends tisasplit objective normoutput kernelmixing eigenproducts orthocache}
 # LAMB=auto: what a recipe picks by itself, the foreach LAMB (engine/lamb.py: per tensor on every
 # ZeRO stage 0-2, no host synchronisation, nothing to build). LAMB=torch: pytorch_optimizer.Lamb.
 # LAMB=deepspeed: DeepSpeed's FusedLamb, JIT-built by the `jit` part first (ZeRO-0 only: the
@@ -127,11 +102,9 @@ if [ "$COMPILE" != recipe ]; then EXTRA_OVERRIDES=("engine.compile=$COMPILE" "${
 read -ra PRETRAIN_ARGS <<<"${PRETRAIN:-}"  # e.g. PRETRAIN="--accumulation 8 --padding none"
 read -ra SCALING_ARGS <<<"${SCALING:-}"  # e.g. SCALING="--no-mask" (the unpadded path)
 read -ra PROFILE_ARGS <<<"${PROFILE:-}"  # e.g. PROFILE="--override engine.compile=true"
-read -ra SYNCS_ARGS <<<"${SYNCS:-}"  # e.g. SYNCS="--points zero0:kernel" (SYNCS_LIMIT: its limit)
 OVERRIDES=("${EXTRA_OVERRIDES[@]}")
-# OPTX: EXTRA alone (the recipes' own LAMB), for the syncs part, which checks the shipped setup.
-if [ ${#OVERRIDES[@]} -gt 0 ]; then OPTX=(--override "${OVERRIDES[@]}"); else OPTX=(); fi
-OPT2=("${OPTX[@]}")
+# OPT2: EXTRA alone (the recipes' own LAMB), for ZeRO-2, where the engine refuses FusedLamb.
+if [ ${#OVERRIDES[@]} -gt 0 ]; then OPT2=(--override "${OVERRIDES[@]}"); else OPT2=(); fi
 if [ "$LAMB" != auto ]; then OVERRIDES=("optimizer.implementation=$LAMB" "${OVERRIDES[@]}"); fi
 if [ ${#OVERRIDES[@]} -gt 0 ]; then OPT=(--override "${OVERRIDES[@]}"); else OPT=(); fi
 if [ "$LAMB" = torch ]; then OPT2=("${OPT[@]}"); fi # the reference LAMB runs on ZeRO-2 too
@@ -150,7 +123,7 @@ part() { # part NAME LIMIT_S COMMAND...
     tee -a "$LOG"
 }
 
-# The image sets TORCH_CUDA_ARCH_LIST to a value DeepSpeed's JIT builder cannot parse (an arch
+# Some CUDA images set TORCH_CUDA_ARCH_LIST to a value DeepSpeed's JIT builder cannot parse (an arch
 # with a letter suffix such as 9.0a: "invalid literal for int() with base 10: '0a'"); use the
 # GPU's own compute capability instead.
 echo "TORCH_CUDA_ARCH_LIST was '${TORCH_CUDA_ARCH_LIST-unset}'" | tee -a "$LOG"
@@ -190,25 +163,23 @@ elif [ "$SMOKE" = 1 ]; then # only a check: in the background, beside the other 
 fi
 
 if [ "$SMOKE" = 1 ]; then
-  part cayley 40 python3 bench/bench_fast_paths.py cayley --device cuda --dtype bf16 --hidden 256 \
+  part cayley 40 python3 -m bench.bench_fast_paths cayley --device cuda --dtype bf16 --hidden 256 \
     --heads 4 --maps 11 --layers 2 --seq 128 --batch 4 --warmup 1 --repeats 3 \
     --out "$OUT/cayley_gpu.json"
-  part pretrain 150 python3 bench/bench_pretrain_throughput.py --device cuda \
+  part pretrain 150 python3 -m bench.bench_pretrain_throughput --device cuda \
     --configs albert-base-128 --steps 3 --warmup 2 --timeout 75 "${OPT[@]}" \
     --out "$OUT/pretrain_gpu.json"
-  part pretrain2 60 python3 bench/bench_pretrain_throughput.py --device cuda --zero-stage 2 \
+  part pretrain2 60 python3 -m bench.bench_pretrain_throughput --device cuda --zero-stage 2 \
     --families softmax --configs albert-base-128 --steps 3 --warmup 2 --timeout 50 \
     "${OPT2[@]}" --out "$OUT/pretrain_zero2_gpu.json"
-  part syncs 60 python3 bench/bench_host_syncs.py --device cuda --points zero0:softmax \
-    zero2:softmax --steps 6 --log-every 3 "${OPTX[@]}" --out "$OUT/syncs_gpu.json"
-  part model 45 python3 bench/bench_model.py --device cuda --dtype bf16 --layers 2 --batch 8 \
+  part model 45 python3 -m bench.bench_model --device cuda --dtype bf16 --layers 2 --batch 8 \
     --seq 128 --repeats 3 --warmup 1 --out "$OUT/model_gpu.json"
-  part scaling 70 python3 bench/bench_attention_scaling.py --device cuda --dtype bf16 \
+  part scaling 70 python3 -m bench.bench_attention_scaling --device cuda --dtype bf16 \
     --width 768 --heads 12 --batch 8 --lengths 256 4096 --repeats 3 --warmup 2 \
     --out "$OUT/scaling_gpu.json"
-  part depth 45 python3 bench/bench_pretrain_throughput.py --device cuda --depth 12 48 \
+  part depth 45 python3 -m bench.bench_pretrain_throughput --device cuda --depth 12 48 \
     --steps 2 --warmup 1 "${OPT[@]}" --out "$OUT/depth_gpu.json"
-  part loader 60 python3 bench/bench_loader.py --device cuda --runs albert-base-128:2 \
+  part loader 60 python3 -m bench.bench_loader --device cuda --runs albert-base-128:2 \
     --steps 12 --log-every 4 --batches 10 "${OPT[@]}" --out "$OUT/loader_gpu.json"
   wait
   if [ -f "$OUT/jit.log" ]; then
@@ -217,91 +188,71 @@ if [ "$SMOKE" = 1 ]; then
   fi
 else
   # The orthogonal maps by block inverse vs LU: most of a TransJect step on one GPU before.
-  part cayley 60 python3 bench/bench_fast_paths.py cayley --device cuda --dtype bf16 --hidden 768 \
+  part cayley 60 python3 -m bench.bench_fast_paths cayley --device cuda --dtype bf16 --hidden 768 \
     --heads 12 --maps 121 --layers 12 --seq 512 --batch 16 --warmup 2 --repeats 10 \
     --out "$OUT/cayley_gpu.json"
-  part tjexperts 45 python3 bench/bench_fast_paths.py transject-experts --device cuda --dtype bf16 \
-    --hidden 768 --heads 12 --layers 12 --seq 512 --batch 16 --warmup 2 --repeats 10 \
-    --out "$OUT/transject_experts_gpu.json"
-  part model 60 python3 bench/bench_model.py --device cuda --dtype bf16 --layers 12 --batch 32 \
+  part model 60 python3 -m bench.bench_model --device cuda --dtype bf16 --layers 12 --batch 32 \
     --seq 128 512 --repeats 20 --warmup 3 --out "$OUT/model_gpu.json"
-  # The fused Q/K/V weight once per forward vs at every application of the shared layer.
-  part qkv 30 python3 bench/bench_fused_qkv.py --device cuda --points 32x512x768 8x128x768 \
-    --repeats 20 --warmup 3 --out "$OUT/fused_qkv_gpu.json"
-  part scaling "${SCALING_LIMIT:-80}" python3 bench/bench_attention_scaling.py --device cuda --dtype bf16 \
+  part scaling "${SCALING_LIMIT:-80}" python3 -m bench.bench_attention_scaling --device cuda --dtype bf16 \
     --width 768 --heads 12 --batch 8 --lengths 256 512 1024 2048 4096 8192 16384 \
     --repeats 10 --warmup 3 "${SCALING_ARGS[@]}" --out "$OUT/scaling_gpu.json"
-  part pretrain "${PRETRAIN_LIMIT:-210}" python3 bench/bench_pretrain_throughput.py --device cuda --preset albert \
+  part pretrain "${PRETRAIN_LIMIT:-210}" python3 -m bench.bench_pretrain_throughput --device cuda --preset albert \
     --steps 8 --warmup 3 --timeout 75 "${PRETRAIN_ARGS[@]}" "${OPT[@]}" --out "$OUT/pretrain_gpu.json"
   # The other shipped engine setting: ZeRO-2 (flat partitions; the LAMB per tensor on them).
-  part pretrain2 60 python3 bench/bench_pretrain_throughput.py --device cuda --zero-stage 2 \
+  part pretrain2 60 python3 -m bench.bench_pretrain_throughput --device cuda --zero-stage 2 \
     --families softmax --configs albert-base-512 --steps 8 --warmup 3 --timeout 55 \
     "${OPT2[@]}" --out "$OUT/pretrain_zero2_gpu.json"
-  # No host synchronisation between logging steps: the real trainer with CUDA's sync debug mode
-  # set to "error" (a synchronisation raises; the point reports where).
-  part syncs "${SYNCS_LIMIT:-60}" python3 bench/bench_host_syncs.py --device cuda --steps 8 \
-    --log-every 4 "${SYNCS_ARGS[@]}" "${OPTX[@]}" --out "$OUT/syncs_gpu.json"
-  part depth 50 python3 bench/bench_pretrain_throughput.py --device cuda --depth 12 24 48 96 \
+  part depth 50 python3 -m bench.bench_pretrain_throughput --device cuda --depth 12 24 48 96 \
     --steps 4 --warmup 2 --timeout 45 "${OPT[@]}" --out "$OUT/depth_gpu.json"
-  part loader 85 python3 bench/bench_loader.py --device cuda \
+  part loader 85 python3 -m bench.bench_loader --device cuda \
     --runs albert-base-128:0 albert-base-128:4 albert-base-512:4 --steps 20 --log-every 5 \
     "${OPT[@]}" --out "$OUT/loader_gpu.json"
   # TISA through FlexAttention at one length in a fresh process (compiled once, static shapes):
   # tests whether the slowdown of the scaling / pretrain parts comes from their dynamic-shape
   # recompile at a second length (BENCHMARKS.md, "Attention scaling").
-  part tisa 60 python3 bench/bench_fast_paths.py tisa --device cuda --dtype bf16 --hidden 768 \
+  part tisa 60 python3 -m bench.bench_fast_paths tisa --device cuda --dtype bf16 --hidden 768 \
     --heads 12 --layers 12 --batch 32 --seq 512 --warmup 3 --repeats 10 --out "$OUT/tisa_gpu.json"
   # TISA's mixing step, FlexAttention vs SDPA with the bias, per length: sets tisa.flex_min_length.
-  part tisabackends 120 python3 bench/bench_fast_paths.py tisa-backends --device cuda --dtype bf16 \
+  part tisabackends 120 python3 -m bench.bench_fast_paths tisa-backends --device cuda --dtype bf16 \
     --hidden 768 --heads 12 --batch 8 --seq 512 1024 2048 4096 --warmup 3 --repeats 5 \
     --out "$OUT/tisa_backends_gpu.json"
   # TISA's split backend at the recipe's shape (micro-batch 64, 512 tokens) beside SDPA with the
   # bias and softmax's SDPA, with other tile sizes / launch options of its Triton kernels.
-  part tisasplit 120 python3 bench/bench_fast_paths.py tisa-backends --device cuda --dtype bf16 \
+  part tisasplit 120 python3 -m bench.bench_fast_paths tisa-backends --device cuda --dtype bf16 \
     --hidden 768 --heads 12 --batch 64 --seq 512 --warmup 3 --repeats 10 --no-flex \
     --split-options 64:4:2 128:8:2 64:8:3 32:4:2 --out "$OUT/tisa_split_gpu.json"
-  # TISA's table gradient: the indexing's scatter (the model's) vs sums along the diagonals.
-  part tisabiasgrad 60 python3 bench/bench_fast_paths.py tisa-bias-grad --device cuda --heads 12 \
-    --seq 512 1024 2048 --warmup 3 --repeats 10 --out "$OUT/tisa_bias_grad_gpu.json"
   # The pretraining loss terms, eager vs compiled (what engine.compile adds beside the encoder).
-  part objective 60 python3 bench/bench_fast_paths.py objective --device cuda --batch 64 \
+  part objective 60 python3 -m bench.bench_fast_paths objective --device cuda --batch 64 \
     --vocab 30000 --warmup 3 --repeats 10 --out "$OUT/objective_gpu.json"
   # Kernel attention's training mixing alone: the torch operators vs the Triton operator.
-  part kernelmixing 170 python3 bench/bench_fast_paths.py kernel-mixing --device cuda --dtype bf16 \
+  part kernelmixing 170 python3 -m bench.bench_fast_paths kernel-mixing --device cuda --dtype bf16 \
     --hidden 768 --heads 12 --batch 8 --seq 512 2048 4096 8192 --warmup 3 --repeats 10 \
     --mixing-options 64:4:2 64:8:3 32:8:2 --out "$OUT/kernel_mixing_gpu.json"
   # The LayerNorms' output under autocast: bf16 (the default) vs fp32, softmax compiled.
-  part normoutput 150 python3 bench/bench_fast_paths.py norm-output --device cuda --families softmax \
+  part normoutput 150 python3 -m bench.bench_fast_paths norm-output --device cuda --families softmax \
     --hidden 768 --heads 12 --layers 12 --batch 64 --seq 512 --vocab 30000 --compiled \
     --warmup 3 --repeats 10 --out "$OUT/norm_output_gpu.json"
   # TransJect's eigen-state: fp32 products vs three bf16 products each (tensor cores), errors too.
-  part eigenproducts 60 python3 bench/bench_fast_paths.py eigen-products --device cuda --hidden 768 \
+  part eigenproducts 60 python3 -m bench.bench_fast_paths eigen-products --device cuda --hidden 768 \
     --heads 12 --batch 64 --seq 512 --warmup 3 --repeats 10 --out "$OUT/eigen_products_gpu.json"
   # TransJect inference with its orthogonal maps kept across forwards vs evaluated every time.
-  part orthocache 40 python3 bench/bench_fast_paths.py orthogonal-cache --device cuda --dtype bf16 \
+  part orthocache 40 python3 -m bench.bench_fast_paths orthogonal-cache --device cuda --dtype bf16 \
     --hidden 768 --heads 12 --layers 1 --batch 8 --seq 256 4096 16384 --warmup 2 --repeats 10 \
     --out "$OUT/orthogonal_cache_gpu.json"
   # The LAMB step alone on the recipes' parameters: ours as the engine runs it, ours plain, and
   # pytorch_optimizer's reference (per tensor, a host sync per trust ratio).
-  part lamb 150 python3 bench/bench_lamb.py --device cuda --recipe albert-base \
+  part lamb 150 python3 -m bench.bench_lamb --device cuda --recipe albert-base \
     albert-base-transject albert-large-transject --out "$OUT/lamb_gpu.json"
   # Where a step's time goes, per operator (torch.profiler), softmax and TransJect at albert-base
   # seq 512: which kind of work holds TransJect's gap to softmax.
-  part profile "${PROFILE_LIMIT:-120}" python3 bench/profile_step.py --device cuda --families softmax transject \
+  part profile "${PROFILE_LIMIT:-120}" python3 -m bench.profile_step --device cuda --families softmax transject \
     "${PROFILE_ARGS[@]}" --out "$OUT/profile_gpu.json"
   # The compiler's cache across processes: a new process's first step, cold vs warm.
-  part compilecache 230 python3 bench/bench_compile_cache.py --device cuda --families softmax transject \
+  part compilecache 230 python3 -m bench.bench_compile_cache --device cuda --families softmax transject \
     --config albert-base-512 --steps 3 --timeout 150 --out "$OUT/compile_cache_gpu.json"
   # Compiling each distinct layer once vs the unrolled encoder: compile time and step time.
-  part compilescope 300 python3 bench/bench_compile_scope.py --device cuda --families softmax \
+  part compilescope 300 python3 -m bench.bench_compile_scope --device cuda --families softmax \
     --depth 48 --steps 4 --timeout 200 --out "$OUT/compile_scope_gpu.json"
-  # Where compiled TransJect steps stop being finite (an H200 skipped every one with inductor).
-  part compilecheck 360 python3 bench/check_compiled_steps.py --device cuda --family transject \
-    --steps 3 --out "$OUT/compile_check_gpu.json"
-  # Last: the fast paths' CUDA checks (TISA flex == SDPA bias incl. gradients, no recompiles,
-  # inductor-compiled encoder == eager per family, apex LayerNorm if present) and timings; its
-  # asserts print as they pass, so a cut-off still leaves the checks done in suite.log.
-  part fastpaths 100 python3 bench/bench_fast_paths.py gpu-verify --out "$OUT/fast_paths_gpu.json"
 fi
 echo "=== suite done in $(($(date +%s) - START)) s; files in $OUT:" | tee -a "$LOG"
 ls -la "$OUT" | tee -a "$LOG"

@@ -12,23 +12,25 @@ kernel SDPA chose, which fused kernel); on the CPU the host's. Compiled (``--ove
 engine.compile=true``, as the recipes run on a GPU), the kernels Inductor fused count under
 their graph's range ("fused by the compiler"); its products and attention stay aten operators.
 
-    python bench/profile_step.py --device cuda --families softmax transject --out profile.json
-    python bench/profile_step.py --device cuda --families softmax tisa transject --padding none \
+    python -m bench.profile_step --device cuda --families softmax transject --out profile.json
+    python -m bench.profile_step --device cuda --families softmax tisa transject --padding none \
         --override engine.compile=true --out profile_compiled.json
-    python bench/profile_step.py --device cpu --base debug --seq 64 --batch 4 --families transject
+    python -m bench.profile_step --device cpu --base debug --seq 64 --batch 4 --families transject
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.bench_pretrain_throughput import (
+    Measurement,
+    add_single_point_args,
+    finish_single_point_args,
+)
+from bench.common import write_result
 
 # Kinds of work by operator name (without "aten::"): (kind, parts any of which the name
 # contains, names it may be), the first that matches; the rest is "other" (elementwise,
@@ -88,7 +90,6 @@ def kernel_time_us(event) -> float:
 
 def profile_family(family: str, args) -> dict:
     import torch
-    from bench_pretrain_throughput import Measurement
     from torch.profiler import ProfilerActivity, profile
 
     cuda = args.device == "cuda"
@@ -168,10 +169,8 @@ def print_report(row: dict) -> None:
 
 
 def main() -> None:
-    from bench_pretrain_throughput import add_single_point_args, finish_single_point_args
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    add_single_point_args(p, family=False)
+    add_single_point_args(p)
     p.add_argument("--families", nargs="+", default=["softmax", "transject"])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
@@ -191,9 +190,7 @@ def main() -> None:
         else:
             print_report(row)
         report["families"].append(row)
-        if args.out:  # what is done survives a kill
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(report, indent=2))
+        write_result(args.out, report)  # what is done survives a kill
 
 
 if __name__ == "__main__":

@@ -31,10 +31,10 @@ like its GPU backend in the main, but not in every detail (a CPU falls back to A
 scatters, and decomposes SDPA with an additive bias into its math: TISA's count there is not a
 GPU's).
 
-    python bench/traffic_per_token.py --families softmax tisa kernel transject
-    python bench/traffic_per_token.py --compiled --families softmax kernel transject
-    python bench/traffic_per_token.py --families kernel --top 20 --out traffic.json
-    python bench/traffic_per_token.py --forward-only --families softmax kernel --seq 4096 \
+    python -m bench.traffic_per_token --families softmax tisa kernel transject
+    python -m bench.traffic_per_token --compiled --families softmax kernel transject
+    python -m bench.traffic_per_token --families kernel --top 20 --out traffic.json
+    python -m bench.traffic_per_token --forward-only --families softmax kernel --seq 4096 \
         --target-batch 8 --override model.max_position_embeddings=4096 model.num_hidden_layers=1
 """
 
@@ -43,13 +43,9 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import write_result
 
 VIEWS = frozenset(
     [
@@ -299,8 +295,8 @@ def count_compiled_step(model, batch, max_masked: int, forward_only: bool = Fals
 def measure(family: str, args) -> dict:
     """The two counts, the fit, and the projection to the target batch."""
     import torch
-    from bench_pretrain_throughput import load_config, synthetic_batches
 
+    from bench.bench_pretrain_throughput import load_config, synthetic_batches
     from data_prep.masking import masking_budget
     from model.heads import EncoderForPretraining
 
@@ -399,11 +395,7 @@ def main() -> None:
     for r in rows:
         print(f"\n{r['family']}, KB per token:", r["top_per_token_kb"])
         print(f"{r['family']}, fixed MB:", r["top_fixed_mb"])
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
-                                                 for k, v in vars(args).items()},
-                                        "rows": rows}, indent=1))  # fmt: skip
+    write_result(args.out, {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -145,7 +145,7 @@ def test_a_real_command_matches_the_python_m_form(tmp_path):
 
 @needs_exe
 def test_bench_runs_a_script_with_its_own_arguments():
-    theirs = _run([sys.executable, str(REPO / "bench" / "bench_model.py"), "--help"])
+    theirs = _run([sys.executable, "-m", "bench.bench_model", "--help"])
     for form in (["model", "--help"], ["model", "--", "--help"], ["bench_model.py", "--help"]):
         ours = _run([str(EXE), "bench", *form])
         assert ours.returncode == theirs.returncode == 0, ours.stderr[-2000:]

@@ -398,9 +398,8 @@ def test_the_trainer_runs_the_fused_mixing_on_deepspeed():
 
 
 TRAFFIC_CHECK = """
-import argparse, sys
-sys.path.insert(0, "bench")
-from traffic_per_token import measure
+import argparse
+from bench.traffic_per_token import measure
 
 base = dict(base="debug", seq=64, batches=[2, 4], target_batch=6, bandwidth=1e12, vocab=2000,
             padding="none", top=5, zero_stage=0, forward_only=False, precision="fp32",

@@ -1,7 +1,7 @@
-"""bench/profile_step.py, the GPU suite's per-operator profile of a pretraining step: on the CPU
-it profiles the debug recipes (host time) and must report each family's operators, largest
-first, with shares that add up and the kinds of work named; an unknown family is reported as
-an error beside the others, not a crash."""
+"""``python -m bench.profile_step``, the GPU suite's per-operator profile of a pretraining step:
+on the CPU it profiles the debug recipes (host time) and must report each family's operators,
+largest first, with shares that add up and the kinds of work named; an unknown family is
+reported as an error beside the others, not a crash."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.profile_step import kind_of
+
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
 
 
 @pytest.mark.parametrize(
@@ -49,15 +50,13 @@ sys.path.insert(0, str(REPO / "bench"))
     ],
 )
 def test_operators_are_sorted_into_kinds_of_work(op, kind):
-    from profile_step import kind_of
-
     assert kind_of(op) == kind
 
 
 def test_profile_reports_each_family_largest_first(tmp_path):
     out = tmp_path / "profile.json"
     cmd = [
-        sys.executable, str(REPO / "bench/profile_step.py"), "--device", "cpu", "--base", "debug",
+        sys.executable, "-m", "bench.profile_step", "--device", "cpu", "--base", "debug",
         "--families", "softmax", "transject", "no_such_family", "--seq", "32", "--batch", "2",
         "--vocab", "2000", "--warmup", "1", "--steps", "2", "--top", "8", "--out", str(out),
     ]  # fmt: skip
@@ -84,7 +83,7 @@ def test_a_compiled_step_reports_its_fused_kernels_apart(tmp_path):
     of work, beside the products it leaves to aten."""
     out = tmp_path / "profile.json"
     cmd = [
-        sys.executable, str(REPO / "bench/profile_step.py"), "--device", "cpu", "--base", "debug",
+        sys.executable, "-m", "bench.profile_step", "--device", "cpu", "--base", "debug",
         "--families", "softmax", "--seq", "32", "--batch", "2", "--vocab", "2000", "--warmup", "2",
         "--steps", "2", "--padding", "none", "--override", "engine.compile=true", "--out", str(out),
     ]  # fmt: skip

@@ -98,11 +98,8 @@ def test_split_is_independent_of_what_was_split_before():
 
 
 def test_splitter_quality_on_the_hand_checked_sample():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import bench_sentence_split as bench
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    from bench import bench_sentence_split as bench
+
     gold = bench.load_gold()
     assert sum(len(p) for p in gold) >= 80
     q = bench.quality(sentences.split_line, gold)

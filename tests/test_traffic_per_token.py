@@ -1,18 +1,17 @@
-"""bench/traffic_per_token.py, the memory traffic of a training step counted on the CPU: views
-move nothing, products and attention kernels are counted apart from the memory-bound rest, and
-the split into a fixed part and a part per token predicts the count at a third batch size."""
+"""``python -m bench.traffic_per_token``, the memory traffic of a training step counted on the
+CPU: views move nothing, products and attention kernels are counted apart from the memory-bound
+rest, and the split into a fixed part and a part per token predicts the count at a third batch
+size."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
 
 
 @pytest.mark.parametrize(
@@ -31,7 +30,7 @@ sys.path.insert(0, str(REPO / "bench"))
     ],
 )
 def test_operators_are_sorted(op, kind):
-    from traffic_per_token import kind_of
+    from bench.traffic_per_token import kind_of
 
     assert kind_of(op) == kind
 
@@ -50,7 +49,7 @@ def test_projection_predicts_a_third_batch(monkeypatch, family):
     """The fit on batches 2 and 4 projects batch 6 to its own count: the traffic grows linearly
     with the batch (the MLM head's slots per row are the trainer's fixed budget)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from traffic_per_token import measure
+    from bench.traffic_per_token import measure
 
     projected = measure(family, args_for())
     counted = measure(family, args_for(batches=[6, 8], target_batch=6))
@@ -61,7 +60,7 @@ def test_projection_predicts_a_third_batch(monkeypatch, family):
 
 def test_forward_only_moves_less_than_a_training_step(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from traffic_per_token import measure
+    from bench.traffic_per_token import measure
 
     step = measure("softmax", args_for())
     forward = measure("softmax", args_for(forward_only=True))
@@ -74,7 +73,7 @@ def test_compiled_step_is_counted_from_inductors_kernels(monkeypatch):
     fewer kernels and fewer bytes than the eager operators (element-wise chains fuse). The fit
     into a fixed part and a part per token is the eager count's, tested above."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from traffic_per_token import measure
+    from bench.traffic_per_token import measure
 
     one_layer = ["model.num_hidden_layers=1"]  # one compilation of a small graph per count
     eager = measure("kernel", args_for(override=one_layer))

@@ -8,11 +8,11 @@ Integration tier: each test runs a subprocess or Triton's toolchain for seconds.
 
 from __future__ import annotations
 
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+import triton_compile as check
 from triton_support import run_in_triton_interpreter
 
 pytestmark = pytest.mark.integration
@@ -58,7 +58,7 @@ TRITON_CHECK = textwrap.dedent(
 
 def test_triton_kernels_equal_the_reference_in_the_interpreter():
     """The CUDA kernels' arithmetic, run by Triton's interpreter on CPU tensors (what the GPU
-    path computes; its speed is a GPU measurement, bench_fast_paths.py tisa-backends)."""
+    path computes; its speed is a GPU measurement, bench_fast_paths tisa-backends)."""
     assert run_in_triton_interpreter(TRITON_CHECK).count("ok ") == 4
 
 
@@ -106,11 +106,8 @@ def test_kernels_compile_for_an_h100_within_its_shared_memory():
     leaves and of kernel attention's inference and training kernels compile for sm_90 (Triton's
     compiler and ptxas run without a GPU), fit the H100's shared memory per block, and the split
     and kernel attention kernels spill no register and have their loops' loads pipelined; the
-    training kernels spill none on an A100 (sm_80) either (bench/check_triton_kernels.py)."""
-    sys.path.insert(0, str(REPO / "bench"))
-    import check_triton_kernels as check
-
-    rows = [check.check(config, 90) for config in check.all_configs(False)]
+    training kernels spill none on an A100 (sm_80) either (tests/triton_compile.py)."""
+    rows = [check.check(config, 90) for config in check.all_configs()]
     assert all("error" not in row and row["fits"] for row in rows), rows
     training = ("query_grad", "summary_grad", "key_grad")
     assert {row["kernel"] for row in rows} == {
@@ -126,7 +123,7 @@ def test_kernels_compile_for_an_h100_within_its_shared_memory():
         for row in linear
         if row["kernel"] in ("key_summary", "summary_grad")
     )
-    a100 = [check.check(c, 80) for c in check.all_configs(False) if c["kernel"] in training]
+    a100 = [check.check(c, 80) for c in check.all_configs() if c["kernel"] in training]
     assert all("error" not in row and row["spill_bytes"] == 0 for row in a100), a100
     # Every load of Q, K, V, dO is pipelined (async copies): 4 a stage in the gradient kernel.
     assert all(row["async_copies"] >= 2 for row in split), split
