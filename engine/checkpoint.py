@@ -43,8 +43,8 @@ wrong) raises ``CheckpointError`` naming that file, e.g. ``step_00000100/rank_00
 checksum mismatch (sha256 ... recorded, ... found): the file was modified or corrupted after it
 was saved``, and ``resolve`` falls back to the previous checkpoint with a warning.
 
-sha256 was chosen by measurement (``bench/bench_checkpoint_checksums.py``,
-``bench/results/checkpoint_checksums_cpu.json``): with SHA extensions (AMD Zen, Intel Ice Lake
+sha256 was chosen by measurement (BENCHMARKS.md, "Checkpoints: the cost of checksums"): with
+SHA extensions (AMD Zen, Intel Ice Lake
 and later) it is the fastest sound hash in hashlib, 2.1 GB/s per core against 1.4 for blake2b
 (sha1 is 6% faster but broken, md5 slower; zlib's crc32, 7 GB/s, is a 32-bit check, not a
 content hash), and ``sha256sum`` checks a file by hand. ``CheckpointStore(checksum="blake2b")``

@@ -1,6 +1,6 @@
 """Sentence-order prediction (SOP) end to end: the labels of real batches match the swap, the
 shard builder keeps the A|B junction SOP is about, and the project's model + objective learn
-SOP where the order is learnable (bench/bench_sop.py measures it on the embedded corpus)."""
+SOP where the order is learnable (BENCHMARKS.md measures it on the embedded corpus)."""
 
 from __future__ import annotations
 

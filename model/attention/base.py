@@ -317,8 +317,7 @@ def sdpa_key_mask(ctx: LayerContext, dtype: torch.dtype) -> Tensor | None:
     Not a boolean mask for a padded batch: SDPA turns a boolean mask into a float one anyway
     (-inf at False), and on an H100 (ALBERT-base, batch 32 x 512, bf16 training step) the two
     did not differ beyond run-to-run noise (boolean / float: 42.1 / 39.8, 41.1 / 41.9,
-    42.7 / 42.9 ms in three runs; no mask: 39.4, 39.1, 39.7 ms;
-    bench/results/fast_paths_attention_checks_albert_base_gpu.json). The float bias keeps
+    42.7 / 42.9 ms in three runs; no mask: 39.4, 39.1, 39.7 ms). The float bias keeps
     finite scores for a sample without any real token."""
     return key_padding_bias(ctx.mask_BN, dtype) if ctx.padded else None
 

@@ -167,7 +167,7 @@ def matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
 
     Kernel attention's two products sum over the tokens (phi(K)^T [V | 1]) or use those fp32
     sums (phi(Q) [KV | z]); they run in fp32 while the feature maps before them run in the
-    autocast dtype. Measured on an H100 (bench_fast_paths.py attention-checks, ALBERT-base,
+    autocast dtype. Measured on an H100 (ALBERT-base,
     aoglu, bf16 autocast, eager training step): this is as fast as the all-fp32 path at 512
     tokens (71.0 vs 70.5 ms) and 4% faster at 4096 (71.9 vs 75.2 ms), while bf16 products with
     fp32 accumulation (`torch.bmm(..., out_dtype=torch.float32)`, the fp32 operand split into

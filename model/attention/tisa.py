@@ -87,7 +87,7 @@ class TISAConfig:
     flex_min_length: int = 2048
     """With `backend: auto` on CUDA: the shortest sequence length that uses FlexAttention; shorter
     batches use SDPA with the materialised bias, whose (B, H, N, N) tensor is affordable there.
-    Measured (`python bench/bench_fast_paths.py tisa-backends`, H100, bf16, batch 8, 12 heads of
+    Measured (`python -m bench.bench_fast_paths tisa-backends`, H100, bf16, batch 8, 12 heads of
     64, forward + backward of the mixing step): SDPA is faster up to N = 1024 on a padded batch
     (4.2 vs 7.6 ms at 1024), flex from 2048 on, padded or not (9.4 vs 15.0 ms at 2048, 85 vs
     247 ms at 8192); bench/results/fast_paths_tisa_backends_gpu.json. Re-measure for other

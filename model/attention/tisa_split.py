@@ -32,7 +32,7 @@ from torch import Tensor
 
 SPLIT_KERNEL_OPTIONS = {"BLOCK": 64, "num_warps": 8, "num_stages": 2}
 """Tile size and launch options of the Triton kernels (BLOCK x BLOCK score tiles). Chosen by
-compiling for the GPUs without one (`python bench/check_triton_kernels.py --variants`, at the
+compiling for the GPUs without one (`tests/triton_compile.py`, at the
 recipe's shape): with 64 x 64 tiles, 8 warps and 2 stages the gradient kernel's four loads are
 pipelined (async copies, 64 KB of shared memory) and it needs 100-106 registers a thread on an
 H100 (234-244 on an A100), no spills; with 4 warps 183 (255 on an A100); 128 x 128 tiles spill

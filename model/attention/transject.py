@@ -650,7 +650,7 @@ FAMILY = AttentionFamily(
     options=TransJectConfig,
     # Compiled under `auto`: on an H100 the ALBERT-base recipe's compiled step (inductor,
     # bf16-mixed, seq 512, batch 64) took 129.7 ms against 156.4 ms eager, every loss part, output
-    # and gradient finite and within 1.4e-7 of eager (bench/check_compiled_steps.py). Before the
+    # and gradient finite and within 1.4e-7 of eager (tests/test_compile_check.py). Before the
     # maps' block inverse and the batched expert block, every compiled step had been non-finite
     # on an H200.
     compile_auto=True,
