@@ -115,13 +115,15 @@ class DiskFullError(OSError):
     """No space (or quota) left while writing; names the path, what was written and what is
     kept. An ``OSError`` with ``errno.ENOSPC``, so callers that handle OS errors see one."""
 
-    def __init__(self, path: str | os.PathLike[str], what: str, free: int | None) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], what: str, free: int | None, cause: str = ""
+    ) -> None:
         left = "" if free is None else f"; {free / 2**20:.1f} MiB free there"
         super().__init__(
             errno.ENOSPC,
             f"no space left on the device while writing {what} to {path}{left}. What was "
             "complete before is kept and the partial files were removed: free space (or write "
-            "elsewhere) and run the same command again",
+            "elsewhere) and run the same command again" + (f" ({cause})" if cause else ""),
         )
         self.path = Path(path)
         self.what = what
@@ -158,18 +160,31 @@ def is_disk_full(exc: BaseException, path: str | os.PathLike[str]) -> bool:
     return False
 
 
+def disk_full_error(
+    exc: BaseException, path: str | os.PathLike[str], what: str
+) -> DiskFullError | None:
+    """The ``DiskFullError`` to raise for ``exc`` (naming ``path``, ``what`` and ``exc``),
+    or None when ``exc`` is not a full disk. Raise it outside the ``except`` block: the
+    writer's exception then is not its context, and its frames (which hold the writer's open
+    files, so the space they took) can be collected."""
+    if isinstance(exc, DiskFullError) or not is_disk_full(exc, path):
+        return None
+    return DiskFullError(path, what, free_bytes(path), f"{type(exc).__name__}: {exc}")
+
+
 @contextlib.contextmanager
 def disk_full_named(path: str | os.PathLike[str], what: str) -> Iterator[None]:
     """Turn a full disk inside the block into ``DiskFullError`` naming ``path`` and ``what``;
     every other error passes unchanged."""
+    full: DiskFullError | None = None
     try:
         yield
-    except DiskFullError:
-        raise
     except (OSError, RuntimeError) as e:
-        if is_disk_full(e, path):
-            raise DiskFullError(path, what, free_bytes(path)) from e
-        raise
+        full = disk_full_error(e, path, what)
+        if full is None:
+            raise
+    if full is not None:
+        raise full
 
 
 @contextlib.contextmanager

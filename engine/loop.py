@@ -23,6 +23,8 @@ iteration, after the stage's ``train_step``::
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -31,9 +33,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from engine import checkpoint as ckpt
+from engine.files import DiskFullError, disk_full_error, remove_tree
 from engine.metrics import Progress
 from engine.signals import StopWatch
 from engine.trackers import TrackerConfig, Trackers, open_trackers
+
+ENDING_ERRORS = (DiskFullError,)
+"""Errors whose message the loop writes into the status file as the reason a run failed (any
+other error leaves ``"running"``: the traceback is the report)."""
 
 
 class LoopEngine(Protocol):
@@ -166,8 +173,21 @@ class RunLoop:
         """Collective: the stage's state at its step, sealed (``reason`` in the seal)."""
         stage = self.stage
         staging = stage.store.begin(stage.step)
-        meta = stage.save_state(staging, reason)
-        return stage.store.commit(stage.step, meta)
+        full: DiskFullError | None = None
+        try:
+            meta = stage.save_state(staging, reason)
+            return stage.store.commit(stage.step, meta)
+        except (OSError, RuntimeError) as e:
+            full = disk_full_error(e, stage.store.root, f"the checkpoint of step {stage.step}")
+            if full is None:
+                raise
+        # A full disk. Raised here, past the handler: the writer's exception and its frames
+        # hold the writer's open files, which free their space only once collected. `latest`
+        # still names the previous complete checkpoint; the partial one goes.
+        gc.collect()
+        if stage.is_main:
+            remove_tree(staging)
+        raise full
 
     def _write_status(self, status: dict[str, Any]) -> None:
         if self.cfg.status_file is not None and self.stage.is_main:
@@ -175,7 +195,8 @@ class RunLoop:
 
     def run(self) -> LoopOutcome:
         """Collective: resume, train to the last step or a stop request, close. The final
-        status is written when the run ends without an error (a crash leaves ``"running"``)."""
+        status is written when the run ends without an error (a crash leaves ``"running"``; an
+        error of ``ENDING_ERRORS``, such as a full disk, writes ``"failed"`` and its message)."""
         stage, cfg = self.stage, self.cfg
         found = ckpt.resume_collectively(
             stage.store, stage.restore_state, stage.engine.any_rank, checksums=stage.is_main
@@ -218,8 +239,11 @@ class RunLoop:
                         final = self.save_checkpoint("end")
                 stage.complete(self, final)
             stage.engine.barrier()
-        except BaseException:
+        except BaseException as e:
             ended = "failed"
+            if isinstance(e, ENDING_ERRORS):  # a known cause: the status file says it
+                with contextlib.suppress(OSError):
+                    self._write_status({"state": "failed", "reason": str(e), "step": stage.step})
             raise
         finally:
             self.progress.close()

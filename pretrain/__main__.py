@@ -2,7 +2,9 @@
 
 Launch as one process, under ``torchrun`` / the ``deepspeed`` launcher, or with ``srun`` (one
 task per GPU); see README "Pretraining". Exit codes: 0 finished or stopped with a checkpoint
-(``run_dir/status.json`` says which), 1 failed, 2 bad config or input (nothing was started).
+(``run_dir/status.json`` says which), 1 failed, 2 bad config or input (nothing was started), a
+second job in the same run directory, or a full disk (the message names the path; the last
+complete checkpoint is kept and the same command resumes from it once there is space).
 """
 
 from __future__ import annotations
@@ -72,11 +74,15 @@ def main(argv: list[str] | None = None) -> int:
 
         print(to_yaml(cfg.to_dict()))
         return 0
+    from engine.files import DiskFullError
     from pretrain.train import SetupError, run
 
     try:
         result = run(cfg)
     except SetupError as e:
+        print(f"python -m pretrain: {e}", file=sys.stderr)
+        return 2
+    except DiskFullError as e:  # the run resumes from its last complete checkpoint
         print(f"python -m pretrain: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # another process of the job died: say so plainly, last

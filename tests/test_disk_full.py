@@ -1,7 +1,8 @@
-"""A full disk while pretraining, on a real small file system (a tmpfs this test mounts; root
-only): the run ends in seconds with exit 2 and a message naming the path and what was being
-written, the previous complete checkpoint stays ``latest``, no partial checkpoint is left, and
-the same command resumes and completes once there is space."""
+"""A full disk, on a real small file system (a tmpfs these tests mount; root only): pretraining
+ends in seconds with exit 2 and a message naming the path and what was being written, the
+previous complete checkpoint stays ``latest``, no partial checkpoint is left, and the same command
+resumes and completes once there is space; the atomic writers (engine/files.py) that every
+status, shard, release and export file goes through keep the old file and leave nothing."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ import time
 
 import pytest
 from pretrain_support import REPO, base_overrides, env, make_shards
-
-pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
@@ -34,6 +33,7 @@ def small_fs(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.integration
 def test_full_disk_while_checkpointing_keeps_latest_and_resumes(tmp_path, small_fs):
     shards = make_shards(tmp_path / "data")
     run_dir = small_fs / "run"
@@ -63,3 +63,21 @@ def test_full_disk_while_checkpointing_keeps_latest_and_resumes(tmp_path, small_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {checkpoints / latest}" in proc.stderr + proc.stdout
     assert json.loads((run_dir / "status.json").read_text())["state"] == "completed"
+
+
+def test_atomic_writers_on_a_full_disk_keep_the_old_content_and_leave_nothing(small_fs):
+    from engine.files import DiskFullError, staged_directory, write_atomically
+
+    status = small_fs / "status.json"
+    write_atomically(status, lambda f: f.write(b"old"))
+    big = b"x" * (2 << 20)
+    with pytest.raises(DiskFullError, match=rf"while writing the status to {status}"):
+        write_atomically(status, lambda f: f.write(big), "the status")
+    assert status.read_bytes() == b"old"
+    release = small_fs / "release"
+    with (
+        pytest.raises(DiskFullError, match=rf"while writing a release to {release}"),
+        staged_directory(release, "a release") as staging,
+    ):
+        (staging / "model.safetensors").write_bytes(big)
+    assert sorted(p.name for p in small_fs.iterdir()) == ["status.json"]
