@@ -80,7 +80,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.files import atomic_file
+from albatross.files import atomic_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

@@ -94,7 +94,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from engine.files import atomic_file
+from albatross.files import atomic_file
 
 MIN = "[MIN"
 MAX = "[MAX"
@@ -533,7 +533,7 @@ def write_splits(
 
     `sizes` is {"train": n, "val": n, "test": n} or (train, val, test). Refuses (FileExistsError,
     before generating) when any of the three files exists, unless `overwrite`. Every file goes
-    through a temporary file in `out_dir` (`engine.files.atomic_file`); the three replaces happen only after
+    through a temporary file in `out_dir` (`albatross.files.atomic_file`); the three replaces happen only after
     all three files are fully written.
     """
     counts = _normalize_sizes(sizes)

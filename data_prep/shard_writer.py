@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from albatross.files import atomic_file
 from data_prep import format as fmt
-from engine.files import atomic_file
 
 log = logging.getLogger(__name__)
 

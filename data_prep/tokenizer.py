@@ -32,9 +32,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from albatross.files import atomic_file
 from data_prep import format as fmt
 from data_prep.readers import DEFAULT_MAX_LINE_CHARS, ReadStats, iter_documents
-from engine.files import atomic_file
 
 log = logging.getLogger(__name__)
 

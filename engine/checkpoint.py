@@ -96,7 +96,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
-from engine.files import (  # re-exported: the store's file operations
+from albatross.files import (  # re-exported: the store's file operations
     DEFAULT_CHECKSUM,
     CheckpointError,
     check_algorithm,

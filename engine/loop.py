@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from albatross.files import DiskFullError, disk_full_error, remove_tree
 from engine import checkpoint as ckpt
-from engine.files import DiskFullError, disk_full_error, remove_tree
 from engine.metrics import Progress
 from engine.signals import StopWatch
 from engine.trackers import TrackerConfig, Trackers, open_trackers

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.files import CheckpointError, write_atomically
+from albatross.files import CheckpointError, write_atomically
 
 RANK_STATE_PATTERN = "rank_%05d.pt"
 """``%``-format of the per-rank state file inside a checkpoint directory."""

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(to_yaml(cfg.to_dict()))
         return 0
-    from engine.files import DiskFullError
+    from albatross.files import DiskFullError
     from pretrain.train import SetupError, run
 
     try:

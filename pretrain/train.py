@@ -42,18 +42,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from albatross.files import write_atomically
+from albatross.writer_lock import DirectoryBusy, one_writer_collectively
 from data_prep.format import ShardError
 from data_prep.loader import PretrainingLoader, validation_batches
 from data_prep.masking import masking_budget
 from engine import checkpoint as ckpt
 from engine.distributed import detect
 from engine.engine import DeferredStep, Engine, shutdown
-from engine.files import write_atomically
 from engine.loop import LoopConfig, RunLoop, Stage
 from engine.metrics import mfu, peak_flops
 from engine.recipe import to_yaml
 from engine.trackers import Trackers
-from engine.writer_lock import DirectoryBusy, one_writer_collectively
 from model import diagnostics
 from model.config import EncoderConfig
 from model.flops import counts_flops, training_flops
@@ -408,7 +408,7 @@ class Trainer(Stage):
 
     def run(self) -> RunResult:
         """The run, as the run directory's one writer (a second job in it is refused:
-        ``engine.writer_lock``): the resolved config into the run directory (a fresh run), then
+        ``albatross.writer_lock``): the resolved config into the run directory (a fresh run), then
         ``engine.loop.RunLoop`` (resume, steps, evaluations, checkpoints, stop requests,
         status.json); rank 0 says how it ended."""
         with one_writer_collectively(

@@ -3,7 +3,7 @@ job that runs it or the local process's outcome, so ``status`` can say pending /
 failed and ``run`` never submits a second job for an element whose job is still queued.
 
 One ``study run`` at a time per study directory: ``study_lock`` holds the directory as its one
-writer (``engine.writer_lock``) while it submits or runs, and a second is refused at once, naming
+writer (``albatross.writer_lock``) while it submits or runs, and a second is refused at once, naming
 the holder. A holder that died releases the lock with its process (the kernel drops it)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.writer_lock import DirectoryBusy, one_writer
+from albatross.writer_lock import DirectoryBusy, one_writer
 
 LEDGER = "ledger.json"
 _WRITING = threading.Lock()  # the local executor records from one thread per running stage

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.files import staged_directory
+from albatross.files import staged_directory
 
 LRA_TASKS = ("listops", "text", "retrieval", "image", "pathfinder")
 GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli", "ax")

@@ -1,7 +1,7 @@
 """A full disk, on a real small file system (a tmpfs these tests mount; root only): pretraining
 ends in seconds with exit 2 and a message naming the path and what was being written, the
 previous complete checkpoint stays ``latest``, no partial checkpoint is left, and the same command
-resumes and completes once there is space; the atomic writers (engine/files.py) that every
+resumes and completes once there is space; the atomic writers (albatross/files.py) that every
 status, shard, release and export file goes through keep the old file and leave nothing."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_full_disk_while_checkpointing_keeps_latest_and_resumes(tmp_path, small_
 
 
 def test_atomic_writers_on_a_full_disk_keep_the_old_content_and_leave_nothing(small_fs):
-    from engine.files import DiskFullError, staged_directory, write_atomically
+    from albatross.files import DiskFullError, staged_directory, write_atomically
 
     status = small_fs / "status.json"
     write_atomically(status, lambda f: f.write(b"old"))

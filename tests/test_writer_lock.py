@@ -1,4 +1,4 @@
-"""One writer per directory (engine/writer_lock.py), with real processes: a second writer is
+"""One writer per directory (albatross/writer_lock.py), with real processes: a second writer is
 refused at once naming the holder; a SIGKILLed holder blocks nothing; Slurm's requeue of the
 same job waits for its earlier incarnation instead of being refused."""
 
@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from engine import writer_lock
-from engine.writer_lock import DirectoryBusy, one_writer, read_holder
+from albatross import writer_lock
+from albatross.writer_lock import DirectoryBusy, one_writer, read_holder
 
 REPO = Path(__file__).resolve().parents[1]
 HOLD = """
 import sys, time
-from engine.writer_lock import one_writer
+from albatross.writer_lock import one_writer
 with one_writer(sys.argv[1], "test writer"):
     print("held", flush=True)
     time.sleep(float(sys.argv[2]))

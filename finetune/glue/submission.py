@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from albatross.files import atomic_file
 from data_prep.format import atomic_write_text
-from engine.files import atomic_file
 from finetune.glue.tasks import SERVER_FILES, GlueTask, ServerFile, get_task, parse_result_key
 
 log = logging.getLogger(__name__)

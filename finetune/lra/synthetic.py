@@ -22,8 +22,8 @@ import random
 import re
 from pathlib import Path
 
+from albatross.files import staged_directory
 from data_prep.corpus import embedded_documents
-from engine.files import staged_directory
 
 POSITIVE = ("good", "great", "excellent", "wonderful", "superb", "brilliant", "lovely", "fine")
 NEGATIVE = ("bad", "awful", "terrible", "boring", "dreadful", "poor", "horrible", "dull")

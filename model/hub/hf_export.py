@@ -36,7 +36,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from albatross.files import staged_directory
 from model.attention import ATTENTION_REGISTRY
 from model.attention.hf_export import NativeModel, NotNative
 from model.attention.registry import options_key
@@ -306,8 +306,7 @@ def export_hf(
     )
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_directory(out, "a Hugging Face export", replace=True) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(
             {k: v.contiguous() for k, v in weights.items()},
@@ -325,15 +324,8 @@ def export_hf(
         (tmp / CARD_FILE).write_text(card_text)
         umask = os.umask(0)
         os.umask(umask)
-        tmp.chmod(0o777 & ~umask)
-        for f in tmp.iterdir():
+        for f in tmp.iterdir():  # safetensors writes 0600
             f.chmod(0o666 & ~umask)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

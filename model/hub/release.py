@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from albatross.files import staged_directory
 from model.config import EncoderConfig, config_to_dict
 from model.heads import build_model
 
@@ -95,9 +95,7 @@ def save_release(
         **({"extra": extra} if extra else {}),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    _apply_umask(tmp, directory=True)  # mkdtemp makes it 0700: collaborators could not read it
-    try:
+    with staged_directory(out, "a release", replace=True) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         weights = _fp32_contiguous(state_dict if state_dict is not None else model.state_dict())
         save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -105,12 +103,6 @@ def save_release(
             shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
         for f in tmp.iterdir():  # safetensors writes 0600
             _apply_umask(f)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

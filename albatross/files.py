@@ -229,9 +229,12 @@ def write_json_atomically(
 
 
 @contextlib.contextmanager
-def staged_directory(final: str | os.PathLike[str], what: str) -> Iterator[Path]:
+def staged_directory(
+    final: str | os.PathLike[str], what: str, *, replace: bool = False
+) -> Iterator[Path]:
     """A staging directory next to ``final`` to fill; on success it is made durable and renamed
-    to ``final`` (which must not exist, or be an empty directory), so ``final`` is whole or
+    to ``final`` (which must not exist, or be an empty directory; with ``replace`` an existing
+    ``final`` is swapped out only once the new one is complete), so ``final`` is whole or
     absent. On any error the staging directory is removed, and a full disk is reported as
     ``DiskFullError`` naming ``final`` and ``what``."""
     final = Path(final)
@@ -245,8 +248,12 @@ def staged_directory(final: str | os.PathLike[str], what: str) -> Iterator[Path]
                 for name in names:
                     fsync_file(Path(dirpath) / name)
                 fsync_dir(Path(dirpath))
+            aside = final.with_name(f"{final.name}.replaced-{os.getpid()}")
+            if replace and final.exists():
+                os.replace(final, aside)
             os.replace(staging, final)
             fsync_dir(final.parent)
+            remove_tree(aside)
     finally:
         remove_tree(staging)
 
