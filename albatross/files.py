@@ -127,6 +127,10 @@ class DiskFullError(OSError):
         )
         self.path = Path(path)
         self.what = what
+        self._args = (str(path), what, free, cause)
+
+    def __reduce__(self):  # crosses process pools (shard workers) whole
+        return (type(self), self._args)
 
     def __str__(self) -> str:
         return self.strerror

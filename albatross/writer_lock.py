@@ -1,7 +1,8 @@
 """One writer per directory: a run directory, a shard set, a fine-tuning sweep or a study.
 
 ``one_writer(directory, what)`` holds an exclusive ``flock`` on ``<directory>/.writer.lock`` for
-as long as the writer runs and records the holder in it (host, pid, Slurm job, start time). A
+as long as the writer runs and records the holder in it (host, pid, Slurm job, start time); the
+file is removed when the writer ends. A
 second writer is refused at once with ``DirectoryBusy`` naming the holder; the commands turn that
 into exit 2. A holder that died (SIGKILL, OOM) releases the lock with its process: the kernel
 drops it, so a resume is never blocked by a dead writer.
@@ -56,10 +57,10 @@ def describe(record: dict[str, object]) -> str:
     return text
 
 
-def read_holder(directory: Path) -> dict[str, object]:
+def read_holder(directory: Path, lock_name: str = LOCK_FILE) -> dict[str, object]:
     """The recorded holder of ``directory``'s lock ({} when none was recorded)."""
     try:
-        record = json.loads((Path(directory) / LOCK_FILE).read_text() or "{}")
+        record = json.loads((Path(directory) / lock_name).read_text() or "{}")
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}
@@ -74,34 +75,54 @@ def _try_lock(fd: int) -> bool:
 
 
 @contextlib.contextmanager
-def one_writer(directory: str | os.PathLike[str], what: str, hint: str = "") -> Iterator[None]:
+def one_writer(
+    directory: str | os.PathLike[str], what: str, hint: str = "", lock_name: str = LOCK_FILE
+) -> Iterator[None]:
     """Hold ``directory`` as its only writer for the block (the directory is created).
 
     ``what`` names the writer in the refusal ("pretraining run", "study run", ...); ``hint``
-    adds what the user can do instead."""
+    adds what the user can do instead; ``lock_name`` gives writers that share a directory by
+    design (the jobs of a shard build, one shard set each) a lock each."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        if not _try_lock(fd):
-            holder = read_holder(directory)
-            mine = _holder().get("slurm_job")
-            deadline = time.monotonic() + (
-                REQUEUE_WAIT_S if mine and holder.get("slurm_job") == mine else 0
+    path = directory / lock_name
+    holder: dict[str, object] = {}
+    mine = _holder().get("slurm_job")
+    deadline: float | None = None
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        if _try_lock(fd) and _same_file(fd, path):
+            break  # held, and still the file under that name (its holder did not remove it)
+        os.close(fd)
+        if deadline is None:  # the first refusal: a requeue of the holder's own job waits
+            holder = read_holder(directory, lock_name)
+            same_job = mine and holder.get("slurm_job") == mine
+            deadline = time.monotonic() + (REQUEUE_WAIT_S if same_job else 0)
+        if time.monotonic() >= deadline:
+            raise DirectoryBusy(
+                f"{directory} is written by another {what} "
+                f"({describe(holder) if holder else 'holder unknown'}); one writer per "
+                "directory: wait for it to end or stop it" + (f"; {hint}" if hint else "")
             )
-            while not _try_lock(fd):
-                if time.monotonic() >= deadline:
-                    raise DirectoryBusy(
-                        f"{directory} is written by another {what} ({describe(holder) if holder else 'holder unknown'}); "
-                        f"one writer per directory: wait for it to end or stop it"
-                        + (f"; {hint}" if hint else "")
-                    )
-                time.sleep(1.0)
+        time.sleep(1.0)
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(_holder()).encode(), 0)
         yield
     finally:
+        # The file goes before the lock does (the directory keeps only its data); a writer
+        # that opened it meanwhile finds it unlinked and opens the name anew.
+        with contextlib.suppress(OSError):
+            path.unlink()
         os.close(fd)  # releases the lock
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 @contextlib.contextmanager

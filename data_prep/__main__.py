@@ -18,6 +18,8 @@ import logging
 import sys
 from typing import Any
 
+from albatross.files import DiskFullError
+from albatross.writer_lock import DirectoryBusy
 from data_prep import listops
 from data_prep.readers import DEFAULT_MAX_LINE_CHARS
 from data_prep.sentences import MODES
@@ -271,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     func: Any = args.func
     try:
         return int(func(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, DiskFullError, DirectoryBusy) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from albatross.writer_lock import one_writer
 from data_prep import datasets_source
 from data_prep import format as fmt
 from data_prep.examples import (
@@ -224,15 +225,33 @@ def build_shards(
     num_jobs: int = 1,
 ) -> dict[str, Any]:
     """Builds the shards s with s % num_jobs == job_index that are not already done (resume),
-    in `workers` processes; a single-job run then writes manifest.json. Returns a summary."""
+    in `workers` processes; a single-job run then writes manifest.json. Returns a summary.
+    One process per (directory, job index): a second is refused (``DirectoryBusy``) naming
+    the first."""
     if num_jobs < 1 or not 0 <= job_index < num_jobs:
         raise ValueError(f"need 0 <= --job-index < --num-jobs, got {job_index} and {num_jobs}")
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     tok = load_tokenizer(tokenizer_path)
-    tok_sha = fmt.sha256_file(tokenizer_path)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    with one_writer(
+        out,
+        f"shard build (job {job_index} of {num_jobs})",
+        lock_name=f".writer-job{job_index}-of{num_jobs}.lock",
+    ):
+        return _build_shards(config, tokenizer_path, tok, out, workers, job_index, num_jobs)
+
+
+def _build_shards(
+    config: ShardConfig,
+    tokenizer_path: str | os.PathLike,
+    tok: Any,
+    out: Path,
+    workers: int,
+    job_index: int,
+    num_jobs: int,
+) -> dict[str, Any]:
+    tok_sha = fmt.sha256_file(tokenizer_path)
     cfg_dict = config.to_dict()
 
     # An existing directory must come from the same config and tokenizer: never overwrite.

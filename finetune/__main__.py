@@ -15,6 +15,8 @@ import importlib
 import logging
 import sys
 
+from albatross.files import DiskFullError
+from albatross.writer_lock import DirectoryBusy
 from engine.engine import shutdown
 
 
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return lra_run.main(args, args.overrides)
         return glue_run.main(args, args.overrides)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, DiskFullError, DirectoryBusy) as e:
         print(f"python -m finetune {args.suite}: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # another process of the job died: say so plainly, last

@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
+from albatross.writer_lock import one_writer_collectively
 from data_prep.format import sha256_file
 from data_prep.transport import loader_batches
 from engine import checkpoint as ckpt
@@ -531,9 +532,16 @@ class Finetuner(Stage):
     # -- the stage the loop drives (engine/loop.py) ----------------------------------------------
 
     def run(self) -> FinetuneResult:
-        """The run: its identity into the run directory, then ``engine.loop.RunLoop``
-        (resume, steps, evaluations, checkpoints, stop requests); a completed run leaves its
-        predictions and ``results.json`` (rank 0)."""
+        """The run, as the run directory's one writer (``albatross.writer_lock``; a second
+        job on the same task, learning rate and seed is refused): its identity into the run
+        directory, then ``engine.loop.RunLoop`` (resume, steps, evaluations, checkpoints, stop
+        requests); a completed run leaves its predictions and ``results.json`` (rank 0)."""
+        with one_writer_collectively(
+            self.run_dir, "fine-tuning run", self.is_main, self.engine.any_rank
+        ):
+            return self._run()
+
+    def _run(self) -> FinetuneResult:
         cfg = self.cfg
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
