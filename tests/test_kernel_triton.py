@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_support import run_in_triton_interpreter
+from triton_support import InterpreterRuns
 
 from model import EncoderConfig
 from model.attention.kernel import KernelAttention
@@ -154,23 +154,45 @@ print("ok train")
 """
 
 
+@pytest.fixture(scope="module")
+def interpreter(request):
+    """The interpreter scripts of this module's selected tests, started together, two at a
+    time, the longest first (`InterpreterRuns`): the module takes about what its longest
+    runs do instead of the sum of all."""
+    runs = InterpreterRuns.of_selected(request, _scripts())
+    yield runs
+    runs.close()
+
+
+def _scripts() -> list[tuple[str, str]]:
+    """(test, script) of every interpreter test, the longest first."""
+    return [
+        ("test_the_fused_mixing_moves_fewer_bytes_per_training_step", TRAFFIC_CHECK),
+        ("test_encoder_training_runs_the_fused_mixing_eager_and_compiled", ENCODER_TRAINING_CHECK),
+        ("test_the_trainer_runs_the_fused_mixing_on_deepspeed", TRAINER_CHECK),
+        ("test_encoder_inference_runs_the_fused_kernels_eager_and_compiled", ENCODER_CHECK),
+        ("test_training_mixing_equals_the_torch_path_in_the_interpreter", TRAINING_CHECK),
+        ("test_fused_kernels_equal_the_torch_path_in_the_interpreter", INTERPRETER_CHECK),
+    ]
+
+
 @pytest.mark.integration
-def test_fused_kernels_equal_the_torch_path_in_the_interpreter():
+def test_fused_kernels_equal_the_torch_path_in_the_interpreter(interpreter):
     """Every feature map (1-3 units, head widths 16-64 and padded ones), padded and unpadded
     keys, bf16 autocast and fp32, whole and partial tiles, the keys in one slice or several:
     the fused kernels' output within two bf16 ulps (fp32: 1e-5) of the torch path's; their
     softplus and bf16 rounding against torch's; an empty batch launches nothing; the
     operator's schema and fake tensor pass torch's opcheck."""
-    out = run_in_triton_interpreter(INTERPRETER_CHECK)
+    out = interpreter.output(INTERPRETER_CHECK)
     assert out.count("ok ") == 11, out
 
 
 @pytest.mark.integration
-def test_encoder_inference_runs_the_fused_kernels_eager_and_compiled():
+def test_encoder_inference_runs_the_fused_kernels_eager_and_compiled(interpreter):
     """An encoder with `kernel.inference_backend: triton`: its no-grad forward (eval) calls the
     kernels once per layer, eagerly and compiled, and its output matches the torch path's; a
     training forward and backward of the same module do not call them."""
-    out = run_in_triton_interpreter(ENCODER_CHECK, timeout=600)
+    out = interpreter.output(ENCODER_CHECK)
     assert out.count("ok ") == 3, out
 
 
@@ -325,24 +347,24 @@ print("ok compiled", errs)
 
 
 @pytest.mark.integration
-def test_training_mixing_equals_the_torch_path_in_the_interpreter():
+def test_training_mixing_equals_the_torch_path_in_the_interpreter(interpreter):
     """The training mixing (`kernel.training_backend: triton`) in one layer: every feature map
     (1-3 units, head widths 16-64 and padded ones), padded and unpadded keys, bf16 and fp32 q, k,
     v under bf16 autocast and fp32 without, the recipe's dropout, one or several query slices:
     the output and every gradient (q, k, v and the feature maps' weights) as far from an fp64
     copy as the torch path's and within 2^-12 of it (fp32: 1e-6); both operators pass torch's
     opcheck (schema, fake tensors, autograd registration, AOT dispatch); an empty batch."""
-    out = run_in_triton_interpreter(TRAINING_CHECK)
+    out = interpreter.output(TRAINING_CHECK)
     assert out.count("ok ") == 7, out
 
 
 @pytest.mark.integration
-def test_encoder_training_runs_the_fused_mixing_eager_and_compiled():
+def test_encoder_training_runs_the_fused_mixing_eager_and_compiled(interpreter):
     """An encoder with `kernel.training_backend: triton`: a training step (dropout on) calls
     the forward and backward operators once per layer and gives the torch path's gradients up
     to rounding; eager and compiled, its gradients are as close to an fp64 copy's as the torch
     path's."""
-    out = run_in_triton_interpreter(ENCODER_TRAINING_CHECK, timeout=600)
+    out = interpreter.output(ENCODER_TRAINING_CHECK)
     assert out.count("ok ") == 2, out
 
 
@@ -387,13 +409,13 @@ print("ok trainer")
 
 
 @pytest.mark.integration
-def test_the_trainer_runs_the_fused_mixing_on_deepspeed():
+def test_the_trainer_runs_the_fused_mixing_on_deepspeed(interpreter):
     """`python -m pretrain` (in-process, the DeepSpeed engine, one rank) with the kernel
     recipe and `model.kernel.training_backend=triton`, in Triton's interpreter: each step calls
     the operator's forward and backward once per layer, and the losses of 3 steps (the recipe's
     dropout on, fp32) equal those of the torch path to 1e-5; so do those of the engine's
     compiled step (`engine.compile=true`, without dropout) against the eager torch path."""
-    out = run_in_triton_interpreter(TRAINER_CHECK, timeout=600)
+    out = interpreter.output(TRAINER_CHECK)
     assert "ok trainer" in out, out
 
 
@@ -418,13 +440,13 @@ for compiled in (False, True):
 
 
 @pytest.mark.integration
-def test_the_fused_mixing_moves_fewer_bytes_per_training_step():
+def test_the_fused_mixing_moves_fewer_bytes_per_training_step(interpreter):
     """bench/traffic_per_token.py on a one-layer kernel-attention training step (debug width,
     64 tokens), eager and compiled: with `training_backend: triton` the step moves at least 10%
     fewer bytes per token outside its products and attention kernels, in fewer memory-bound
     operators (the operator's inputs and output only, where the torch path writes fp32 copies
     and intermediate results)."""
-    out = run_in_triton_interpreter(TRAFFIC_CHECK)
+    out = interpreter.output(TRAFFIC_CHECK)
     assert out.count("ok ") == 2, out
 
 

@@ -13,11 +13,60 @@ from pathlib import Path
 
 import pytest
 import triton_compile as check
-from triton_support import run_in_triton_interpreter
+from triton_support import InterpreterRuns
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def interpreter(request):
+    """The interpreter scripts of this module's selected tests, each in a process of its own,
+    started while the first test compiles the kernels in this one (`InterpreterRuns`): the
+    three share the runner's cores instead of taking turns."""
+    runs = InterpreterRuns.of_selected(request, _scripts())
+    yield runs
+    runs.close()
+
+
+def _scripts() -> list[tuple[str, str]]:
+    """(test, script) of the interpreter tests, the longest first."""
+    return [
+        ("test_gauss_jordan_leaves_in_the_interpreter", GAUSS_JORDAN_CHECK),
+        ("test_triton_kernels_equal_the_reference_in_the_interpreter", TRITON_CHECK),
+    ]
+
+
+def test_kernels_compile_for_an_h100_within_its_shared_memory(interpreter):
+    """The shipped options of the split backend's kernels, of the Cayley map's Gauss-Jordan
+    leaves and of kernel attention's inference and training kernels compile for sm_90 (Triton's
+    compiler and ptxas run without a GPU), fit the H100's shared memory per block, and the split
+    and kernel attention kernels spill no register and have their loops' loads pipelined; the
+    training kernels spill none on an A100 (sm_80) either (tests/triton_compile.py)."""
+    # (`interpreter`: the scripts of the tests below run meanwhile, in another process)
+    rows = [check.check(config, 90) for config in check.all_configs()]
+    assert all("error" not in row and row["fits"] for row in rows), rows
+    training = ("query_grad", "summary_grad", "key_grad")
+    assert {row["kernel"] for row in rows} == {
+        "row_lse", "diagonal_grad", "gauss_jordan_inverse", "key_summary", "query_output",
+        *training,
+    }  # fmt: skip
+    split = [row for row in rows if row["kernel"] in ("row_lse", "diagonal_grad")]
+    linear = [row for row in rows if row["kernel"] in ("key_summary", "query_output", *training)]
+    assert all(row["spill_bytes"] == 0 for row in split + linear), split + linear
+    # kernel attention: the loads of keys and values in the loop over tiles are pipelined
+    assert all(
+        row["async_copies"] >= 2
+        for row in linear
+        if row["kernel"] in ("key_summary", "summary_grad")
+    )
+    a100 = [check.check(c, 80) for c in check.all_configs() if c["kernel"] in training]
+    assert all("error" not in row and row["spill_bytes"] == 0 for row in a100), a100
+    # Every load of Q, K, V, dO is pipelined (async copies): 4 a stage in the gradient kernel.
+    assert all(row["async_copies"] >= 2 for row in split), split
+    assert max(row["async_copies"] for row in split) >= 8, split
+
 
 TRITON_CHECK = textwrap.dedent(
     """
@@ -56,10 +105,10 @@ TRITON_CHECK = textwrap.dedent(
 )
 
 
-def test_triton_kernels_equal_the_reference_in_the_interpreter():
+def test_triton_kernels_equal_the_reference_in_the_interpreter(interpreter):
     """The CUDA kernels' arithmetic, run by Triton's interpreter on CPU tensors (what the GPU
     path computes; its speed is a GPU measurement, bench_fast_paths tisa-backends)."""
-    assert run_in_triton_interpreter(TRITON_CHECK).count("ok ") == 4
+    assert interpreter.output(TRITON_CHECK).count("ok ") == 4
 
 
 GAUSS_JORDAN_CHECK = """
@@ -93,38 +142,9 @@ print("ok")
 """
 
 
-def test_gauss_jordan_leaves_in_the_interpreter():
+def test_gauss_jordan_leaves_in_the_interpreter(interpreter):
     """`cayley_leaf_inverse: gauss_jordan`'s Triton kernel, run by Triton's interpreter on CPU
     tensors: each leaf within 4x of LU's error against fp64 (Cayley-type matrices of small and
     large skew parts, 5 to 128 wide), and the whole d = 768 map with those leaves within 4x of
     the LU leaves' error (or 2e-6)."""
-    assert run_in_triton_interpreter(GAUSS_JORDAN_CHECK).rstrip().endswith("ok")
-
-
-def test_kernels_compile_for_an_h100_within_its_shared_memory():
-    """The shipped options of the split backend's kernels, of the Cayley map's Gauss-Jordan
-    leaves and of kernel attention's inference and training kernels compile for sm_90 (Triton's
-    compiler and ptxas run without a GPU), fit the H100's shared memory per block, and the split
-    and kernel attention kernels spill no register and have their loops' loads pipelined; the
-    training kernels spill none on an A100 (sm_80) either (tests/triton_compile.py)."""
-    rows = [check.check(config, 90) for config in check.all_configs()]
-    assert all("error" not in row and row["fits"] for row in rows), rows
-    training = ("query_grad", "summary_grad", "key_grad")
-    assert {row["kernel"] for row in rows} == {
-        "row_lse", "diagonal_grad", "gauss_jordan_inverse", "key_summary", "query_output",
-        *training,
-    }  # fmt: skip
-    split = [row for row in rows if row["kernel"] in ("row_lse", "diagonal_grad")]
-    linear = [row for row in rows if row["kernel"] in ("key_summary", "query_output", *training)]
-    assert all(row["spill_bytes"] == 0 for row in split + linear), split + linear
-    # kernel attention: the loads of keys and values in the loop over tiles are pipelined
-    assert all(
-        row["async_copies"] >= 2
-        for row in linear
-        if row["kernel"] in ("key_summary", "summary_grad")
-    )
-    a100 = [check.check(c, 80) for c in check.all_configs() if c["kernel"] in training]
-    assert all("error" not in row and row["spill_bytes"] == 0 for row in a100), a100
-    # Every load of Q, K, V, dO is pipelined (async copies): 4 a stage in the gradient kernel.
-    assert all(row["async_copies"] >= 2 for row in split), split
-    assert max(row["async_copies"] for row in split) >= 8, split
+    assert interpreter.output(GAUSS_JORDAN_CHECK).rstrip().endswith("ok")
