@@ -96,7 +96,7 @@ def dump(engine: Engine, path: Path) -> None:
     weights = engine.consolidated_state_dict()
     moments: dict[str, torch.Tensor] = {}
     steps: set[float] = set()
-    ds = engine.backend.ds
+    ds = getattr(engine.backend, "ds", None)  # the DeepSpeed engine (None: torch backend)
     partitioned = engine.cfg.zero_stage > 0 or engine.cfg.precision == "bf16"
     base = ds.optimizer.optimizer if partitioned else engine.optimizer
     if partitioned and base.state:  # no state before the first step
