@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv (if absent) and installs the project with its test extras.
+# Creates .venv (if absent) and installs the project with its test and docs extras.
 # torch is installed first, pinned to 2.13.0 (a CPU build that pip finds locally here); on a GPU
 # cluster, install your CUDA torch into the venv first and this script keeps it.
 set -euo pipefail
@@ -13,5 +13,5 @@ python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 if ! python -c "import torch" >/dev/null 2>&1; then
   python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[test,docs]"
 python -c "import torch, model; print(f'albatross ready: torch {torch.__version__}')"
