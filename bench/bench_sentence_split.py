@@ -16,7 +16,7 @@ Pipeline (`--pipeline-mb N`): the embedded paragraphs, one paragraph per line an
 N MB, as a folder of Parquet files read as `hf:DIR`; `python -m data_prep shards --workers 1`
 (one process, imports included) with `--sentences split` and with `--sentences lines`, and
 `python -m data_prep tokenizer` with `--sentences split`, each timed as a whole process:
-characters/s per core, the rate the README's estimates for real corpora are made from.
+characters/s per core, the rate the estimates for real corpora in docs/data.md are made from.
 
 Candidates: blingfire (Microsoft, a compiled finite-state model), pysbd (rule-based, Golden
 Rules), syntok (rule-based tokenizer + segmenter), and a naive regex (split after . ! ? followed

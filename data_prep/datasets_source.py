@@ -162,7 +162,7 @@ def _hub_error(src: DatasetSource, e: Exception) -> Exception:
     if isinstance(e, ConnectionError):
         hint = (
             "HF_HUB_OFFLINE is set, and it is not in the local cache: unset HF_HUB_OFFLINE, or "
-            "download it first (see README, 'Real corpora')"
+            "download it first (see docs/data.md, 'Real corpora')"
             if offline
             else "no connection to the Hub"
         )

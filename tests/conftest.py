@@ -1,6 +1,6 @@
 """Shared test setup: no network, deterministic torch, and the test tiers.
 
-Tiers (markers, see the README "Development"):
+Tiers (markers, see docs/development.md):
     unit         in-process, seconds: the edit-test loop (``bash scripts/test.sh -m unit``,
                  under 2 minutes on 2 cores)
     integration  end-to-end runs of the command-line stages (subprocesses, real training to

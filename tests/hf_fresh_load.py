@@ -86,7 +86,7 @@ def main() -> None:
 
 
 def train_a_few_steps(path, kw, tok):
-    """A few HF Trainer steps of sequence classification on the export (the README example)."""
+    """A few HF Trainer steps of sequence classification on the export (the example in docs/hub.md)."""
     import tempfile
 
     import torch
