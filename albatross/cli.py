@@ -168,7 +168,7 @@ def _bench_usage(scripts: dict[str, Path]) -> str:
         "Runs python -m bench.bench_NAME (or bench/NAME.sh) of the source tree with this Python,",
         "the arguments after NAME going to the script (`--` before them is optional);",
         f"`{PROG} bench NAME --help` shows its options. Results and how to read them:",
-        "BENCHMARKS.md.",
+        "docs/benchmarks.md.",
         "",
         "benchmarks:",
     ]

@@ -12,8 +12,8 @@ One process on CPU (DeepSpeed with a process group of one over gloo). Variants:
 The loss is the pretraining objective (``pretrain.objective``) on batches drawn once from the
 real loader (shards of the embedded corpus), so data loading is not measured. Each variant runs
 ``--steps`` steps after 3 warm-up steps, ``--repeats`` times in interleaved order; the median is
-reported. Results go to bench/results/engine.json; the ratio to ``plain`` is what BENCHMARKS.md
-quotes (target: the engine within 15% of the plain loop).
+reported. Results go to bench/results/engine.json; docs/benchmarks.md shows the ratio to
+``plain`` (target: the engine within 15% of the plain loop).
 """
 
 from __future__ import annotations

@@ -209,7 +209,7 @@ else
     "${OPT[@]}" --out "$OUT/loader_gpu.json"
   # TISA through FlexAttention at one length in a fresh process (compiled once, static shapes):
   # tests whether the slowdown of the scaling / pretrain parts comes from their dynamic-shape
-  # recompile at a second length (BENCHMARKS.md, "Attention scaling").
+  # recompile at a second length (docs/benchmarks.md#attention-scaling).
   part tisa 60 python3 -m bench.bench_fast_paths tisa --device cuda --dtype bf16 --hidden 768 \
     --heads 12 --layers 12 --batch 32 --seq 512 --warmup 3 --repeats 10 --out "$OUT/tisa_gpu.json"
   # TISA's mixing step, FlexAttention vs SDPA with the bias, per length: sets tisa.flex_min_length.

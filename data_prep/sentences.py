@@ -20,9 +20,9 @@ lines are neither sentences nor paragraphs); `--sentences split` applies to it a
 
 The splitter is nupunkt (Punkt with a trained English model; pure Python, no dependencies,
 maintained), chosen over blingfire, pysbd, syntok and sentencex by boundary quality on a
-hand-checked sample and speed on the embedded corpus (BENCHMARKS.md, "Sentence splitting";
-bench/bench_sentence_split.py): boundary F1 0.985 at about 28 MB/s on one core, where the
-shards stage itself tokenizes at about 1.4 MB/s per process. Its output depends only on the
+hand-checked sample and speed on the embedded corpus (`python -m bench.bench_sentence_split`;
+docs/benchmarks.md#sentence-splitting): the best boundaries, and fast enough that splitting adds
+little to the shards stage. Its output depends only on the
 line (no state carries from one document to the next: tested), so shards stay byte-identical
 whatever --workers and --num-jobs. Another splitter version may place some boundaries
 differently: the splitter and its version are part of the shard config (`sentence_splitter`),

@@ -56,7 +56,8 @@ class ShardConfig:
     side loses a token at a random end, which cuts the A|B junction of most short pairs).
     `junction`: A loses tokens from its front and B from its back (the same lengths as the
     loader's truncation), so B still starts where A ends: the order signal SOP is about. On the
-    embedded corpus's 32-token pairs it lets SOP be learned on more seeds (BENCHMARKS.md)."""
+    embedded corpus's 32-token pairs it lets SOP be learned on more seeds
+    (docs/benchmarks.md#decisions-whose-measurements-are-in-the-history)."""
 
     validation_fraction: float = 0.0
     """Hold out each document with this probability (by its `format.validation_key`), as the

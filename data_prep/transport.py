@@ -4,16 +4,16 @@ A DataLoader worker hands every tensor of a batch to the training process throug
 shared-memory segment (with torch's default `file_descriptor` sharing strategy: one segment
 created, one file descriptor sent over a socket and one mmap on the receiving side, per tensor).
 For the small tensors of a training batch that per-tensor cost, not the batch's construction, is
-what the training process waits for: on the 2-core CI machine, receiving an already built batch
-of 5 tensors took 3.8 ms, one tensor of the same bytes 1.6-1.9 ms (BENCHMARKS.md, "Loader vs
-training step").
+what the training process waits for: receiving an already built batch of 5 tensors takes about
+twice as long as one tensor of the same bytes (measured on the project's 2-core machine; the
+loader's data-wait share with workers is in docs/benchmarks.md#data-loading).
 
 `PackedCollate` wraps a collate function on the worker side: the batch's tensors are copied into
 one buffer (each 8-byte aligned) and travel as one `PackedBatch`; `PackedBatch.unpack()` in the
 training process returns the same dict as views into that buffer, without a copy. A buffer of up
-to `INLINE_BYTES` is a `bytearray`, pickled through the worker's pipe (0.5 ms for 33 KB, where one
-shared-memory tensor took 1.8 ms); a larger one is a uint8 tensor in shared memory (1.5 ms for
-1 MB, where pickled bytes took 2.9 ms). DataLoader's `pin_memory=True` pins the one buffer
+to `INLINE_BYTES` is a `bytearray`, pickled through the worker's pipe (for a small message
+cheaper than a shared-memory segment); a larger one is a uint8 tensor in shared memory (for a
+large one cheaper than pickled bytes). DataLoader's `pin_memory=True` pins the one buffer
 (`PackedBatch.pin_memory`), so the views are pinned too. Values that are not tensors pass
 through unchanged.
 """

@@ -103,7 +103,7 @@ def test_splitter_quality_on_the_hand_checked_sample():
     gold = bench.load_gold()
     assert sum(len(p) for p in gold) >= 80
     q = bench.quality(sentences.split_line, gold)
-    # Measured: 65 of 66 boundaries, 1 false boundary (BENCHMARKS.md, "Sentence splitting").
+    # The measured quality: docs/benchmarks.md#sentence-splitting.
     assert q["precision"] >= 0.95 and q["recall"] >= 0.95, q
 
 

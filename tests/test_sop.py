@@ -1,6 +1,7 @@
 """Sentence-order prediction (SOP) end to end: the labels of real batches match the swap, the
 shard builder keeps the A|B junction SOP is about, and the project's model + objective learn
-SOP where the order is learnable (BENCHMARKS.md measures it on the embedded corpus)."""
+SOP where the order is learnable
+(docs/benchmarks.md#decisions-whose-measurements-are-in-the-history)."""
 
 from __future__ import annotations
 

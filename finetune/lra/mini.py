@@ -1,6 +1,6 @@
 """The CPU mini-LRA: each attention family from scratch and self-pretrained, on generated ListOps
-and a synthetic byte-level Text task, several seeds, beside trivial baselines; the table goes
-to BENCHMARKS.md.
+and a synthetic byte-level Text task, several seeds, beside trivial baselines; its committed
+result (bench/results/mini_lra_cpu.json) is the table in docs/benchmarks.md#mini-lra.
 
     python -m finetune.lra.mini --out runs/mini-lra                       # the whole table
     python -m finetune.lra.mini --out runs/x --tasks listops --families softmax --seeds 0
@@ -32,12 +32,11 @@ Every stage is the project's real command line, run as a subprocess:
 
 ListOps at the table scale is shallow on purpose (trees of depth <= 3, operators of 2-5
 arguments, 10 < length < 40, 3000 fine-tuning steps): on the LRA generator's own shape (depth
-10, up to 10 arguments) at the previous table's lengths (50-150, scale ``lra-shape``),
-predicting the outermost operator's most frequent answer (37 %) is as good as any model
-trained there, so that table measured whether a model reads position 1. The setting was chosen
-by measurement (BENCHMARKS.md, "mini-LRA"): softmax from scratch reaches 44-46 % on it (3
-seeds), 9-10 points above the best baseline (bag-of-tokens, 35.6 %; first-operator rule
-27.4 %).
+10, up to 10 arguments) at lengths 50-150 (scale ``lra-shape``), predicting the outermost
+operator's most frequent answer is as good as any model trained there, so a table on it
+measures whether a model reads position 1. The setting was chosen among
+candidate shapes as the one where softmax from scratch clears every shortcut baseline by the
+widest margin (docs/benchmarks.md#mini-lra).
 
 Independent runs go ``--jobs`` at a time (default 2, one CPU thread each). Finished runs are
 reused when the command is run again with the same scale (a different scale in the same
@@ -125,14 +124,13 @@ LRA_LISTOPS = dict(listops_max_depth=10, listops_max_args=10)
 """The LRA generator's tree shape."""
 
 SCALES = {
-    # The table (BENCHMARKS.md): 18 min on 2 CPU cores with --jobs 2 (measured).
+    # The table (docs/benchmarks.md#mini-lra; its result file records the minutes it took).
     "table": Scale(),
     # The same tasks with more of everything, for one GPU (--jobs 1; not run yet): 10x the
     # data, 10x the steps, a 4-layer d=128 encoder, Text reviews of 60-120 words, and ListOps
     # 6x longer and deeper (depth <= 5, 2-5 arguments, more operators: op-prob 0.4,
-    # 60 < length < 250), where the shortcuts are weaker still (measured with 8000 training
-    # examples: majority 11.0 %, first-operator rule 24.6 %, bag-of-tokens 17.2 %); whether
-    # the models get past them there is what it measures.
+    # 60 < length < 250), where the shortcuts are weaker still; whether the models get past
+    # them there is what it measures.
     "gpu": Scale(
         listops=(80000, 2000, 2000),
         listops_length=(60, 250),
