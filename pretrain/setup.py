@@ -7,6 +7,7 @@ run's result and its errors."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -21,7 +22,9 @@ from engine import checkpoint as ckpt
 from engine import reshard
 from engine.distributed import DistEnv
 from engine.recipe import diff_keys, move_saved_keys
+from model.config import EncoderConfig
 from model.hub.release import directory_digest
+from model.typed_config import config_dict, config_sections
 from pretrain.config import (
     LOCATION_KEYS,
     RESUMABLE_CHANGES,
@@ -155,17 +158,73 @@ def data_identity(
 ADDED_KEYS = (
     ("data_identity", False),
     ("phases", True),
-    ("engine.deepspeed_config", True),
     ("data_identity.deepspeed_config_sha256", False),
 )
-"""Keys added to a run's config.yaml after run directories were first written: (dotted key,
-whether it is left out only when its value now is empty). A run directory saved without one
-is compared without it, so it still resumes."""
+"""Keys of a run's config.yaml that are not config fields (the data's identity) or whose
+default is no single value (the phases), added after run directories were first written:
+(dotted key, whether it is left out only when its value now is empty). A run directory saved
+without one is compared without it, so it still resumes. Config fields added later need no
+entry here: see ``_without_fields_at_their_default``."""
+
+
+def _typed_default(cls: type, key: str) -> tuple[bool, Any]:
+    """``(known, default)`` of the dotted ``key`` of the config class ``cls``, as a saved
+    config writes it (a section: its class's defaults as a dict)."""
+    node: Any = cls
+    for part in key.split("."):
+        if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+            return False, None
+        sections = config_sections(node)
+        if part in sections:
+            node = sections[part]
+            continue
+        if node is PretrainConfig and part == "model":  # a dict field holding EncoderConfig
+            node = EncoderConfig
+            continue
+        field = {f.name: f for f in dataclasses.fields(node) if f.init}.get(part)
+        if field is None:
+            return False, None
+        if field.default is not dataclasses.MISSING:
+            node = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            node = field.default_factory()
+        else:
+            return False, None
+        if dataclasses.is_dataclass(node):
+            node = type(node)
+    if isinstance(node, type) and dataclasses.is_dataclass(node):
+        return True, config_dict(node())
+    return True, node
+
+
+def _without_fields_at_their_default(
+    saved: dict[str, Any], resolved: dict[str, Any]
+) -> dict[str, Any]:
+    """``resolved`` less the config fields ``saved`` does not have whose value is their
+    default (a copy). A field added after a run started has, by the project's rule, a default
+    that keeps the behaviour from before it existed (docs/config.md, "Compatibility"; the
+    pinned run of the previous version in tests/fixtures/previous checks it): at that value it
+    changes nothing, so the run resumes; at another value it is a real change and is refused."""
+    out = copy.deepcopy(resolved)
+
+    def walk(old: dict[str, Any], new: dict[str, Any], prefix: str) -> None:
+        for name in list(new):
+            key = f"{prefix}{name}"
+            if name not in old:
+                known, default = _typed_default(PretrainConfig, key)
+                if known and new[name] == default:
+                    del new[name]
+            elif isinstance(old[name], dict) and isinstance(new[name], dict):
+                walk(old[name], new[name], f"{key}.")
+
+    walk(saved, out, "")
+    return out
 
 
 def _without_keys_added_since(saved: dict[str, Any], resolved: dict[str, Any]) -> dict[str, Any]:
-    """``resolved`` less the ``ADDED_KEYS`` that ``saved`` does not have (a copy)."""
-    out = copy.deepcopy(resolved)
+    """``resolved`` less the ``ADDED_KEYS`` that ``saved`` does not have, and less the fields
+    added since at their default (a copy)."""
+    out = _without_fields_at_their_default(saved, resolved)
     for key, only_if_empty in ADDED_KEYS:
         *parents, last = key.split(".")
         old, new = saved, out
