@@ -1,5 +1,5 @@
-"""The commands of the guides a new user follows (getting started -> data -> pretraining -> GLUE
-submission -> Hub export) are checked against the code: every fenced ``bash`` block of those
+"""The commands of the README and of the guides a new user follows (getting started -> data ->
+pretraining -> GLUE submission -> Hub export) are checked against the code: every fenced ``bash`` block of those
 pages is split into command lines, and each line is dispatched on its program.
 
 * ``albatross ... --help`` / ``python -m ... --help`` and ``python -m pretrain ... --print-config``
@@ -29,7 +29,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ("getting-started.md", "data.md", "pretraining.md", "glue.md", "hub.md")
+PAGES = (
+    "../README.md",
+    "getting-started.md",
+    "data.md",
+    "pretraining.md",
+    "glue.md",
+    "hub.md",
+)
+"""Under docs/; the README's commands (install, the two commands, the Slurm quick start, the
+studies) too."""
 EXTERNAL = {
     ".", "source", "cd", "ls", "export", "tar", "curl", "hf", "tensorboard", "mkdocs", "wandb",
     "sinfo", "sacct", "squeue", "scancel",
@@ -130,12 +139,10 @@ def check_stage(module: str, argv: list[str], what: str, checked: Checked) -> No
     """A command of the project: ``module`` is the ``python -m`` form (``pretrain``, ...)."""
     import importlib
 
+    from albatross.cli import COMMANDS
+
     module = module.removesuffix(".__main__")
-    main_module = (
-        f"{module}.__main__" if module in ("pretrain", "data_prep", "finetune") else module
-    )
-    if module == "slurm":
-        main_module = "slurm.launcher"
+    main_module = {c.form: c.module for c in COMMANDS.values()}.get(module, module)
     if "--help" in argv or "-h" in argv:
         main = importlib.import_module(main_module).main
         _run_main(main, argv, what)
