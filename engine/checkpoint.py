@@ -43,23 +43,20 @@ wrong) raises ``CheckpointError`` naming that file, e.g. ``step_00000100/rank_00
 checksum mismatch (sha256 ... recorded, ... found): the file was modified or corrupted after it
 was saved``, and ``resolve`` falls back to the previous checkpoint with a warning.
 
-sha256 was chosen by measurement (BENCHMARKS.md, "Checkpoints: the cost of checksums"): with
-SHA extensions (AMD Zen, Intel Ice Lake
-and later) it is the fastest sound hash in hashlib, 2.1 GB/s per core against 1.4 for blake2b
-(sha1 is 6% faster but broken, md5 slower; zlib's crc32, 7 GB/s, is a 32-bit check, not a
-content hash), and ``sha256sum`` checks a file by hand. ``CheckpointStore(checksum="blake2b")``
-suits CPUs without SHA extensions (sha256 there: 0.8 GB/s, half of blake2b), ``checksum=None``
+sha256 was chosen by measurement (docs/benchmarks.md#decisions-whose-measurements-are-in-the-history):
+with SHA extensions (AMD Zen, Intel Ice Lake and later) it is the fastest sound hash in hashlib
+(sha1 is a little faster but broken, md5 slower; zlib's crc32 is a 32-bit check, not a content
+hash), and ``sha256sum`` checks a file by hand. ``CheckpointStore(checksum="blake2b")`` suits
+CPUs without SHA extensions (where sha256 is about half as fast as blake2b), ``checksum=None``
 seals with sizes only. The algorithm is recorded in each seal, so checkpoints sealed with
 another one (or none: seals written before checksums existed, which are checked by size only)
 keep loading.
 
-Cost (one 1 GiB file, a local virtio disk that writes + fsyncs at 2.5 GB/s, 2 cores): the seal
-takes about the hashing time, 0.52 s/GB instead of the 0.21 s/GB of its fsync (which runs
-beside the hashing), so a save (write + seal) goes from 0.39 to 0.69 s/GB (1.8 times); files
+Cost: on a fast local disk the seal takes about the hashing time, longer than its fsync (which
+runs beside the hashing), so a save with checksums takes longer than one sealed by sizes; files
 are hashed in parallel threads, which helps when cores are free. A verified load reads and
-hashes everything, 0.52 s/GB from the page cache and 0.54 s/GB after the pages were dropped
-(the disk reads at 3.5 GB/s: hashing is the bound), against 30 microseconds for the sizes
-alone. On a slower disk or a parallel filesystem the ratio is smaller, the I/O taking more of
+hashes everything (hashing, not the disk, is the bound there), against microseconds for the
+sizes alone. On a slower disk or a parallel filesystem the ratio is smaller, the I/O taking more of
 the time. Rank 0 hashes while the other ranks wait in the barrier. ``verify(tag,
 checksums=False)`` / ``read_complete(tag, checksums=False)`` check the sizes only (a cheap
 metadata read), e.g. on every rank but the one that verifies content;

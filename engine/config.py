@@ -61,9 +61,8 @@ class EngineConfig:
     none) in place, before training, and in pretraining the objective's loss terms beside it
     (``pretrain.objective.objective_terms``, through ``Engine.compile_beside``: fused, they
     read the bf16 MLM logits a few times where the eager terms upcast them and pass over them
-    in fp32 operator by operator: 1.18 instead of 7.10 GB at ALBERT-base's 64 x 77 slots x
-    30000 tokens, 3.97x faster on the CPU); the heads stay eager and state-dict keys do not
-    change.
+    in fp32 operator by operator: docs/benchmarks.md#the-loss-terms-compiled); the heads stay
+    eager and state-dict keys do not change.
     Every attention family compiles without graph breaks, with activation checkpointing too.
     Shapes: batches padded to a fixed length (the pretraining loader's ``static_shapes``, on
     with ``data.masking.static_masked_positions``) compile once; batches padded to their longest
@@ -75,11 +74,11 @@ class EngineConfig:
     graph as inputs: the Cayley maps run as the eager block inverse, not as the LU solve a
     traced map would be.
     Not with ZeRO-3. ``auto``: compile where it was measured to pay, i.e. on a GPU, for an
-    attention family whose ``AttentionFamily.compile_auto`` is true (every shipped family:
-    softmax, TISA and kernel 1.20-1.73x faster compiled on an H200, TransJect 1.21x on an H100,
-    bf16, seq 512, batch 64, the first step paying up to about 85 s of compilation; a family
-    added from outside runs eager until measured), never on CPU (1.00-1.07x, not worth the
-    compile) nor under ZeRO-3; what the ALBERT recipes set. A run prints what it resolved to."""
+    attention family whose ``AttentionFamily.compile_auto`` is true (every shipped family, each
+    measured faster compiled on a GPU, the first step paying the compilation:
+    docs/benchmarks.md#compiled-against-eager; a family added from outside runs eager until
+    measured), never on CPU (where it gains too little to pay for the compile: the same
+    section) nor under ZeRO-3; what the ALBERT recipes set. A run prints what it resolved to."""
     compile_backend: str = "inductor"
     """The ``torch.compile`` backend: ``"inductor"`` (generates fused kernels), or a debugging
     backend such as ``"aot_eager"`` (traces forward and backward, runs them eagerly: isolates
@@ -102,22 +101,21 @@ class EngineConfig:
     products only (cuBLAS against Inductor's Triton templates, each timed with the element-wise
     work after it fused into the template, such as a bias and GELU), without the tuning of
     every other kernel (pointwise configurations, coordinate descent) that
-    ``max-autotune-no-cudagraphs`` adds: that mode did not finish compiling ALBERT-base within
-    230 s on an H100. An unknown key or a value of the wrong type is refused at start-up,
-    naming the key. Needs ``compile_backend: inductor``. A resumed run may change it."""
+    ``max-autotune-no-cudagraphs`` adds: that mode did not finish compiling ALBERT-base on an
+    H100 (docs/benchmarks.md#the-recipes-compiled). An unknown key or a value of the wrong type
+    is refused at start-up, naming the key. Needs ``compile_backend: inductor``. A resumed run
+    may change it."""
     compile_scope: str = "encoder"
     """What is compiled as one graph. ``"encoder"``: the whole encoder, every layer application
     unrolled (embeddings to pooler), so its compilation grows with the depth. ``"layers"``:
     each distinct layer module on its own, compiled once and reused by every application of it
     (ALBERT's shared layer: once, whatever the depth); the rest of the encoder (embeddings, the
-    per-forward work such as TISA's scores or TransJect's maps, the pooler) runs eagerly. On
-    the CPU (albert-base width, seq 128, a new process's first step, compilation included,
-    ``bench/bench_compile_scope.py``): 1.7-2.1x faster at the recipes' 12 applications, 4.8x
-    at 48 and 7.0x at 96 (144 s -> 21 s); later steps within 2% for softmax, kernel attention
-    and TransJect, 9% slower for TISA and 2-6% with activation checkpointing (the
-    recomputation runs the compiled layer again instead of inside the compiled backward), and
-    less peak memory with checkpointing at depth (0.99 instead of 2.20 GB at 96); GPU time
-    pending. Distinct layers (``num_hidden_groups`` > 1, as TransJect's recipes) are each
+    per-forward work such as TISA's scores or TransJect's maps, the pooler) runs eagerly. A new
+    process's first step compiles much faster, the more so the deeper the model; later steps
+    run about as fast, a little slower with activation checkpointing (the recomputation runs
+    the compiled layer again instead of inside the compiled backward), with less peak memory
+    at depth (measured on the CPU: docs/benchmarks.md#at-depth-each-layer-once; not on a
+    GPU). Distinct layers (``num_hidden_groups`` > 1, as TransJect's recipes) are each
     compiled (alike, their graphs come from Inductor's cache after the first); the engine
     raises TorchDynamo's recompile limits of the process to 8 per distinct layer, so that none
     runs eagerly for want of room. A resumed run may change it."""
@@ -130,10 +128,9 @@ class EngineConfig:
     phase, each GLUE task) compiles everything again. A path (``~`` and ``$VARS`` expanded;
     created if missing) on storage that every node sees lets those runs load the graphs: the
     same model, shapes, options and torch version load them, anything else compiles and adds
-    its own. On the CPU (albert-base recipes at seq 128, the first step of a new process, cold
-    against warm, ``bench/bench_compile_cache.py``): 7.8x faster for softmax, 9.1x for TISA,
-    9.7x for kernel attention, 5.3x for TransJect (whose warm first step is mostly its step);
-    GPU time pending. Every process of the run points its
+    its own. A new process's first step, cold against warm, on the CPU:
+    docs/benchmarks.md#across-processes-the-compilers-cache (not measured on a GPU). Every
+    process of the run points its
     compiler there at start-up (the environment variables ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` of the
     process, which this overrides); a path that cannot be created or written is refused at
     start-up. Nothing in it is ever deleted by the project: it grows with each new model or

@@ -12,19 +12,17 @@ process on this host, and raises ``StaleExtensionLockError`` (a ``ValueError``: 
 deleted automatically: ``FileBaton`` records no owner, so on a shared home directory a lock of
 that age may belong to a slow build on another host, and deleting it there would crash that
 build (its release fails) or let this run import a half-built library; the error says to delete
-it when no other build is running. Ten minutes is many times the build of
-``deepspeed_shm_comm`` (40 s measured on 2 CPU cores) and several times a typical CUDA op build
-(a few minutes; not measured here); set the variable higher for slower builds (many CUDA
-architectures, a loaded login node), or to 0 to turn the check off.
+it when no other build is running. Ten minutes is many times a CPU build of
+``deepspeed_shm_comm`` and several times a typical CUDA op build; set the variable higher for
+slower builds (many CUDA architectures, a loaded login node), or to 0 to turn the check off.
 
 Also before DeepSpeed starts, when ``TORCH_EXTENSIONS_DIR`` is unset and Python runs in a
 virtual environment it can write to, ``use_environment_extensions_dir`` sets it to
 ``<venv>/torch_extensions/<py/accelerator tag>``: builds of two environments (other torch or
 DeepSpeed versions, which torch's default ``~/.cache/torch_extensions/py311_cu121`` does not
 tell apart, so they rebuild over each other's libraries and share their locks) then never share
-a directory. The cost is one build per new environment (40 s for ``deepspeed_shm_comm`` on 2
-CPU cores); an explicit ``TORCH_EXTENSIONS_DIR`` is kept, and outside a virtual environment
-(or in a read-only one) torch's default stays.
+a directory. The cost is one build per new environment; an explicit ``TORCH_EXTENSIONS_DIR`` is
+kept, and outside a virtual environment (or in a read-only one) torch's default stays.
 """
 
 from __future__ import annotations
