@@ -147,17 +147,19 @@ class EncoderConfig:
 
     orthogonal_map: OrthogonalMap = "cayley"
     """The map from free parameters to orthogonal matrices (torch's orthogonal parametrization):
-    `cayley` (default: accurate in fp32, about 1e-6 at d=768, and the cheapest), `matrix_exp` (run in
-    fp64, 2.5x slower on CPU), `householder`."""
+    `cayley` (default: accurate in fp32 and the cheapest,
+    docs/benchmarks.md#transjects-orthogonal-maps), `matrix_exp` (run in fp64, slower),
+    `householder`."""
 
     cayley_leaf_inverse: CayleyLeafInverse = "lu"
     """How the Cayley map's block inverse inverts its leaf blocks (at most 128 x 128: 96 x 96 at
     d = 768). `lu`: torch's batched LU inverse (`linalg.inv_ex`). `gauss_jordan`: on CUDA one
     Triton kernel per leaf batch, Gauss-Jordan without pivoting in registers (the leaves have
     symmetric parts >= I, so no pivot is small); off CUDA it is `lu`. A batched LU of such small
-    matrices is some twenty latency-bound kernels on a GPU: on an H100 the leaves took 5.3 ms of
-    TransJect's albert-base step. Gauss-Jordan's error is within 3x of LU's (both a few 1e-7 at
-    96 x 96; docs/methods.md); its GPU speed is not measured yet, hence not the default."""
+    matrices is some twenty latency-bound kernels on a GPU, a visible share of TransJect's
+    albert-base step on an H100 (docs/benchmarks.md#where-the-device-time-goes). Gauss-Jordan's
+    error is within 3x of LU's (both a few 1e-7 at 96 x 96; docs/methods.md); its GPU speed is
+    not measured, hence not the default."""
 
     orthogonal_step_cache: bool = True
     """In training with gradient accumulation, evaluate each orthogonal map (`orthogonal`,

@@ -20,8 +20,8 @@ the forward's cache (the `store`) so the recomputation sees the very same matric
 
 In inference (eval mode and gradients off) a map also keeps its last result across forwards:
 the weights do not change between two evaluation batches, and at ALBERT-base width the maps are
-the largest fixed cost of a TransJect forward (about 27 ms per forward on an H100 with the LU
-solve, 35 ms at d = 256 on CPU; BENCHMARKS.md). The stored matrix is reused only while the free
+the largest fixed cost of a TransJect forward (docs/benchmarks.md#transjects-orthogonal-maps).
+The stored matrix is reused only while the free
 parameters are bit-for-bit those it was computed from (`torch.equal` against a copy, so an
 update through `.data`, which leaves the version counter alone, is still seen), and `train()`
 drops it.

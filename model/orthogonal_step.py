@@ -33,10 +33,9 @@ other ranks' gradient for them is zero. The data-parallel reduction (an average 
 then gives J^T (mean_r dL_r/dQ) = mean_r J^T dL_r/dQ, the gradient of the unsharded evaluation,
 up to fp32 summation order. A batch with fewer maps than ranks is not sharded, nor are batches
 of small matrices (a side under ``orthogonal_shard_min_size``): their maps cost less than the
-collectives (2 CPU ranks over gloo, the maps of a 4-layer TransJect forward + backward: at
-64 x 64 2.3 ms on every rank, 2.5 ms sharded; at 128 x 128 7.9 vs 7.4 ms; at 256 x 256 39 vs
-32 ms; BENCHMARKS.md), and on a GPU a batched solve of small matrices costs about the same for
-6 of them as for 11. The collectives run from inside the model's forward and backward, so every
+collectives (measured on 2 CPU ranks: docs/benchmarks.md#transjects-orthogonal-maps), and on a
+GPU a batched solve of a few small matrices costs about the same as of a dozen. The collectives
+run from inside the model's forward and backward, so every
 rank must evaluate the same groups of maps in the same order in every training micro-batch,
 which holds for models whose forward uses all their orthogonal maps (all of this project's).
 """
@@ -277,8 +276,8 @@ class OrthogonalMapHooks(StepHooks):
         compiled encoder runs; the compiled graph takes them as inputs instead of evaluating its
         own (it skips maps already in the active cache), and their gradient leaves the graph
         into the eager maps. Eagerly, the Cayley maps run as the block inverse (matrix
-        products); traced into the graph they would be the LU solve (2.05x slower for
-        TransJect's 121 maps on an H100)."""
+        products); traced into the graph they would be the LU solve (slower:
+        docs/benchmarks.md#transjects-orthogonal-maps)."""
         with orthogonal_cache() as store:
             evaluate_orthogonal_maps(self.model, store)
             yield

@@ -265,8 +265,9 @@ class AttentionFamily:
     cannot be exported to `transformers` (the export says so)."""
     compile_auto: bool = False
     """Whether ``engine.compile: auto`` compiles this family's encoder on a GPU: true where its
-    compiled training step was measured faster there and correct (BENCHMARKS.md). False until
-    measured: a new family runs eager under ``auto``."""
+    compiled training step was measured faster there and correct
+    (docs/benchmarks.md#compiled-against-eager). False until measured: a new family runs eager
+    under ``auto``."""
     options: type | None = None
     """The family's settings: a dataclass whose fields are the keys of its section of the
     encoder config, ``model.<options_key>.*`` in a recipe, ``cfg.<options_key>`` in code (each
@@ -316,8 +317,7 @@ def sdpa_key_mask(ctx: LayerContext, dtype: torch.dtype) -> Tensor | None:
 
     Not a boolean mask for a padded batch: SDPA turns a boolean mask into a float one anyway
     (-inf at False), and on an H100 (ALBERT-base, batch 32 x 512, bf16 training step) the two
-    did not differ beyond run-to-run noise (boolean / float: 42.1 / 39.8, 41.1 / 41.9,
-    42.7 / 42.9 ms in three runs; no mask: 39.4, 39.1, 39.7 ms). The float bias keeps
+    did not differ beyond run-to-run noise. The float bias keeps
     finite scores for a sample without any real token."""
     return key_padding_bias(ctx.mask_BN, dtype) if ctx.padded else None
 

@@ -167,11 +167,10 @@ def matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
 
     Kernel attention's two products sum over the tokens (phi(K)^T [V | 1]) or use those fp32
     sums (phi(Q) [KV | z]); they run in fp32 while the feature maps before them run in the
-    autocast dtype. Measured on an H100 (ALBERT-base,
-    aoglu, bf16 autocast, eager training step): this is as fast as the all-fp32 path at 512
-    tokens (71.0 vs 70.5 ms) and 4% faster at 4096 (71.9 vs 75.2 ms), while bf16 products with
-    fp32 accumulation (`torch.bmm(..., out_dtype=torch.float32)`, the fp32 operand split into
-    bf16 hi + lo halves, a custom autograd Function) were slower at both (78.8, 75.9 ms).
+    autocast dtype. Measured on an H100 (ALBERT-base, aoglu, bf16 autocast, eager training
+    step): as fast as the all-fp32 path at 512 tokens and faster at 4096, while bf16 products
+    with fp32 accumulation (`torch.bmm(..., out_dtype=torch.float32)`, the fp32 operand split
+    into bf16 hi + lo halves, a custom autograd Function) were slower at both.
     """
     return a.float() @ b.float()
 
@@ -520,7 +519,7 @@ FAMILY = AttentionFamily(
     mixing_flops=kernel_mixing_flops,
     hf_export=HFExport(code=family_code(__file__, "kernel_hf.py")),
     options=KernelConfig,
-    # Compiled: 1.73x (ALBERT-base) and 1.65x (ALBERT-large) faster on an H200 at seq 512.
+    # Compiled on a GPU it was measured faster: docs/benchmarks.md#compiled-against-eager.
     compile_auto=True,
 )
 

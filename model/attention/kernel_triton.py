@@ -52,14 +52,15 @@ from torch import Tensor
 
 KERNEL_OPTIONS = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 """Token tile and launch options of both kernels. Chosen by compiling for the GPUs without one
-(`tests/triton_compile.py`): see BENCHMARKS.md, "Kernel attention's
-inference kernels". Not timed on a GPU yet."""
+(`tests/triton_compile.py`: no register spills, every load pipelined;
+docs/benchmarks.md#decisions-whose-measurements-are-in-the-history). Not timed on a GPU."""
 
 GRAD_KERNEL_OPTIONS = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 """Token tile and launch options of the training backward's three kernels (`query_grad` keeps
 the fp32 h x h summary in registers, `summary_grad` its gradient). Chosen by compiling for the
-GPUs without one (`tests/triton_compile.py`, BENCHMARKS.md, "Kernel
-attention's training mixing"): at head width 64 with three TF32 products for each fp32 one,
+GPUs without one (`tests/triton_compile.py`;
+docs/benchmarks.md#decisions-whose-measurements-are-in-the-history): at head width 64 with
+three TF32 products for each fp32 one,
 these are the options among those compiled with which no kernel spills registers on an H100
 or an A100 (64-token tiles spill on the A100). Not timed on a GPU yet."""
 

@@ -83,9 +83,8 @@ FAMILY = AttentionFamily(
     kernel=SoftmaxKernel,
     mixing_flops=softmax_mixing_flops,
     hf_export=HFExport(code=family_code(__file__, "softmax_hf.py"), native=native_albert),
-    # Compiled, the shipped recipe's training step was 1.33x (ALBERT-base) and 1.22x
-    # (ALBERT-large) faster on an H200 at seq 512 (BENCHMARKS.md); equal to eager
-    # (tests/test_gpu_fast_paths.py).
+    # Compiled, the shipped recipe's training step was measured faster on a GPU
+    # (docs/benchmarks.md#compiled-against-eager); equal to eager (tests/test_gpu_fast_paths.py).
     compile_auto=True,
 )
 

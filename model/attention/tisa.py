@@ -81,17 +81,16 @@ class TISAConfig:
     eligible; the gradient of f's 2N-1 values comes from a Triton kernel of its own (summing the
     scores' gradients along each diagonal in registers, no atomics; off CUDA a dense reference
     computes it). No attention dropout (falls back to sdpa, with a warning). Its speed on a GPU
-    is not measured yet (`bench_fast_paths.py tisa-backends` times it). `auto`: per sequence
-    length, flex on CUDA when attention dropout is off and N >= `flex_min_length`, else sdpa."""
+    is not measured (`python -m bench.bench_fast_paths tisa-backends` times it). `auto`: per
+    sequence length, flex on CUDA when attention dropout is off and N >= `flex_min_length`, else
+    sdpa."""
 
     flex_min_length: int = 2048
     """With `backend: auto` on CUDA: the shortest sequence length that uses FlexAttention; shorter
     batches use SDPA with the materialised bias, whose (B, H, N, N) tensor is affordable there.
-    Measured (`python -m bench.bench_fast_paths tisa-backends`, H100, bf16, batch 8, 12 heads of
-    64, forward + backward of the mixing step): SDPA is faster up to N = 1024 on a padded batch
-    (4.2 vs 7.6 ms at 1024), flex from 2048 on, padded or not (9.4 vs 15.0 ms at 2048, 85 vs
-    247 ms at 8192); bench/results/fast_paths_tisa_backends_gpu.json. Re-measure for other
-    widths or batch sizes."""
+    The length from which flex is the faster, padded or not, measured on an H100
+    (docs/benchmarks.md#tisa); re-measure (`python -m bench.bench_fast_paths tisa-backends`) for
+    other widths or batch sizes."""
 
     flex_bias: Literal["table", "dense"] = "table"
     """How the flex backend's `score_mod` reads f (training on CUDA; the outputs are the same).
@@ -105,8 +104,9 @@ class TISAConfig:
     backward. The bias and its gradient grow as N^2 (3.2 GB each at 8192 tokens): `dense` is for
     the shorter lengths, the table for long ones. FlexAttention stages the bias's fp32 tiles in
     shared memory: with torch's three pipeline stages its forward did not compile on an H100
-    (240-304 KB of the 227 KB a block may have), so `dense` asks for two. Which is faster on a
-    GPU is not measured yet (bench_fast_paths.py tisa-backends times both)."""
+    (more than a block may have: docs/benchmarks.md#the-recipes-compiled), so `dense` asks for
+    two. Which is faster on a GPU is not measured (`python -m bench.bench_fast_paths
+    tisa-backends` times both)."""
 
     def __post_init__(self) -> None:
         _check_positive("tisa.num_kernels", self.num_kernels)
@@ -241,10 +241,11 @@ DENSE_FLEX_KERNEL_OPTIONS = {"num_stages": 2}
 stages instead of the three of torch's defaults for an H100. The kernel stages each tile of the
 fp32 bias it reads in shared memory like the q, k and v tiles; with torch 2.11's H100 defaults
 (forward 128 x 128 tiles, 3 stages) that is 3 x 64 KB of bias + 96 KB of k, v + 16 KB of q =
-304 KB, over the 227 KB a block may have: on an H100 the forward did not compile (it asked
-for 240-304 KB; BENCHMARKS.md). With two stages the forward needs 208 KB (the backward's tiles
-are smaller). The table's `score_mod` gathers single values, which are not staged, and keeps
-torch's defaults. Whether the dense bias then runs faster than the table is measured on a GPU."""
+304 KB, over the 227 KB a block may have: on an H100 the forward did not compile
+(docs/benchmarks.md#the-recipes-compiled). With two stages the forward needs 208 KB (the
+backward's tiles are smaller). The table's `score_mod` gathers single values, which are not
+staged, and keeps torch's defaults. Whether the dense bias then runs faster than the table is
+measured on a GPU."""
 
 
 def key_padding_block_mask(mask_BN: Tensor, block_size: int = FLEX_BLOCK_SIZE):
@@ -462,7 +463,7 @@ FAMILY = AttentionFamily(
     figures=tisa_figures,
     hf_export=HFExport(code=family_code(__file__, "tisa_hf.py")),
     options=TISAConfig,
-    # Compiled: 1.28x (ALBERT-base) and 1.20x (ALBERT-large) faster on an H200 at seq 512.
+    # Compiled on a GPU it was measured faster: docs/benchmarks.md#compiled-against-eager.
     compile_auto=True,
 )
 

@@ -152,12 +152,13 @@ class TransJectConfig:
     eigen_products: EigenProducts = "fp32"
     """How the eigen-state's two matrix products (X U and the Gram matrix of the embeddings,
     forward and backward) run; the eigen-state itself is fp32 either way (docs/methods.md).
-    `fp32` (default): fp32 products, which a GPU runs on its CUDA cores (about 7.6 ms of the
-    albert-base step at seq 512, micro-batch 64, on an H100). `bf16x3`: each fp32 operand split
-    into bf16 high and low halves and each product summed from three bf16 products with fp32
-    accumulation (the low x low term, about 2^-16 of the rest, left out), on tensor cores; the
-    eigenvalues and the reconstruction loss within about 1e-5 of fp32's (docs/methods.md).
-    Off CUDA the three products run as fp32 products of the halves (the same values)."""
+    `fp32` (default): fp32 products, which a GPU runs on its CUDA cores (a visible share of the
+    albert-base step on an H100: docs/benchmarks.md#where-the-device-time-goes). `bf16x3`: each
+    fp32 operand split into bf16 high and low halves and each product summed from three bf16
+    products with fp32 accumulation (the low x low term, about 2^-16 of the rest, left out), on
+    tensor cores; the eigenvalues and the reconstruction loss close to fp32's
+    (docs/benchmarks.md#transjects-eigen-state-in-bf16-products). Off CUDA the three products
+    run as fp32 products of the halves (the same values)."""
 
     residual_stream: AutocastOutput = "fp32"
     """The dtype of the residual stream between TransJect layers under autocast
@@ -294,12 +295,11 @@ class PooledAt(torch.autograd.Function):
     grad_src[..., n, ...] = sum_j where(index[..., j, ...] == n, grad[..., j, ...], 0), over
     the k = index.size(dim) pooled entries (1 for the experts, E for X): a broadcast of the
     small (index, grad) pair that Inductor fuses into the kernel consuming the gradient, so
-    nothing of src's size is written for it (a compiled TransJect step moves 20% fewer bytes:
-    BENCHMARKS.md, memory traffic). The gradient is the scatter's exactly where the indices
+    nothing of src's size is written for it (a compiled TransJect step moves fewer bytes:
+    docs/benchmarks.md#memory-traffic). The gradient is the scatter's exactly where the indices
     along `dim` differ; k = E pooled entries on one token of X add up in another order (fp
     rounding). Eagerly the broadcast is the slower (it writes a comparison and a result of
-    src's size per pooled entry; a layer's two pooled gathers at 8 x 128, d = 768, CPU:
-    backward 6.6 against 1.7 ms), so `pool_at` uses it only under torch.compile.
+    src's size per pooled entry), so `pool_at` uses it only under torch.compile.
 
     apply(src, index, dim) -> src.gather(dim, index); no gradient for the index.
     """
@@ -342,8 +342,8 @@ def mix_experts(w_BE: Tensor, a_EBND: Tensor) -> Tensor:
     product then a sum would write one more tensor of A's size). Under torch.compile a sum over
     the expert axis, which Inductor fuses with the ELU that makes A: the einsum's product
     needs A in a (B, N d, E) layout for its backward, so compiled, every forward wrote that
-    copy of A (a compiled TransJect step moves 8% fewer bytes without it: BENCHMARKS.md,
-    memory traffic)."""
+    copy of A (a compiled TransJect step moves fewer bytes without it:
+    docs/benchmarks.md#memory-traffic)."""
     if torch.compiler.is_compiling():
         return (w_BE.T[:, :, None, None] * a_EBND).sum(dim=0)
     return torch.einsum("be,ebnd->bnd", w_BE, a_EBND)
@@ -423,8 +423,8 @@ class TransJectAttention(Attention):
         product with the concatenated U = [U_1 ... U_E] (d, E d), and (X U_e Lambda) V_e^T one
         batched product over the E experts. (Broadcasting the batch against the (E, d, d)
         stacks instead made torch expand U and V to (B, E, d, d) copies and reduce their
-        gradients over B, and keep the copies for the backward: a 2-layer step at d = 768 on
-        the CPU 1.22-1.25x slower, 1.6x the peak memory; docs/methods.md.)
+        gradients over B, and keep the copies for the backward: slower and far more memory;
+        docs/methods.md.)
         """
         B, N, d = x_BND.shape
         E = self.num_experts
@@ -648,11 +648,9 @@ FAMILY = AttentionFamily(
     residual_weights=transject_residual_weights,
     hf_export=HFExport(code=family_code(__file__, "transject_hf.py")),
     options=TransJectConfig,
-    # Compiled under `auto`: on an H100 the ALBERT-base recipe's compiled step (inductor,
-    # bf16-mixed, seq 512, batch 64) took 129.7 ms against 156.4 ms eager, every loss part, output
-    # and gradient finite and within 1.4e-7 of eager (tests/test_compile_check.py). Before the
-    # maps' block inverse and the batched expert block, every compiled step had been non-finite
-    # on an H200.
+    # Compiled under `auto`: on an H100 the ALBERT-base recipe's compiled step is faster than
+    # eager (docs/benchmarks.md#compiled-against-eager), every loss part, output and gradient
+    # finite and within rounding of eager (tests/test_compile_check.py).
     compile_auto=True,
 )
 
