@@ -1,9 +1,9 @@
 """Ending a command-line process without Python's interpreter teardown.
 
-A process that has imported torch, torch._dynamo and DeepSpeed spends 0.4-1.2 s after its
-last line in Python's finalization (modules torn down one by one, a final garbage collection):
-measured on 2 CPU cores, `import torch` alone 0.35 s, with `torch._dynamo` and DeepSpeed
-1.1 s. Every rank of a job, every `--status` or `--print-config` call in a batch script and
+A process that has imported torch, torch._dynamo and DeepSpeed spends a noticeable time after
+its last line in Python's finalization (modules torn down one by one, a final garbage
+collection; measured once: docs/benchmarks.md#decisions-whose-measurements-are-in-the-history).
+Every rank of a job, every `--status` or `--print-config` call in a batch script and
 every launcher process pays it. `exit_process` does what that teardown must do and skips the
 rest: it runs the `atexit` handlers (logging's flush, multiprocessing's clean-up of worker
 processes, the trackers'), flushes stdout and stderr, and ends the process with `os._exit`.
