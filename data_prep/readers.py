@@ -618,8 +618,8 @@ def _warn_if_mostly_bad(
 
 def fingerprint_inputs(files: Iterable[str]) -> list[dict[str, Any]]:
     """What each expanded input (`expand_inputs`) is now: {"path", "size", "mtime_ns",
-    "sha256"}. The sha256 is of the whole file (about 2 GB/s with SHA instructions, far less
-    than tokenizing it costs), so a change is seen whatever its size and mtime; `mtime_ns` is
+    "sha256"}. The sha256 is of the whole file (with SHA instructions far cheaper than
+    tokenizing it), so a change is seen whatever its size and mtime; `mtime_ns` is
     informational (a copy or `touch` changes it, not the content). An HF directory is hashed
     over its files (relative path and sha256 of each), with their total size and latest mtime;
     the embedded corpus over its text (its `mtime_ns` is None)."""

@@ -181,8 +181,8 @@ def _dual_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _accuracy(predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-    # the share of exact matches (sklearn's accuracy_score, without importing sklearn: 0.85 s
-    # of every LRA process's start on 2 CPU cores)
+    # the share of exact matches (sklearn's accuracy_score, without importing sklearn, whose
+    # import is a visible share of every LRA process's start)
     return {"accuracy": float(np.mean(np.asarray(predictions) == labels.astype(np.int64)))}
 
 
