@@ -486,7 +486,7 @@ class Trainer(Stage):
                 f"scope {cfg.engine.compile_scope}"
                 + (f", options {cfg.engine.compile_options}" if cfg.engine.compile_options else "")
                 + "): the first "
-                "steps pay the compilation (up to about 85 s per family on an H200) unless "
+                "steps pay the compilation (tens of seconds per family: docs/benchmarks.md) unless "
                 f"the compiler's cache has it ({self.engine.compile_cache}); "
                 "engine.compile=false turns it off"
             )
