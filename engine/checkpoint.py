@@ -391,6 +391,21 @@ class CheckpointStore:
     def _is_complete(self, tag: str) -> bool:
         return (self.root / tag / COMPLETE_FILE).is_file()
 
+    def set_aside_after(self, step: int, suffix: str) -> list[str]:
+        """Collective: the checkpoints of steps after ``step`` renamed to ``<tag><suffix>``
+        (kept, never loaded: a rollback's diverged states) and ``latest`` naming ``step``'s.
+        Returns the new names."""
+        moved: list[str] = []
+        if self.rank == 0:
+            for tag, later in sorted(self._tag_dirs(), key=lambda item: item[1]):
+                if later > step:
+                    os.replace(self.root / tag, self.root / f"{tag}{suffix}")
+                    moved.append(f"{tag}{suffix}")
+            write_atomically(self.root / LATEST_FILE, lambda f: f.write(tag_for(step).encode()))
+            fsync_dir(self.root)
+        self._barrier()
+        return moved
+
     def complete_steps(self) -> list[int]:
         """Steps that have a sealed (``COMPLETE.json``) checkpoint directory, ascending. The files
         are not checked here: see ``verify``."""

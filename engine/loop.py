@@ -34,11 +34,12 @@ from typing import Any, Protocol
 
 from albatross.files import DiskFullError, disk_full_error, remove_tree
 from engine import checkpoint as ckpt
+from engine.divergence import DivergenceConfig, DivergenceError, DivergenceGuard, Verdict
 from engine.metrics import Progress
 from engine.signals import StopWatch
 from engine.trackers import TrackerConfig, Trackers, open_trackers
 
-ENDING_ERRORS = (DiskFullError,)
+ENDING_ERRORS = (DiskFullError, DivergenceError)
 """Errors whose message the loop writes into the status file as the reason a run failed (any
 other error leaves ``"running"``: the traceback is the report)."""
 
@@ -106,6 +107,32 @@ class Stage(ABC):
         """The stage's fields of the final status file, after state, reason and steps."""
         return {}
 
+    # The divergence guard's needs (``LoopConfig.divergence``); a stage without them cannot
+    # use it.
+
+    def health(self) -> Health:
+        """The logging window just logged: its mean loss and the non-finite steps in a row
+        at its end (values read by ``log_step``, no further synchronisation)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support the divergence guard")
+
+    def skip_data(self, steps: int) -> None:
+        """After a rollback's ``restore_state``: skip the batches of ``steps`` optimizer
+        steps (the data that led to the divergence)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support the divergence guard")
+
+    def scale_learning_rate(self, factor: float) -> None:
+        """After a rollback's ``restore_state``: the schedule's learning rates times
+        ``factor`` (relative to the configured ones) from now on."""
+        raise NotImplementedError(f"{type(self).__name__} does not support the divergence guard")
+
+
+@dataclass
+class Health:
+    """What the divergence guard reads of a stage after each logging step."""
+
+    loss: float
+    nonfinite_in_a_row: int
+
 
 @dataclass
 class LoopConfig:
@@ -138,6 +165,9 @@ class LoopConfig:
     """The status file's name in ``run_dir`` (None: none is written)."""
     progress_tty: bool | None = None
     """``Progress``'s ``force_tty`` (None: a bar when stderr is a terminal)."""
+    divergence: DivergenceConfig | None = None
+    """Roll back when the loss diverges (``engine/divergence.py``; None or not enabled:
+    off)."""
 
 
 @dataclass
@@ -163,6 +193,11 @@ class RunLoop:
         self.resumed_from: Path | None = None
         self.trackers: Trackers | None = None
         self.progress: Progress | None = None
+        enabled = cfg.divergence is not None and cfg.divergence.enabled
+        self.guard = DivergenceGuard(cfg.divergence) if enabled else None
+        self.rollbacks: list[dict[str, Any]] = []
+        """The rollbacks of the run so far (kept in every checkpoint's seal, so a resumed run
+        counts the earlier ones)."""
 
     def say(self, message: str) -> None:
         """A message line on rank 0 that does not break the progress bar."""
@@ -176,6 +211,8 @@ class RunLoop:
         full: DiskFullError | None = None
         try:
             meta = stage.save_state(staging, reason)
+            if self.rollbacks:
+                meta["divergence_rollbacks"] = self.rollbacks
             return stage.store.commit(stage.step, meta)
         except (OSError, RuntimeError) as e:
             full = disk_full_error(e, stage.store.root, f"the checkpoint of step {stage.step}")
@@ -202,6 +239,9 @@ class RunLoop:
             stage.store, stage.restore_state, stage.engine.any_rank, checksums=stage.is_main
         )
         self.resumed_from = None if found is None else found[0]
+        if found is not None:
+            record = stage.store.read_complete(found[0].name, checksums=False)
+            self.rollbacks = list(record.get("meta", {}).get("divergence_rollbacks", []))
         # Only now: a resume that fails leaves the previous status (e.g. "completed") as it
         # was; a stale "stopped" from an earlier attempt must not survive a later crash.
         self._write_status({"state": "running", "step": stage.step})
@@ -256,10 +296,69 @@ class RunLoop:
                 "reason": outcome.reason,
                 "step": stage.step,
                 "total_steps": cfg.total_steps,
+                **({"rollbacks": self.rollbacks} if self.rollbacks else {}),
                 **stage.status(),
             }
         )
         return outcome
+
+    def _roll_back(self, verdict: Verdict) -> int:
+        """Collective: the divergence guard's rollback (``engine/divergence.py``). Returns the
+        step the run continues from."""
+        stage, settings = self.stage, self.cfg.divergence
+        assert settings is not None and self.trackers is not None
+        failed_at = stage.step
+        where = f"{verdict.reason}"
+        if len(self.rollbacks) >= settings.max_rollbacks:
+            raise DivergenceError(
+                f"{where}, after {len(self.rollbacks)} rollback(s) (train.divergence."
+                f"max_rollbacks={settings.max_rollbacks}): the run stops. Its checkpoints hold "
+                "the last good state; try a lower learning rate (train.divergence.lr_scale, "
+                "optimizer.lr) or a longer warm-up, then run the same command again"
+            )
+        good = [s for s in stage.store.complete_steps() if s < verdict.first_bad_step]
+        if not good:
+            raise DivergenceError(
+                f"{where}: no complete checkpoint before step {verdict.first_bad_step} to roll "
+                "back to (train.checkpoint_every sets how often they are written)"
+            )
+        target = good[-1]
+        tag = ckpt.tag_for(target)
+        record = stage.store.read_complete(tag, checksums=stage.is_main)
+        stage.restore_state(stage.store.root / tag, record)
+        stage.skip_data(failed_at - target)
+        factor = settings.lr_scale ** (len(self.rollbacks) + 1)
+        if settings.lr_scale != 1.0:
+            stage.scale_learning_rate(factor)
+        aside = stage.store.set_aside_after(target, f".diverged-{len(self.rollbacks) + 1}")
+        self.guard.rolled_back()  # type: ignore[union-attr]
+        if self.progress is not None:
+            self.progress.rewind(target)
+        event = {
+            "at_step": failed_at,
+            "to_step": target,
+            "reason": verdict.reason,
+            "skipped_steps_of_data": failed_at - target,
+            "lr_factor": factor,
+            "set_aside": aside,
+        }
+        self.rollbacks.append(event)
+        self.trackers.scalars(
+            failed_at,
+            {
+                "divergence/rollbacks": float(len(self.rollbacks)),
+                "divergence/to_step": float(target),
+            },
+        )
+        self._write_status({"state": "running", "step": target, "rollbacks": self.rollbacks})
+        if stage.is_main:
+            self.say(
+                f"{self.cfg.name}: {verdict.reason}: rolled back to step {target}, skipping the "
+                f"data of steps {target + 1}-{failed_at}"
+                + (f", learning rate x{factor:g}" if factor != 1.0 else "")
+                + f" (rollback {len(self.rollbacks)} of at most {settings.max_rollbacks})"
+            )
+        return target
 
     def _steps(self, stopwatch: StopWatch, outcome: LoopOutcome) -> None:
         """Steps until the last one or a stop request (``outcome`` then says which)."""
@@ -267,6 +366,7 @@ class RunLoop:
         assert self.progress is not None
         total = cfg.total_steps
         first_started: float | None = time.perf_counter()  # this process's first step compiles
+        logged_through = stage.step  # the last step of the last logging window
         while stage.step < total:
             stage.train_step(self)
             if first_started is not None:
@@ -277,6 +377,15 @@ class RunLoop:
             step = stage.step
             if step % max(cfg.log_every, 1) == 0 or step == total:
                 self.progress.update(step, stage.log_step(self))
+                if self.guard is not None:
+                    health = stage.health()
+                    verdict = self.guard.observe(
+                        logged_through + 1, step, health.loss, health.nonfinite_in_a_row
+                    )
+                    logged_through = step
+                    if verdict is not None:
+                        logged_through = self._roll_back(verdict)
+                        continue
             if (cfg.eval_every and step % cfg.eval_every == 0) or (
                 cfg.eval_at_end and step == total
             ):

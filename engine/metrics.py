@@ -326,6 +326,13 @@ class Progress:
             self._next_log = (step // self.log_every + 1) * self.log_every
             self._print(self._line(step, shown))
 
+    def rewind(self, step: int) -> None:
+        """Back to ``step`` (a rollback): the next updates show the steps again."""
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.refresh()
+        self._next_log = (step // self.log_every + 1) * self.log_every
+
     def _line(self, step: int, shown: Mapping[str, str]) -> str:
         parts = [f"{self.desc} {step}/{self.total} ({100 * step / max(self.total, 1):.0f}%)"]
         parts += [f"{key} {value}" for key, value in shown.items()]

@@ -142,3 +142,26 @@ def toeplitzness(position_embeddings_NE: Tensor) -> float:
     total = ((P - P.mean()) ** 2).sum()
     residual = ((P - T) ** 2).sum()
     return float(1.0 - residual / total) if total > 0 else 1.0
+
+
+def scalars(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Every diagnostic of ``model`` on the batch ``ids`` / ``mask`` as TensorBoard scalars
+    (``diagnostics/...``): activation factors, entropy and residual weights per layer, the
+    family's own, the largest orthogonality error."""
+    values: dict[str, float] = {}
+    factors = activation_factors(model, ids, mask)  # (L, B)
+    for layer, f in enumerate(factors.mean(1).tolist()):
+        values[f"diagnostics/activation_factor/layer_{layer:02d}"] = f
+    entropy = differential_entropy(model, ids, mask)  # (L + 1,): h_0 .. h_L
+    for layer, h in enumerate(entropy[1:].tolist()):
+        values[f"diagnostics/entropy/layer_{layer:02d}"] = h
+    residual = residual_weights(model)
+    if residual is not None:
+        for layer, r in enumerate(residual.tolist()):
+            values[f"diagnostics/residual/layer_{layer:02d}"] = r
+    for name, value in family_diagnostics(model, ids, mask).items():
+        values[f"diagnostics/{name}"] = value
+    errors = orthogonality_errors(model)
+    if errors:
+        values["diagnostics/orthogonality_error_max"] = max(errors.values())
+    return values

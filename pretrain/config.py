@@ -18,6 +18,7 @@ from typing import Any
 
 from data_prep.loader import DEFAULT_GROUP_CHUNK, DEFAULT_GROUP_WINDOW, LengthGrouping
 from data_prep.masking import MaskingConfig
+from engine.divergence import DivergenceConfig
 from engine.engine import EngineConfig
 from engine.optim import OptimizerConfig, ScheduleConfig
 from engine.recipe import build_config, config_dict
@@ -110,6 +111,8 @@ RESUMABLE_CHANGES = (
     "train.time_split",
     "train.export_at_end",
     "train.fail_at_step",
+    "train.divergence",
+    "train.inject_nonfinite_at",
     "data.num_workers",
     "data.verify_checksums",
     "engine.dist_timeout_minutes",
@@ -189,6 +192,17 @@ class TrainConfig(TrackerConfig):
     log line every log_every steps."""
     fail_at_step: int | None = None
     """Testing aid: raise an error after this step (to exercise crash recovery)."""
+    divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
+    """Roll back to the last good checkpoint when the loss diverges: after ``bad_steps``
+    non-finite steps in a row (fewer than ``max_nonfinite_in_a_row``) or spiking logging windows
+    in a row, load the newest complete checkpoint before them, skip their data, optionally
+    scale the learning rate, and stop with an error after ``max_rollbacks`` (see
+    ``engine/divergence.py``; TensorBoard ``divergence/*``, status.json ``rollbacks``). Off by
+    default and in the debug recipes; on in the albert-* recipes (the GPU runs)."""
+    inject_nonfinite_at: list[int] = field(default_factory=list)
+    """Testing aid: the losses of these steps are made non-finite, once each (the first time
+    the step runs in this process), to exercise the non-finite handling and the divergence
+    guard on a real run."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -204,6 +218,11 @@ class TrainConfig(TrackerConfig):
                 raise ValueError(f"train.{name}={getattr(self, name)} is invalid; valid: >= 0")
         if self.time_budget_minutes is not None and self.time_budget_minutes <= 0:
             raise ValueError("train.time_budget_minutes must be > 0 or null")
+        if self.divergence.enabled and self.divergence.bad_steps >= self.max_nonfinite_in_a_row:
+            raise ValueError(
+                f"train.divergence.bad_steps={self.divergence.bad_steps} must be below "
+                f"train.max_nonfinite_in_a_row={self.max_nonfinite_in_a_row} (which stops the run)"
+            )
 
 
 @dataclass

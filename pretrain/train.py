@@ -50,7 +50,7 @@ from data_prep.masking import masking_budget
 from engine import checkpoint as ckpt
 from engine.distributed import detect
 from engine.engine import DeferredStep, Engine, shutdown
-from engine.loop import LoopConfig, RunLoop, Stage
+from engine.loop import Health, LoopConfig, RunLoop, Stage
 from engine.metrics import mfu, peak_flops
 from engine.recipe import to_yaml
 from engine.trackers import Trackers
@@ -65,7 +65,12 @@ from pretrain.config import (
     PretrainConfig,
 )
 from pretrain.init import INIT_KEY, InitReport, load_init
-from pretrain.objective import model_inputs, objective_terms, pretraining_loss
+from pretrain.objective import (
+    PretrainingLoss,
+    model_inputs,
+    objective_terms,
+    pretraining_loss,
+)
 from pretrain.setup import (  # re-exported: the run's setup, result and errors
     CONFIG_FILE,
     STATUS_FILE,
@@ -182,6 +187,11 @@ class Trainer(Stage):
         # The loss terms compiled with the encoder: fused, they read the bf16 logits a few
         # times instead of upcasting them and passing over them in fp32 op by op.
         self.objective_terms = self.engine.compile_beside(objective_terms)
+        self._configured_lrs = [
+            group.get("initial_lr", group["lr"]) for group in self.engine.optimizer.param_groups
+        ]
+        """The schedule's base learning rates as configured (a rollback may scale them)."""
+        self._faults = set(cfg.train.inject_nonfinite_at)
         torch.manual_seed(rank_seed(cfg.train.seed, self.rank))  # dropout differs per rank
         self.phase = self.phases[0]
         self.loader = self._make_loader(self.phase)
@@ -384,23 +394,7 @@ class Trainer(Stage):
         ids = batch["input_ids"][:8].cpu()
         mask = batch["attention_mask"]  # None: no padding (Engine.to_device)
         mask = torch.ones_like(ids) if mask is None else mask[:8].cpu()
-        values: dict[str, float] = {}
-        factors = diagnostics.activation_factors(model, ids, mask)  # (L, B)
-        for layer, f in enumerate(factors.mean(1).tolist()):
-            values[f"diagnostics/activation_factor/layer_{layer:02d}"] = f
-        entropy = diagnostics.differential_entropy(model, ids, mask)  # (L + 1,): h_0 .. h_L
-        for layer, h in enumerate(entropy[1:].tolist()):
-            values[f"diagnostics/entropy/layer_{layer:02d}"] = h
-        residual = diagnostics.residual_weights(model)
-        if residual is not None:
-            for layer, r in enumerate(residual.tolist()):
-                values[f"diagnostics/residual/layer_{layer:02d}"] = r
-        for name, value in diagnostics.family_diagnostics(model, ids, mask).items():
-            values[f"diagnostics/{name}"] = value
-        errors = diagnostics.orthogonality_errors(model)
-        if errors:
-            values["diagnostics/orthogonality_error_max"] = max(errors.values())
-        writer.scalars(self.step, values)
+        writer.scalars(self.step, diagnostics.scalars(model, ids, mask))
         for tag, figure in diagnostics.family_figures(model).items():
             writer.figure(tag, figure, self.step)
 
@@ -442,6 +436,7 @@ class Trainer(Stage):
                 time_budget_minutes=train.time_budget_minutes,
                 status_file=STATUS_FILE,
                 progress_tty=None if train.progress else False,
+                divergence=train.divergence,
             ),
         ).run()
         release, reason = self.release, outcome.reason
@@ -512,6 +507,7 @@ class Trainer(Stage):
                     f"{self.phase.micro_batch_size}, until step {self.phase.end})"
                 )
         done = self._train_step(self._batches, self._window)
+        self._faults.discard(self.step + 1)  # each injected fault fires once
         self.step += 1
         self.tokens += done.tokens
         self.samples += done.samples
@@ -560,6 +556,32 @@ class Trainer(Stage):
         if train.fail_at_step is not None and self.step == train.fail_at_step:
             raise RuntimeError(f"train.fail_at_step={self.step}: failing on purpose")
 
+    def health(self) -> Health:
+        """The window ``log_step`` just read (engine.loop's divergence guard)."""
+        return Health(self.last.get("loss/total", math.nan), self.nonfinite_in_a_row)
+
+    def skip_data(self, steps: int) -> None:
+        """After a rollback: the data continues ``steps`` optimizer steps further on, and the
+        counters of the diverged stretch are dropped."""
+        self._batches = iter(self.loader)
+        for _ in range(steps * self.engine.cfg.gradient_accumulation_steps):
+            next(self._batches)
+        self._window = LogWindow()
+        self._pending = None
+        self._worst_run = 0
+
+    def scale_learning_rate(self, factor: float) -> None:
+        """The schedule's base learning rates: the configured ones times ``factor`` (host
+        scheduler, the optimizer's groups, and what the device-side schedule multiplies)."""
+        sched = self.engine.scheduler
+        sched.base_lrs = [lr * factor for lr in self._configured_lrs]
+        position = max(sched.last_epoch, 0)
+        for group, base, fn in zip(
+            self.engine.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True
+        ):
+            group["initial_lr"] = base
+            group["lr"] = base * fn(position)
+
     def complete(self, loop: RunLoop, checkpoint: Path | None) -> None:
         """The release of the last checkpoint (``train.export_at_end``, rank 0)."""
         if self.cfg.train.export_at_end and self.is_main and checkpoint is not None:
@@ -606,6 +628,8 @@ class Trainer(Stage):
             t1 = time.perf_counter()
             out = engine.forward(**model_inputs(batch, max_masked))
             loss = pretraining_loss(out, batch, self.objective_terms)
+            if self.step + 1 in self._faults:  # train.inject_nonfinite_at: a testing aid
+                loss = _poisoned(loss)
             sync()
             t2 = time.perf_counter()
             engine.backward(loss.total, defer=True)
@@ -726,6 +750,16 @@ class Trainer(Stage):
             values["throughput/mfu"] = achieved
         writer.scalars(self.step, values)
         return {k: float(v) for k, v in values.items() if v is not None}
+
+
+def _poisoned(loss: PretrainingLoss) -> PretrainingLoss:
+    """``loss`` made non-finite (``train.inject_nonfinite_at``)."""
+    nan = torch.tensor(float("nan"), device=loss.total.device)
+    return dataclasses.replace(
+        loss,
+        total=loss.total * nan,
+        parts={name: value * nan for name, value in loss.parts.items()},
+    )
 
 
 def _no_sync() -> None:

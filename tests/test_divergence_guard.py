@@ -70,3 +70,63 @@ def test_nonfinite_steps_in_a_row():
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError, match=r"train\.divergence"):
         DivergenceConfig(**bad)
+
+
+def _run_with_faults(tmp_path, steps, faults, *extra):
+    import json
+    import subprocess
+    import sys
+
+    from pretrain_support import REPO, base_overrides, env, make_shards
+
+    shards = make_shards(tmp_path / "data")
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "pretrain",
+        *base_overrides(shards, run_dir, steps),
+        "train.checkpoint_every=2",
+        f"train.inject_nonfinite_at=[{','.join(map(str, faults))}]",
+        "train.divergence.enabled=true",
+        "train.divergence.bad_steps=3",
+        *extra,
+    ]
+    proc = subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True)
+    status = json.loads((run_dir / "status.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "tensorboard" / "metrics.jsonl").open()]
+    return proc, status, rows, run_dir
+
+
+@pytest.mark.integration
+def test_a_real_run_rolls_back_past_injected_nonfinite_steps_and_completes(tmp_path):
+    """Steps 7-9 of a real pretraining run made non-finite: the guard rolls back to the
+    checkpoint of step 6, skips those steps' data, halves the learning rate, sets the diverged
+    checkpoint of step 8 aside, logs it (TensorBoard, status.json) and completes."""
+    proc, status, rows, run_dir = _run_with_faults(
+        tmp_path, 14, [7, 8, 9], "train.divergence.lr_scale=0.5"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rolled back to step 6, skipping the data of steps 7-9" in proc.stderr
+    assert status["state"] == "completed" and status["step"] == 14
+    (event,) = status["rollbacks"]
+    assert (event["at_step"], event["to_step"], event["lr_factor"]) == (9, 6, 0.5)
+    assert (run_dir / "checkpoints" / "step_00000008.diverged-1" / "COMPLETE.json").is_file()
+    assert any(r.get("divergence/rollbacks") == 1.0 for r in rows)
+    lr = {}
+    for r in rows:  # the last value logged for each step: after the rollback
+        if "optim/lr" in r:
+            lr[r["step"]] = r["optim/lr"]
+    first = next(r["optim/lr"] for r in rows if r["step"] == 7 and "optim/lr" in r)
+    assert lr[7] == pytest.approx(first / 2)
+    assert all(math.isfinite(r["loss/total"]) for r in rows if r["step"] > 9 and "loss/total" in r)
+
+
+@pytest.mark.integration
+def test_the_run_stops_with_a_clear_error_after_max_rollbacks(tmp_path):
+    proc, status, _, _ = _run_with_faults(
+        tmp_path, 16, [7, 8, 9, 11, 12, 13], "train.divergence.max_rollbacks=1"
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "after 1 rollback(s) (train.divergence.max_rollbacks=1): the run stops" in proc.stderr
+    assert status["state"] == "failed" and "max_rollbacks" in status["reason"]
