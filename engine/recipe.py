@@ -213,9 +213,22 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> di
             )
     overrides = [moved for item in overrides if (moved := _move_override(item)) is not None]
     try:
-        node = OmegaConf.merge(OmegaConf.create(data), OmegaConf.from_dotlist(list(overrides)))
+        node = OmegaConf.create(data)
+        for item in overrides:
+            # One at a time, into the recipe's own structure: an index reaches into a list
+            # (phases.1.shards=...), which a merge of a dotted dict cannot do.
+            key, value = item.split("=", 1)
+            parsed = OmegaConf.to_container(OmegaConf.from_dotlist([f"value={value}"]))["value"]
+            try:
+                OmegaConf.update(node, key, parsed, merge=True)
+            except (IndexError, TypeError) as e:
+                raise ValueError(
+                    f"override {item!r}: {key} does not fit the recipe (a list index past its "
+                    f"end, or a key under a value that is not a section): "
+                    f"{str(e).splitlines()[0]}"
+                ) from e
         resolved = OmegaConf.to_container(node, resolve=True)
-    except (OmegaConfBaseException, yaml.YAMLError) as e:
+    except (OmegaConfBaseException, yaml.YAMLError, TypeError, IndexError, KeyError) as e:
         raise ValueError(f"bad config or override: {e}") from e
     return resolved  # type: ignore[return-value]
 

@@ -521,3 +521,16 @@ def recipe_overrides_of(data: dict, prefix: str = "") -> list[str]:
         else:
             out.append(f"{where}={value}")
     return out
+
+
+def test_an_override_reaches_into_a_list_and_a_bad_index_is_named():
+    """``phases.1.shards=...`` sets one phase's shards (it used to crash the merge with a
+    TypeError); an index past the list's end is a clear error."""
+    from pathlib import Path
+
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "pretrain" / "debug-2phase.yaml"
+    data = load_recipe(recipe, ["phases.1.shards=/elsewhere", "optimizer.lr=1e-3"])
+    assert data["phases"][1]["shards"] == "/elsewhere" and data["optimizer"]["lr"] == 1e-3
+    assert data["phases"][0].get("shards") != "/elsewhere"
+    with pytest.raises(ValueError, match=r"override 'phases\.7\.shards=x': phases\.7\.shards"):
+        load_recipe(recipe, ["phases.7.shards=x"])
