@@ -356,6 +356,14 @@ def render() -> str:
         "invalid values fail at start-up, naming the key (`engine/recipe.py`, "
         "`model/typed_config.py`). A run directory keeps the resolved recipe as `config.yaml`.",
         "",
+        "**Compatibility.** A key added in a later version has a default that keeps the "
+        "behaviour from before it existed, so a run directory written by an earlier version "
+        "resumes: a key its `config.yaml` lacks is compared at its default (`pretrain/setup.py`), "
+        "and only another value is a change that refuses the resume. A key that moves is read "
+        "under its old name too, with a warning naming the new one (`engine/recipe.py`, "
+        "`MOVED_KEYS`). The test suite resumes a run directory and loads a release written by "
+        "the previous version (`tests/fixtures/previous`).",
+        "",
         "Contents: " + " · ".join(f"[{r.title}](#{anchor(r.title)})" for r in ROOTS) + ".",
         "",
     ]
