@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
+from albatross.files import staged_directory
 from albatross.writer_lock import one_writer_collectively
 from data_prep.format import sha256_file
 from data_prep.transport import loader_batches
@@ -263,7 +264,7 @@ def write_finished(run_dir: str | Path, results: Mapping[str, Any]) -> Path:
 def _link_tree(source: Path, target: Path) -> None:
     """A copy of ``source`` at ``target`` made of hard links where the file system allows
     (releases are written to a new directory and renamed, never modified in place)."""
-    target.mkdir(parents=True)
+    target.mkdir(parents=True, exist_ok=True)
     for item in sorted(source.iterdir()):
         if item.is_dir():
             _link_tree(item, target / item.name)
@@ -520,10 +521,8 @@ class Finetuner(Stage):
             # interruption is not this run's any more: the resumed run writes it again).
             ckpt.remove_tree(self.run_dir / BEST)
             if (path / BEST).is_dir():
-                tmp = self.run_dir / (BEST + ".restoring")
-                ckpt.remove_tree(tmp)
-                _link_tree(path / BEST, tmp)
-                os.replace(tmp, self.run_dir / BEST)
+                with staged_directory(self.run_dir / BEST, "the best release") as staging:
+                    _link_tree(path / BEST, staging)
         if result.best_step is not None and self.cfg.save_best:
             result.best_release = self.run_dir / BEST
         window = json.loads(state["window"])

@@ -7,7 +7,6 @@ benchmarked against."""
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
+from albatross.files import atomic_file
 from engine.backends.base import Backend
 from engine.config import EngineConfig
 from engine.state import check_weights_only, load_engine_file
@@ -119,9 +119,8 @@ class TorchBackend(Backend):
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "albatross": extra,
         }
-        tmp = directory / "engine.pt.tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, directory / "engine.pt")
+        with atomic_file(directory / "engine.pt", "the engine state") as tmp:
+            torch.save(state, tmp)
 
     def load(
         self,
