@@ -13,7 +13,6 @@ the page or the test fails.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import inspect
 import re
@@ -27,6 +26,7 @@ if str(ROOT) not in sys.path:  # run as a script: make the project importable
 
 from model.attention import base, hf_export, registry  # noqa: E402
 from model.typed_config import field_docs  # noqa: E402
+from scripts.docs_page import page_main  # noqa: E402
 
 OUTPUT = ROOT / "docs" / "attention.md"
 COMMAND = "python scripts/gen_attention_docs.py"
@@ -157,20 +157,7 @@ def render() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Generate docs/attention.md from docstrings.")
-    parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
-    parser.add_argument("--out", type=Path, default=OUTPUT, help="the page (docs/attention.md)")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        current = args.out.read_text() if args.out.is_file() else ""
-        if current != text:
-            print(f"{args.out} is out of date: run {COMMAND}", file=sys.stderr)
-            return 1
-        return 0
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
-    return 0
+    return page_main(argv, "Generate docs/attention.md from docstrings.", OUTPUT, render, COMMAND)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:  # run as a script: make the project importable
     sys.path.insert(0, str(ROOT))
 
 from albatross import cli  # noqa: E402
+from scripts.docs_page import page_main  # noqa: E402
 
 OUTPUT = ROOT / "docs" / "cli.md"
 COMMAND = "python scripts/gen_cli_docs.py"
@@ -261,20 +262,7 @@ def render() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Generate docs/cli.md from the parsers.")
-    parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
-    parser.add_argument("--out", type=Path, default=OUTPUT, help="the page (docs/cli.md)")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        current = args.out.read_text() if args.out.is_file() else ""
-        if current != text:
-            print(f"{args.out} is out of date: run {COMMAND}", file=sys.stderr)
-            return 1
-        return 0
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
-    return 0
+    return page_main(argv, "Generate docs/cli.md from the parsers.", OUTPUT, render, COMMAND)
 
 
 if __name__ == "__main__":

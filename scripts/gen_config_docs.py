@@ -18,7 +18,6 @@ description and lists only the defaults that differ.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import inspect
 import re
@@ -40,6 +39,7 @@ from model.config import PRESETS, EncoderConfig  # noqa: E402
 from model.typed_config import SECTIONS, config_sections, field_docs  # noqa: E402
 from pretrain.config import PretrainConfig  # noqa: E402
 from pretrain.init import INIT_KEY  # noqa: E402
+from scripts.docs_page import page_main  # noqa: E402
 from study.settings import Settings  # noqa: E402
 from study.spec import GlueStage, LraStage, PretrainStage, StudySpec  # noqa: E402
 
@@ -375,20 +375,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
-    parser.add_argument("--out", type=Path, default=OUTPUT)
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        current = args.out.read_text() if args.out.is_file() else ""
-        if current != text:
-            print(f"{args.out} is out of date: run {COMMAND} to update it", file=sys.stderr)
-            return 1
-        return 0
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
-    return 0
+    return page_main(argv, __doc__.splitlines()[0], OUTPUT, render, COMMAND)
 
 
 if __name__ == "__main__":
