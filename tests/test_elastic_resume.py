@@ -13,13 +13,13 @@ tolerance below.
 from __future__ import annotations
 
 import json
-import subprocess
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from background_runs import BackgroundRuns, selected_params
 from pretrain_support import REPO, env, torchrun_cmd
 from test_engine import ADAMW, SCHEDULE, data, make_engine, mlp, mse
 from test_loader import assert_batches_equal, take, write_shard_dir
@@ -331,16 +331,9 @@ and 1 -> 2); bf16 and bf16-mixed at most 5.7e-3 (exp_avg; bf16 rounding of activ
 with bf16, of gradients)."""
 
 
-def _run(out: Path, nproc: int, *args: str) -> None:
+def _run(runs: BackgroundRuns, out: Path, nproc: int, *args: str) -> None:
     script = str(REPO / "tests/multiproc/elastic_engine.py")
-    proc = subprocess.run(
-        torchrun_cmd(nproc, script, str(out), *args),
-        cwd=REPO,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = runs.run(torchrun_cmd(nproc, script, str(out), *args), cwd=REPO, env=env(), timeout=600)
     assert proc.returncode == 0, f"elastic_engine.py {args} failed:\n{proc.stderr[-4000:]}"
 
 
@@ -381,13 +374,37 @@ CASES = {
 }
 
 
+def _launches(runs: BackgroundRuns, out: Path, case: str) -> Path:
+    """A case's launches, one after the other: W ranks train and save, W' resume from step 3
+    (and W'' from the resumed run's step 5)."""
+    stage, precision, worlds = CASES[case]
+    _run(runs, out, worlds[0], stage, precision, "run")
+    _run(runs, out, worlds[1], stage, precision, "resume", "3")
+    if len(worlds) == 3:
+        _run(runs, out, worlds[2], stage, precision, "resume", "5")
+    return out
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """The selected cases' launches, two cases at a time (each launch is mostly process
+    start-up and waits, under a core per case: `BackgroundRuns`), each case in a folder of its
+    own; the tests check the folders in their own order."""
+    runs = BackgroundRuns(workers=2)
+    selected = selected_params(request, "test_deepspeed_resumes_on_another_world_size", "case")
+    for case in sorted(selected, key=lambda c: -len(CASES[c][2])):  # three launches first
+        folder = tmp_path_factory.mktemp(case.replace(":", "_"))
+        runs.submit(case, _launches, runs, folder, case)
+    yield runs
+    runs.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_deepspeed_resumes_on_another_world_size(tmp_path, case):
+def test_deepspeed_resumes_on_another_world_size(launched, case):
     stage, precision, worlds = CASES[case]
     first = worlds[0]
-    _run(tmp_path, first, stage, precision, "run")
-    _run(tmp_path, worlds[1], stage, precision, "resume", "3")
+    tmp_path = launched.result(case)
     name = f"w{worlds[1]}-from-3"
     report = json.loads((tmp_path / "states" / name / "report.json").read_text())
     assert report["accumulation"] == 8 // (2 * worlds[1])
@@ -401,7 +418,6 @@ def test_deepspeed_resumes_on_another_world_size(tmp_path, case):
     tolerance = TOLERANCE["bf16" if "bf16" in precision else "fp32"]
     _assert_same_run(_state(tmp_path, f"w{first}", 6), _state(tmp_path, name, 6), tolerance)
     if len(worlds) == 3:  # and back: the checkpoint of step 5 written by the resumed run
-        _run(tmp_path, worlds[2], stage, precision, "resume", "5")
         back = f"w{worlds[2]}-from-5"
         _assert_same_run(_state(tmp_path, name, 5), _state(tmp_path, back, 5), 0.0)
         _assert_same_run(_state(tmp_path, f"w{first}", 6), _state(tmp_path, back, 6), tolerance)

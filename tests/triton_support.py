@@ -6,11 +6,10 @@ import importlib.util
 import os
 import subprocess
 import sys
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from background_runs import BackgroundRuns, selected_tests
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,23 +30,18 @@ assert x[0].item() == 3.0
 """A loop over a runtime bound, the least every kernel here needs of the interpreter."""
 
 
-def _run(code: str, timeout: float, started=None) -> subprocess.CompletedProcess:
-    """`code` in a fresh Python with TRITON_INTERPRET=1; `started(process)` is called once it
-    runs (`InterpreterRuns` keeps it, to end it at its close)."""
+def _run(code: str, timeout: float, run=subprocess.run) -> subprocess.CompletedProcess:
+    """`code` in a fresh Python with TRITON_INTERPRET=1, through `run` (`subprocess.run` or
+    `BackgroundRuns.run`)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    args = [sys.executable, "-c", code]
-    with subprocess.Popen(
-        args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    ) as proc:
-        if started is not None:
-            started(proc)
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            raise
-    return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+    return run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _checked(result: subprocess.CompletedProcess) -> str:
@@ -83,57 +77,26 @@ def run_in_triton_interpreter(code: str, timeout: float = 300) -> str:
     return _checked(_run(code, timeout))
 
 
-class InterpreterRuns:
-    """Scripts run in Triton's interpreter side by side, `workers` at a time, started in the
-    order given (the longest first), while the tests wait for theirs in their own order: the
-    interpreter and Inductor's code generation are mostly one thread each, so two runs use a
-    two-core runner's second core. Each script is its own process, as with
-    `run_in_triton_interpreter`, and `output` checks it as that does."""
+class InterpreterRuns(BackgroundRuns):
+    """Scripts run in Triton's interpreter side by side (`BackgroundRuns`), each in a process of
+    its own as with `run_in_triton_interpreter`, and checked as that checks them."""
 
     def __init__(self, scripts: dict[str, float], workers: int = 2):
-        """`scripts`: each script's code and its timeout in seconds (from its start)."""
+        """`scripts`: each script's code and its timeout in seconds (from its start), the
+        longest first."""
         _needs_triton()
-        self._procs: list[subprocess.Popen] = []
-        self._closed = False
-        self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="interpreter")
-        self._runs: dict[str, Future] = {
-            code: self._pool.submit(self._start, code, timeout) for code, timeout in scripts.items()
-        }
-
-    def _start(self, code: str, timeout: float) -> subprocess.CompletedProcess:
-        return _run(code, timeout, self._started)
-
-    def _started(self, proc: subprocess.Popen) -> None:
-        with self._lock:
-            self._procs.append(proc)
-            if self._closed:  # started as the runs were closed
-                proc.kill()
+        super().__init__(workers)
+        for code, timeout in scripts.items():
+            self.submit(code, _run, code, timeout, self.run)
 
     @classmethod
     def of_selected(cls, request, scripts: list[tuple[str, str]], workers: int = 2, timeout=900):
-        """The runs of the scripts, of (test name, script) in `scripts` (the longest first),
-        whose tests in the requesting module this session runs (`-k`, `-m` and node ids
-        leave the others unstarted); `timeout`: seconds a script may take from its start."""
-        module = request.module
-        selected = {
-            item.originalname
-            for item in request.session.items
-            if getattr(item, "module", None) is module
-        }
+        """The runs of the scripts, of (test name, script) in `scripts`, whose tests in the
+        requesting module this session runs (`selected_tests`)."""
+        selected = selected_tests(request)
         return cls({code: timeout for test, code in scripts if test in selected}, workers)
 
     def output(self, code: str) -> str:
         """The standard output of the script `code` once it has run, checked as
         `run_in_triton_interpreter` checks it."""
-        assert code in self._runs, "this script was not given to InterpreterRuns"
-        return _checked(self._runs[code].result())
-
-    def close(self) -> None:
-        """Ends what still runs (a session stopped early) and starts nothing more."""
-        with self._lock:
-            self._closed = True
-            for proc in self._procs:
-                if proc.poll() is None:
-                    proc.kill()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        return _checked(self.result(code))
