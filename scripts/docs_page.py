@@ -14,16 +14,20 @@ def page_main(
     argv: Sequence[str] | None,
     description: str,
     output: Path,
-    render: Callable[[], str],
+    render: Callable[[str], str],
     command: str,
 ) -> int:
+    """``render`` gets the page as it is ("" when there is none: a page generated between
+    markers keeps the rest)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
-    parser.add_argument("--out", type=Path, default=output, help=f"the page ({output.name})")
+    parser.add_argument(
+        "--out", "--page", type=Path, default=output, help=f"the page ({output.name})"
+    )
     args = parser.parse_args(argv)
-    text = render()
+    current = args.out.read_text() if args.out.is_file() else ""
+    text = render(current)
     if args.check:
-        current = args.out.read_text() if args.out.is_file() else ""
         if current != text:
             print(f"{args.out} is out of date: run {command} to update it", file=sys.stderr)
             return 1

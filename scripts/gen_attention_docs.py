@@ -157,7 +157,9 @@ def render() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return page_main(argv, "Generate docs/attention.md from docstrings.", OUTPUT, render, COMMAND)
+    return page_main(
+        argv, "Generate docs/attention.md from docstrings.", OUTPUT, lambda _page: render(), COMMAND
+    )
 
 
 if __name__ == "__main__":

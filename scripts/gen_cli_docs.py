@@ -262,7 +262,9 @@ def render() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return page_main(argv, "Generate docs/cli.md from the parsers.", OUTPUT, render, COMMAND)
+    return page_main(
+        argv, "Generate docs/cli.md from the parsers.", OUTPUT, lambda _page: render(), COMMAND
+    )
 
 
 if __name__ == "__main__":

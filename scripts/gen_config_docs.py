@@ -375,7 +375,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return page_main(argv, __doc__.splitlines()[0], OUTPUT, render, COMMAND)
+    return page_main(argv, __doc__.splitlines()[0], OUTPUT, lambda _page: render(), COMMAND)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ report or benchmark figure that the page does not show fails the tests.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make the project importable
     sys.path.insert(0, str(ROOT))
 
+from scripts.docs_page import page_main  # noqa: E402
 from study.estimate import THROUGHPUT, estimate, format_estimate  # noqa: E402
 from study.graph import build_graph  # noqa: E402
 from study.settings import Settings  # noqa: E402
@@ -107,20 +107,7 @@ def render(page: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
-    parser.add_argument("--page", type=Path, default=PAGE)
-    args = parser.parse_args(argv)
-    current = args.page.read_text()
-    text = render(current)
-    if args.check:
-        if text != current:
-            print(f"{args.page} is out of date: run {COMMAND} to update it", file=sys.stderr)
-            return 1
-        return 0
-    args.page.write_text(text)
-    print(f"wrote {args.page}")
-    return 0
+    return page_main(argv, __doc__.splitlines()[0], PAGE, render, COMMAND)
 
 
 if __name__ == "__main__":

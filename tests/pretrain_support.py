@@ -64,6 +64,11 @@ def base_overrides(shards: Path, run_dir: Path, steps: int) -> list[str]:
     ]
 
 
+def pretrain_command(shards: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
+    """``python -m pretrain`` of the tiny run (``base_overrides``), then ``extra`` overrides."""
+    return [sys.executable, "-m", "pretrain", *base_overrides(shards, run_dir, steps), *extra]
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now (for launchers that default to a fixed one)."""
     import socket

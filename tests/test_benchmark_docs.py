@@ -9,7 +9,6 @@ import importlib.util
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,11 +19,7 @@ SCRIPT = ROOT / "scripts" / "gen_benchmark_docs.py"
 
 @pytest.fixture(scope="module")
 def gen():
-    spec = importlib.util.spec_from_file_location("gen_benchmark_docs", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("scripts.gen_benchmark_docs")
 
 
 def test_committed_page_and_readme_block_are_up_to_date(gen, capsys):

@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 
 import pytest
-from pretrain_support import REPO, base_overrides, env, make_shards
+from pretrain_support import REPO, env, make_shards, pretrain_command
 
 
 @pytest.fixture
@@ -37,13 +36,7 @@ def small_fs(tmp_path):
 def test_full_disk_while_checkpointing_keeps_latest_and_resumes(tmp_path, small_fs):
     shards = make_shards(tmp_path / "data")
     run_dir = small_fs / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pretrain",
-        *base_overrides(shards, run_dir, steps=8),
-        "train.checkpoint_every=2",
-    ]
+    cmd = pretrain_command(shards, run_dir, 8, "train.checkpoint_every=2")
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]

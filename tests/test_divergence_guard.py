@@ -75,23 +75,21 @@ def test_bad_settings_are_refused(bad):
 def _run_with_faults(tmp_path, steps, faults, *extra):
     import json
     import subprocess
-    import sys
 
-    from pretrain_support import REPO, base_overrides, env, make_shards
+    from pretrain_support import REPO, env, make_shards, pretrain_command
 
     shards = make_shards(tmp_path / "data")
     run_dir = tmp_path / "run"
-    command = [
-        sys.executable,
-        "-m",
-        "pretrain",
-        *base_overrides(shards, run_dir, steps),
+    command = pretrain_command(
+        shards,
+        run_dir,
+        steps,
         "train.checkpoint_every=2",
         f"train.inject_nonfinite_at=[{','.join(map(str, faults))}]",
         "train.divergence.enabled=true",
         "train.divergence.bad_steps=3",
         *extra,
-    ]
+    )
     proc = subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True)
     status = json.loads((run_dir / "status.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "tensorboard" / "metrics.jsonl").open()]

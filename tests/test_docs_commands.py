@@ -23,7 +23,6 @@ import importlib.util
 import io
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
@@ -50,13 +49,7 @@ PATH_RE = re.compile(r"(?<![\w/.-])((?:configs|slurm|scripts)/[\w./-]+\.(?:yaml|
 
 
 def _gen_cli():
-    spec = importlib.util.spec_from_file_location(
-        "gen_cli_docs", ROOT / "scripts" / "gen_cli_docs.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("scripts.gen_cli_docs")
 
 
 GEN = _gen_cli()

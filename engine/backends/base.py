@@ -29,6 +29,12 @@ if TYPE_CHECKING:
     from engine.step import StepGuard
 
 
+AnyRank = Callable[[bool], bool]
+"""The engine's collective OR of a flag: true on every rank when true on one."""
+State = dict[str, Any]
+"""The engine's own ``"albatross"`` state in a checkpoint (schedule position, counters)."""
+
+
 class Backend(ABC):
     """One way of distributing and stepping the engine's model. Made by the `Engine` before
     the process group exists (``prepare``, ``init_process_group``), then given the model and
@@ -143,14 +149,9 @@ class Backend(ABC):
         engine's own ``"albatross"`` state) into the staging ``directory``."""
 
     @abstractmethod
-    def load(
-        self,
-        directory: Path,
-        universal_dir: Path | None,
-        any_rank_failed: Callable[[bool], bool],
-    ) -> dict[str, Any]:
+    def load(self, directory: Path, universal: Path | None, any_failed: AnyRank) -> State:
         """Collective. Restores what ``save`` wrote into the model and optimizer; returns the
-        ``"albatross"`` state. ``any_rank_failed``: the engine's collective OR of a flag."""
+        ``"albatross"`` state. ``any_failed``: the engine's collective OR of a flag."""
 
     # -- helpers for both ----------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +25,7 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from engine import compat
-from engine.backends.base import Backend
+from engine.backends.base import AnyRank, Backend, State
 from engine.config import EngineConfig
 from engine.extensions import import_deepspeed, prepare_extensions
 from engine.lamb import Lamb, attach_zero_layouts
@@ -266,17 +266,12 @@ class DeepSpeedBackend(Backend):
             save_latest=False,
         )
 
-    def load(
-        self,
-        directory: Path,
-        universal_dir: Path | None,
-        any_rank_failed: Callable[[bool], bool],
-    ) -> dict[str, Any]:
+    def load(self, directory: Path, universal: Path | None, any_failed: AnyRank) -> State:
         from engine import reshard
 
         saved_world = reshard.saved_world_size(directory)
         if saved_world is not None and saved_world != self.dist.world_size:
-            return self._load_universal(directory, universal_dir, any_rank_failed)
+            return self._load_universal(directory, universal, any_failed)
         path, client = self.ds.load_checkpoint(
             str(directory.parent),
             tag=directory.name,
@@ -288,23 +283,20 @@ class DeepSpeedBackend(Backend):
         return client["albatross"]
 
     def _load_universal(
-        self,
-        directory: Path,
-        universal_dir: Path | None,
-        any_rank_failed: Callable[[bool], bool],
-    ) -> dict[str, Any]:
+        self, directory: Path, universal: Path | None, any_failed: AnyRank
+    ) -> State:
         """Collective: convert (rank 0; cached) and load ``directory`` in DeepSpeed's universal
         mode. Returns the ``"albatross"`` client state."""
         from engine import reshard
 
-        target = reshard.universal_path(directory) if universal_dir is None else universal_dir
+        target = reshard.universal_path(directory) if universal is None else universal
         error: Exception | None = None
         if self.dist.rank == 0:
             try:
                 reshard.to_universal(directory, target)
             except Exception as exc:  # reported on every rank below, not left in a barrier
                 error = exc
-        failed = any_rank_failed(error is not None)
+        failed = any_failed(error is not None)
         if error is not None:
             raise error
         if failed:

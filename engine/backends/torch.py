@@ -7,7 +7,6 @@ benchmarked against."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +16,7 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from albatross.files import atomic_file
-from engine.backends.base import Backend
+from engine.backends.base import AnyRank, Backend, State
 from engine.config import EngineConfig
 from engine.state import check_weights_only, load_engine_file
 
@@ -122,12 +121,7 @@ class TorchBackend(Backend):
         with atomic_file(directory / "engine.pt", "the engine state") as tmp:
             torch.save(state, tmp)
 
-    def load(
-        self,
-        directory: Path,
-        universal_dir: Path | None,
-        any_rank_failed: Callable[[bool], bool],
-    ) -> dict[str, Any]:
+    def load(self, directory: Path, universal: Path | None, any_failed: AnyRank) -> State:
         state = load_engine_file(directory / "engine.pt", self.device)
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
