@@ -170,7 +170,7 @@ def check_compatible(
         f"LAMB ({impl}) with engine.zero_stage={cfg.zero_stage} and engine.precision="
         f"{cfg.precision!r}: {why}, so the trust ratio is computed per flat partition, not per "
         "tensor. Exact LAMB: optimizer.implementation 'foreach' (the default) with ZeRO 0-2 in "
-        "'fp32' / 'bf16-mixed' or ZeRO-2 in any precision (see README, Engine).",
+        "'fp32' / 'bf16-mixed' or ZeRO-2 in any precision (docs/engine.md).",
         stacklevel=2,
     )
 

@@ -7,7 +7,7 @@ one interface, chosen per run with ``train.trackers`` (pretraining and fine-tuni
 * `TrackerConfig`: the ``train`` keys that choose and name the trackers (pretraining's and
   fine-tuning's ``train`` sections inherit them). A tracker whose package is not installed is a
   ``ValueError`` when the config is built (the CLIs exit 2 before any work), naming the pip
-  extra: ``pip install 'albatross[wandb]'`` / ``'albatross[mlflow]'``.
+  extra: ``pip install -e '.[wandb]'`` / ``'.[mlflow]'`` in the clone.
 * `open_trackers` -> `Trackers`: what the training loops write to, with the API of
   `engine.metrics.MetricsWriter`. Every ``scalars`` call goes to ``metrics.jsonl`` (always, in
   ``<run_dir>/tensorboard/``: the project's own record, read by ``engine.metrics.read_jsonl``),
@@ -95,7 +95,7 @@ class TrackerConfig:
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     """Experiment trackers, any of ``tensorboard``, ``wandb``, ``mlflow`` (rank 0 writes).
     ``metrics.jsonl`` is written whatever this lists. ``wandb`` and ``mlflow`` need their
-    packages: ``pip install 'albatross[wandb]'`` / ``'albatross[mlflow]'``."""
+    packages: ``pip install -e '.[wandb]'`` / ``'.[mlflow]'`` in the clone."""
     run_name: str | None = None
     """The run's name in W&B and MLflow. None: from the run directory (pretraining: its name;
     fine-tuning: ``<train.run_dir's name>/<task>/lr_<lr>/seed_<seed>`` and the like)."""
@@ -149,7 +149,7 @@ def check_trackers(trackers: Any) -> None:
         if importlib.util.find_spec(_MODULES[name]) is None:
             extra = EXTRAS.get(name)
             how = (
-                f"pip install 'albatross[{extra}]' (or pip install {name})"
+                f"pip install -e '.[{extra}]' in the clone (or pip install {name})"
                 if extra
                 else f"pip install {name}"
             )

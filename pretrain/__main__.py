@@ -1,7 +1,7 @@
 """``python -m pretrain --config configs/pretrain/<recipe>.yaml [section.key=value ...]``
 
 Launch as one process, under ``torchrun`` / the ``deepspeed`` launcher, or with ``srun`` (one
-task per GPU); see README "Pretraining". Exit codes: 0 finished or stopped with a checkpoint
+task per GPU); see docs/pretraining.md. Exit codes: 0 finished or stopped with a checkpoint
 (``run_dir/status.json`` says which), 1 failed, 2 bad config or input (nothing was started), a
 second job in the same run directory, or a full disk (the message names the path; the last
 complete checkpoint is kept and the same command resumes from it once there is space).

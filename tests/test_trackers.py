@@ -27,10 +27,10 @@ from engine.trackers import (
 HAVE_WANDB = importlib.util.find_spec("wandb") is not None
 HAVE_MLFLOW = importlib.util.find_spec("mlflow") is not None
 needs_wandb = pytest.mark.skipif(
-    not HAVE_WANDB, reason="wandb is not installed (pip install 'albatross[wandb]')"
+    not HAVE_WANDB, reason="wandb is not installed (pip install -e '.[wandb]')"
 )
 needs_mlflow = pytest.mark.skipif(
-    not HAVE_MLFLOW, reason="mlflow is not installed (pip install 'albatross[mlflow]')"
+    not HAVE_MLFLOW, reason="mlflow is not installed (pip install -e '.[mlflow]')"
 )
 if not (HAVE_WANDB and HAVE_MLFLOW):  # say so in the log, not only in the skip summary
     print(
@@ -117,7 +117,7 @@ def test_a_missing_package_is_a_config_error_naming_the_extra(monkeypatch, name)
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda mod, *a: None if mod == name else real(mod, *a)
     )
-    with pytest.raises(ValueError, match=rf"pip install 'albatross\[{name}\]'"):
+    with pytest.raises(ValueError, match=rf"pip install -e '\.\[{name}\]'"):
         TrackerConfig(trackers=["tensorboard", name])
     TrackerConfig(trackers=["tensorboard"])  # not asked for: no error
 

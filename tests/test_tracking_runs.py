@@ -22,7 +22,7 @@ pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(
         importlib.util.find_spec("wandb") is None or importlib.util.find_spec("mlflow") is None,
-        reason="wandb or mlflow is not installed (pip install 'albatross[wandb,mlflow]')",
+        reason="wandb or mlflow is not installed (pip install -e '.[wandb,mlflow]')",
     ),
 ]
 
