@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch._dynamo
 from pretrain_support import make_shards, one_process_rendezvous
+from test_compile_trainer import eager_runs
 from test_compile_trainer import run as run_trainer
 from test_fast_paths import batch
 from test_fast_paths import tiny as fast_paths_tiny
@@ -180,6 +181,13 @@ def shards(tmp_path_factory):
     return make_shards(tmp_path_factory.mktemp("compile_scope"))
 
 
+@pytest.fixture(scope="module")
+def eager(shards, tmp_path_factory):
+    """The eager reference runs, once per (family, overrides) (softmax's serves both its
+    backends)."""
+    return eager_runs(shards, tmp_path_factory)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "family, backend",
@@ -191,14 +199,14 @@ def shards(tmp_path_factory):
     ],
 )
 def test_trainer_with_layers_scope_equals_eager(
-    shards, tmp_path, monkeypatch, capsys, family, backend
+    shards, eager, tmp_path, monkeypatch, capsys, family, backend
 ):
     """The real trainer on DeepSpeed (ZeRO-0, fp32, activation checkpointing on, so that the
     checkpointed applications call the compiled layer), 4 steps: the same losses and gradient
     norms as eager, no graph break, and the start-up line names the scope."""
     one_process_rendezvous(monkeypatch)
     extra = ["engine.zero_stage=0", "engine.activation_checkpointing=true"]
-    eager, _, _ = run_trainer(shards, tmp_path / "eager", family, extra, compiled=False)
+    reference = eager(family, extra)
     seen: dict = {}
     compiled, graphs, breaks = run_trainer(
         shards,
@@ -217,4 +225,4 @@ def test_trainer_with_layers_scope_equals_eager(
     assert not breaks, breaks
     assert 2 <= graphs <= 5, graphs  # the layer's, the loss terms'
     tol = 1e-5 if backend == "aot_eager" else 1e-4
-    torch.testing.assert_close(compiled, eager, rtol=tol, atol=tol)
+    torch.testing.assert_close(compiled, reference, rtol=tol, atol=tol)
