@@ -1,7 +1,7 @@
 """Every private name of torch, DeepSpeed or Python the engine uses, in one place.
 
 Each is something no public API offers (the reason is given where it is used); each was checked
-against the versions in `CHECKED` (`tests/test_compat.py` names them and fails when the
+against the versions in `CHECKED` (`tests/engine/test_compat.py` names them and fails when the
 installed ones are not among them, and greps the packages for a private name used anywhere
 else). An upgrade of torch or DeepSpeed is checked here, not across a dozen files. The model
 code, which may not import the engine, has its one private name in `model/orthogonal.py`

@@ -61,7 +61,7 @@ device's count (``save`` does it). Available with the project's LAMB (``foreach`
 ``compiled``) on the torch backend and DeepSpeed ZeRO 0-2 in fp32 / ``bf16-mixed``
 (``Engine.deferred``); elsewhere ``defer=True`` falls back to the synchronising step and returns
 its result as a :class:`DeferredStep`.
-Bit for bit the same updates as the synchronising step (tests/test_host_syncs.py). DeepSpeed's
+Bit for bit the same updates as the synchronising step (tests/engine/test_host_syncs.py). DeepSpeed's
 ZeRO 1-2 step still reads its own gradient-norm check back to the host (inside DeepSpeed).
 
 Checkpoint files and pickles. ``save``/``load`` with ``backend="torch"`` write and read

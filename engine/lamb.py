@@ -15,7 +15,7 @@ in the next. :func:`attach_zero_layout` reads that layout from DeepSpeed's ZeRO 
 step then works on one view per (tensor, rank) piece, sums each piece's squares, adds the pieces
 of each tensor across ranks (one ``all_reduce`` of a small vector per group and norm, on the
 device) and applies each tensor's trust ratio to its pieces: the result equals per-tensor LAMB
-on the unflattened parameters (to rounding; tests/test_lamb.py checks 1e-6 after several steps
+on the unflattened parameters (to rounding; tests/engine/test_lamb.py checks 1e-6 after several steps
 on ZeRO 0, 1 and 2 with 1 and 2 processes).
 
 Without host synchronisation. Everything stays on the device: the trust ratios are tensors, the

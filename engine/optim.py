@@ -14,7 +14,7 @@ LAMB has five implementations, picked by ``OptimizerConfig.implementation``:
   group compiles), with everything ``"foreach"`` has (flat ZeRO 1-2 buffers, no host
   synchronisation);
 - ``"torch"``: ``pytorch_optimizer.Lamb`` (the ``pytorch-optimizer`` package, any device; pinned
-  to >=3.11,<4 because 3.0 steps differently, see tests/test_optim.py): the reference the
+  to >=3.11,<4 because 3.0 steps differently, see tests/engine/test_optim.py): the reference the
   tests compare ``"foreach"`` with. It reads every trust ratio back to the host (one
   synchronisation per tensor on a GPU);
 - ``"deepspeed"``: ``deepspeed.ops.lamb.FusedLamb`` (CUDA only);

@@ -36,9 +36,9 @@ the way out: the world size it was saved with, or ZeRO-0 (which the LAMB recipes
 for an exact trust ratio), whose checkpoints need no conversion. Fused LAMB on CUDA (DeepSpeed
 or apex) was not tried here.
 
-Verified on CPU (DeepSpeed 0.19.8, gloo; ``tests/test_elastic_resume.py``): ZeRO-1, ZeRO-2 and
+Verified on CPU (DeepSpeed 0.19.8, gloo; ``tests/engine/test_elastic_resume.py``): ZeRO-1, ZeRO-2 and
 ZeRO-3, fp32 and bf16, 2 -> 1 and 1 -> 2 processes. Cost: see ``bench/results`` and the report
-in ``tests/test_elastic_resume.py``; the conversion reads every rank file once and writes about
+in ``tests/engine/test_elastic_resume.py``; the conversion reads every rank file once and writes about
 the same number of bytes again (the universal copy is as large as the optimizer state: 3 fp32
 tensors per parameter).
 

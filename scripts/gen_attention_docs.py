@@ -6,7 +6,7 @@ that defines it: ``model/attention/base.py`` (the interfaces, ``AttentionFamily`
     python scripts/gen_attention_docs.py --check    # exit 1 if docs/attention.md is out of date
 
 The contract is documented once, in the code, with shapes; this page shows it in the docs site
-(and on any Markdown viewer) without a documentation plugin. ``tests/test_cli_docs.py``
+(and on any Markdown viewer) without a documentation plugin. ``tests/project/test_cli_docs.py``
 regenerates it and compares, so an edited docstring or a new hook of ``AttentionFamily`` reaches
 the page or the test fails.
 """

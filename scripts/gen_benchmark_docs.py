@@ -8,7 +8,7 @@ The prose is written by hand in ``scripts/benchmarks.src.md``; every figure in i
 placeholder, ``{{ section.name }}``, filled from the results by ``scripts/benchmark_docs/``
 (tables, commands, machines, dates, single numbers and the conclusions' verdicts). So a figure
 appears once, in a result file, and a changed result changes the page:
-``tests/test_benchmark_docs.py`` regenerates both and compares them with the committed text.
+``tests/project/test_benchmark_docs.py`` regenerates both and compares them with the committed text.
 
 README.md's block is the text between ``<!-- results:begin -->`` and ``<!-- results:end -->``;
 nothing else of README.md is touched, and without the two markers the script stops and says so.

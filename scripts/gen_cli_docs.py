@@ -8,8 +8,8 @@ docs use are read from the parser the command itself builds: its ``build_parser(
 module has one, else the parser its ``main`` builds, taken at the moment ``main`` parses (nothing
 runs). Each argument is rendered from the parser's actions (option strings, metavar, choices,
 default, help), not from argparse's help text, whose layout changes between Python versions.
-``tests/test_cli_docs.py`` regenerates the page and compares, so a new option shows up here or
-the test fails. ``tests/test_docs_commands.py`` parses the commands of the guides with the same
+``tests/project/test_cli_docs.py`` regenerates the page and compares, so a new option shows up here or
+the test fails. ``tests/project/test_docs_commands.py`` parses the commands of the guides with the same
 parsers (``parser_for``).
 """
 

@@ -6,7 +6,7 @@ scale said), and the cost of the ``full`` scale (``python -m study plan ... --sc
     python scripts/gen_study_docs.py --check    # exit 1 if it is out of date
 
 The generated part lies between the two marker lines of the page; the prose around it is
-written by hand. ``tests/test_study_docs.py`` regenerates it and compares, so a changed spec,
+written by hand. ``tests/study/test_study_docs.py`` regenerates it and compares, so a changed spec,
 report or benchmark figure that the page does not show fails the tests.
 """
 

@@ -12,6 +12,7 @@ module) and ``unit`` when it carries neither. CI runs all three.
 """
 
 import os
+import sys
 from pathlib import Path
 
 # Before anything imports transformers / huggingface_hub: tests never download.
@@ -20,6 +21,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest
 import torch
+
+# The tests live in folders that mirror the packages (tests/engine, tests/model, ...) and share
+# helpers and fixtures by module name (``from test_engine import ONE``), as the support modules
+# here (``pretrain_support``) are: every folder is importable.
+for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
+    if _folder.is_dir() and any(_folder.glob("test_*.py")) and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 
 def pytest_collection_modifyitems(config, items) -> None:

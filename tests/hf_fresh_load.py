@@ -1,5 +1,5 @@
 """Loads exported directories with `transformers` alone, in a process that cannot import this
-project; run by tests/test_hf_export.py as
+project; run by tests/hub/test_hf_export.py as
 
     python -I -S tests/hf_fresh_load.py SITE_PACKAGES JOB.json
 

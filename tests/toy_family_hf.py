@@ -1,4 +1,4 @@
-"""The HF side of the toy family of tests/test_hf_export.py ("toy-mean-hf": uniform attention over
+"""The HF side of the toy family of tests/hub/test_hf_export.py ("toy-mean-hf": uniform attention over
 the real tokens): what a new family ships beside its own file for `transformers` (torch only),
 copied into an export as albatross_family.py."""
 

@@ -1,5 +1,5 @@
 """Compiles the project's Triton kernels for NVIDIA GPUs without one: shared memory, registers,
-spills (for tests/test_triton_kernels.py).
+spills (for tests/model/test_triton_kernels.py).
 
 Triton compiles to a cubin for a named target with no GPU present (its wheel brings ptxas), so a
 CPU machine can check what a launch on an H100 (sm_90) or an A100 (sm_80) would need: a kernel

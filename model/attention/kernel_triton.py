@@ -20,7 +20,7 @@ has to be kept for a backward, and the whole mixing fuses into two kernels:
 Memory traffic: q, k, v read once and the output written once, plus the weights and the
 summaries (kilobytes per head). Numerics: the kernels round to the compute dtype where the model
 does (kernel_triton_kernels.py), so the result equals the `torch` path's up to the order of the
-sums (tests/test_kernel_triton.py runs the kernels in Triton's interpreter against it). Only
+sums (tests/model/test_kernel_triton.py runs the kernels in Triton's interpreter against it). Only
 forwards that need no gradient and no dropout take this path (`KernelAttention.forward`).
 
 Training (`kernel.training_backend: triton`): the feature maps run as torch operators (their

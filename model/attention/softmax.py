@@ -84,7 +84,7 @@ FAMILY = AttentionFamily(
     mixing_flops=softmax_mixing_flops,
     hf_export=HFExport(code=family_code(__file__, "softmax_hf.py"), native=native_albert),
     # Compiled, the shipped recipe's training step was measured faster on a GPU
-    # (docs/benchmarks.md#compiled-against-eager); equal to eager (tests/test_gpu_fast_paths.py).
+    # (docs/benchmarks.md#compiled-against-eager); equal to eager (tests/bench/test_gpu_fast_paths.py).
     compile_auto=True,
 )
 

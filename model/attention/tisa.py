@@ -193,7 +193,7 @@ def _compiled_flex_attention():
     """FlexAttention compiled once per process, lazily (on CUDA, eager flex materialises the
     scores). Every call passes a new `score_mod` closure over new tensors; Dynamo guards on the
     closure's code, not on the tensors' values, so that does not recompile (see
-    tests/test_fast_paths.py). A new sequence length recompiles once, then shapes are dynamic."""
+    tests/model/test_fast_paths.py). A new sequence length recompiles once, then shapes are dynamic."""
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention)

@@ -19,8 +19,8 @@ batch): a Toeplitz bias is the same on every tile of a block diagonal, and so is
 tile's entries to offsets, so the program sums dS over the tiles of its diagonal and its samples
 in registers (no atomics) and writes one BLOCK x BLOCK tile; the tiles' diagonals are then
 summed onto the 2N - 1 offsets by one `index_add_` over H (2 N / BLOCK) BLOCK^2 entries.
-Deterministic, exact up to summation order (tests/test_triton_kernels.py runs the kernels in
-Triton's interpreter against the reference; tests/test_tisa_split.py the model's gradients
+Deterministic, exact up to summation order (tests/model/test_triton_kernels.py runs the kernels in
+Triton's interpreter against the reference; tests/model/test_tisa_split.py the model's gradients
 against `sdpa`'s).
 """
 

@@ -650,7 +650,7 @@ FAMILY = AttentionFamily(
     options=TransJectConfig,
     # Compiled under `auto`: on an H100 the ALBERT-base recipe's compiled step is faster than
     # eager (docs/benchmarks.md#compiled-against-eager), every loss part, output and gradient
-    # finite and within rounding of eager (tests/test_compile_check.py).
+    # finite and within rounding of eager (tests/engine/test_compile_check.py).
     compile_auto=True,
 )
 

@@ -1,6 +1,6 @@
 """Two gloo processes; rank 1 dies (os._exit) after the first all-reduce and rank 0's next
 collective fails. Rank 0 prints whether engine.distributed.lost_peer recognises the failure and
-the message a job log would end with. Started by tests/test_distributed_env.py with RANK,
+the message a job log would end with. Started by tests/engine/test_distributed_env.py with RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT set."""
 
 import contextlib
