@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
-from engine import compat
+from albatross import compat
 
 log = logging.getLogger("engine.engine")  # the name its messages always had
 

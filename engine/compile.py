@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import compat
+from albatross import compat
 from engine.config import EngineConfig, check_compile_scope
 from model.forward_cache import name_forward_cache_keys
 

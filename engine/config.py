@@ -306,7 +306,7 @@ def inductor_options(cfg: EngineConfig) -> dict[str, Any]:
         )
     import difflib
 
-    from engine import compat
+    from albatross import compat
 
     inductor_config = compat.inductor_config()
     known = inductor_config.get_config_copy()

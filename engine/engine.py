@@ -95,7 +95,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from engine import compat
+from albatross import compat
 from engine.backends import backend_class
 from engine.backends.base import Backend
 from engine.backends.deepspeed import deepspeed_config

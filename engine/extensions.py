@@ -212,7 +212,7 @@ def import_deepspeed() -> types.ModuleType:
         import deepspeed
 
         return deepspeed
-    from engine.compat import module_hidden
+    from albatross.compat import module_hidden
 
     with module_hidden("mlflow"):  # `import mlflow` raises inside
         import deepspeed

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.compat import foreach_ops, zero_partitions
+from albatross.compat import foreach_ops, zero_partitions
 
 _FOREACH = foreach_ops()  # torch's multi-tensor ops (torch._foreach_*)
 WEIGHT_NORM_CLAMP = 10.0

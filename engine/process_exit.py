@@ -34,7 +34,7 @@ def exit_process(code: int | None) -> NoReturn:
     ]
     if waits_for or os.environ.get("ALBATROSS_FULL_EXIT") == "1":
         sys.exit(code)
-    from engine.compat import run_exit_handlers
+    from albatross.compat import run_exit_handlers
 
     run_exit_handlers()
     for stream in (sys.stdout, sys.stderr):

@@ -61,7 +61,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine import compat
+from albatross import compat
 from engine.extensions import import_deepspeed
 
 UNIVERSAL_DIR = "universal"

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
-from engine import compat
+from albatross import compat
 from engine.compile import compile_function
 from engine.config import inductor_options
 

@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.nn.utils.parametrizations import _OrthMaps, _Orthogonal
 
+from albatross import compat
 from model.config import CayleyLeafInverse
 from model.forward_cache import FORWARD_CACHE_KEY as FORWARD_CACHE_KEY  # re-exported
 from model.forward_cache import active_forward_cache, forward_cache, forward_cache_key
@@ -113,6 +113,9 @@ class MapSharding(Protocol):
         """Every rank's `part`, in rank order: the whole batch of `total` matrices, on every
         rank; its backward hands each rank the gradient of its part summed over the ranks."""
         ...
+
+
+_Orthogonal, _OrthMaps = compat.orthogonal_parametrization()
 
 
 class FP32Orthogonal(_Orthogonal):

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from engine import compat
+from albatross import compat
 from engine.backends.base import AnyRank, Backend, State
 from engine.config import EngineConfig
 from engine.extensions import import_deepspeed, prepare_extensions

@@ -1,7 +1,6 @@
-"""Private names of torch, DeepSpeed and Python are used in one module, `engine/compat.py`, each
+"""Private names of torch, DeepSpeed and Python are used in one module, `albatross/compat.py`, each
 checked against the versions it names: a scan of every module of the packages finds none
-elsewhere (but the one the model may not import from the engine for, named below), and the
-installed torch and DeepSpeed are among the versions checked."""
+elsewhere, and the installed torch and DeepSpeed are among the versions checked."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import compat
+from albatross import compat
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("albatross", "model", "data_prep", "pretrain", "finetune", "slurm", "engine", "study")
@@ -22,13 +21,7 @@ INTERNAL_ATTRIBUTES = frozenset(
      "real_dp_process_group", "_config", "_zero_padding", "_step_count"}
 )  # fmt: skip
 """Internals of DeepSpeed's ZeRO optimizer and engine and of torch's schedulers."""
-ALLOWED = {
-    ("engine/compat.py", "*"),
-    # model/ may not import engine/: torch's orthogonal parametrisation, subclassed to run in
-    # fp32 (model.orthogonal.FP32Orthogonal), is its one private name
-    ("model/orthogonal.py", "torch.nn.utils.parametrizations._OrthMaps"),
-    ("model/orthogonal.py", "torch.nn.utils.parametrizations._Orthogonal"),
-}
+ALLOWED = {("albatross/compat.py", "*")}
 
 
 def _private(part: str) -> bool:
@@ -89,7 +82,7 @@ def test_private_names_are_used_only_in_the_compatibility_module():
             for line, name in private_uses(path.read_text()):
                 if (rel, name) not in ALLOWED:
                     offenders.append(f"{rel}:{line}: {name}")
-    assert not offenders, "private names outside engine/compat.py:\n" + "\n".join(offenders)
+    assert not offenders, "private names outside albatross/compat.py:\n" + "\n".join(offenders)
 
 
 def test_the_scan_finds_each_kind_of_private_name():
@@ -130,6 +123,6 @@ def test_the_installed_versions_are_among_those_checked(library):
     else:
         installed = _major_minor(__import__(library).__version__)
     assert installed in compat.CHECKED[library], (
-        f"{library} {installed} is not among the versions engine/compat.py was checked against "
+        f"{library} {installed} is not among the versions albatross/compat.py was checked against "
         f"({compat.CHECKED[library]}): check each of its functions against it, then add it"
     )

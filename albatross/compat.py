@@ -1,11 +1,11 @@
-"""Every private name of torch, DeepSpeed or Python the engine uses, in one place.
+"""Every private name of torch, DeepSpeed or Python the project uses, in one place.
 
 Each is something no public API offers (the reason is given where it is used); each was checked
-against the versions in `CHECKED` (`tests/engine/test_compat.py` names them and fails when the
+against the versions in `CHECKED` (`tests/albatross/test_compat.py` names them and fails when the
 installed ones are not among them, and greps the packages for a private name used anywhere
-else). An upgrade of torch or DeepSpeed is checked here, not across a dozen files. The model
-code, which may not import the engine, has its one private name in `model/orthogonal.py`
-(torch's orthogonal parametrisation class, subclassed to evaluate it in fp32).
+else). An upgrade of torch or DeepSpeed is checked here, not across a dozen files. It sits
+below every package (it imports nothing of the project), so the model, which may not import the
+engine, takes its one private name from here too (`orthogonal_parametrization`).
 
 Imports torch and DeepSpeed lazily: the commands' exit (`engine.process_exit`) uses this module
 without loading either.
@@ -209,3 +209,12 @@ def run_exit_handlers() -> None:
     import atexit
 
     atexit._run_exitfuncs()
+
+
+def orthogonal_parametrization() -> tuple[type, Any]:
+    """torch's orthogonal parametrisation module and its map enum (``_Orthogonal``,
+    ``_OrthMaps``): ``model.orthogonal.FP32Orthogonal`` subclasses it to evaluate the map in
+    fp32 with its own Cayley inverse."""
+    from torch.nn.utils.parametrizations import _OrthMaps, _Orthogonal
+
+    return _Orthogonal, _OrthMaps
