@@ -40,6 +40,16 @@ def selected_params(request, test: str, name: str) -> set:
     }
 
 
+def uses_fixture(request, name: str) -> bool:
+    """Whether a test of the requesting module that this session runs uses fixture `name`."""
+    module = request.module
+    return any(
+        name in getattr(item, "fixturenames", ())
+        for item in request.session.items
+        if getattr(item, "module", None) is module
+    )
+
+
 class BackgroundRuns:
     """Jobs in `workers` threads, started in the order submitted (the longest first makes the
     whole take about what the longest chain takes); a job starts its subprocesses through

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from background_runs import BackgroundRuns, uses_fixture
 from pretrain_support import (
     FAMILY as FAMILY_OVERRIDES,
 )
@@ -57,14 +58,57 @@ def _jsonl(run_dir: Path) -> dict[int, dict]:
 # ----------------------------------------------------------------------------- ZeRO x families
 
 
-@pytest.fixture(scope="module")
-def matrix(shards, tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("matrix")
+RESUME_EXTRA = [
+    "engine.zero_stage=2",
+    "model.hidden_dropout_prob=0.1",
+    "model.attention_probs_dropout_prob=0.1",
+    "data.num_workers=1",
+    "train.checkpoint_every=5",
+    "train.keep_last=5",
+]
+"""Run A and run B of the resume tests (`resumed`): ZeRO-2, fp32, dropout."""
+
+
+def _zero_matrix(jobs: BackgroundRuns, shards: Path, out: Path) -> Path:
     cmd = torchrun_cmd(
         2, str(REPO / "tests/multiproc/zero_matrix.py"), str(shards), str(out), *MATRIX
     )
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
-    _check(proc, "tests/multiproc/zero_matrix.py")
+    _check(jobs.run(cmd, cwd=REPO, env=env(), timeout=600), "tests/multiproc/zero_matrix.py")
+    return out
+
+
+def _run_a(shards: Path, a: Path) -> None:
+    _check(run_pretrain([*base_overrides(shards, a, 10), *RESUME_EXTRA]), "run A")
+
+
+def _run_b(shards: Path, b: Path) -> None:
+    _check(run_pretrain([*base_overrides(shards, b, 5), *RESUME_EXTRA]), "run B to 5")
+    _check(run_pretrain([*base_overrides(shards, b, 10), *RESUME_EXTRA]), "run B resumed to 10")
+
+
+@pytest.fixture(scope="module")
+def resume_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("resume")
+
+
+@pytest.fixture(scope="module")
+def launches(request, shards, resume_root, tmp_path_factory):
+    """The launches behind the module's shared fixtures, `matrix` and `resumed`, started
+    together when the first of them is needed, two at a time (`BackgroundRuns`): the matrix's
+    tests wait for it while runs A and B go on. Only those of selected tests start."""
+    jobs = BackgroundRuns(workers=2)
+    if uses_fixture(request, "matrix"):
+        jobs.submit("matrix", _zero_matrix, jobs, shards, tmp_path_factory.mktemp("matrix"))
+    if uses_fixture(request, "resumed"):
+        jobs.submit("b", _run_b, shards, resume_root / "b")
+        jobs.submit("a", _run_a, shards, resume_root / "a")
+    yield jobs
+    jobs.close()
+
+
+@pytest.fixture(scope="module")
+def matrix(launches) -> dict:
+    out = launches.result("matrix")
     return {"report": json.loads((out / "report.json").read_text()), "out": out}
 
 
@@ -151,22 +195,13 @@ def test_transject_eigenbasis_error_falls_over_a_run(shards, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def resumed(shards, tmp_path_factory) -> dict:
-    """Run A: 10 steps straight. Run B: stopped at 5, resumed to 10. ZeRO-2, fp32, dropout."""
-    root = tmp_path_factory.mktemp("resume")
-    extra = [
-        "engine.zero_stage=2",
-        "model.hidden_dropout_prob=0.1",
-        "model.attention_probs_dropout_prob=0.1",
-        "data.num_workers=1",
-        "train.checkpoint_every=5",
-        "train.keep_last=5",
-    ]
-    a, b = root / "a", root / "b"
-    _check(run_pretrain([*base_overrides(shards, a, 10), *extra]), "run A")
-    _check(run_pretrain([*base_overrides(shards, b, 5), *extra]), "run B to 5")
-    _check(run_pretrain([*base_overrides(shards, b, 10), *extra]), "run B resumed to 10")
-    return {"a": a, "b": b, "extra": extra, "root": root}
+def resumed(launches, resume_root) -> dict:
+    """Run A: 10 steps straight. Run B: stopped at 5, resumed to 10. ZeRO-2, fp32, dropout
+    (`launches`)."""
+    launches.result("a")
+    launches.result("b")
+    root = resume_root
+    return {"a": root / "a", "b": root / "b", "extra": RESUME_EXTRA, "root": root}
 
 
 def test_resume_is_exact(resumed):
