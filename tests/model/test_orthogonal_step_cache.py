@@ -521,6 +521,7 @@ def test_sharded_maps_through_the_pretraining_trainer(tmp_path):
     shared out (every size), diagnostics every 2 steps (forwards outside the step): the losses
     equal the unsharded run's to fp32 round-off, and a run stopped at step 3 and resumed to 6
     equals the uninterrupted one exactly."""
+    from background_runs import BackgroundRuns
     from pretrain_support import FAMILY, base_overrides, make_shards, run_pretrain
 
     from engine.metrics import read_jsonl
@@ -547,7 +548,18 @@ def test_sharded_maps_through_the_pretraining_trainer(tmp_path):
         rows = read_jsonl(run_dir / "tensorboard")
         return [rows[s]["loss/total"] for s in range(1, steps + 1)]
 
-    sharded, plain = run(tmp_path / "sharded", 6, True), run(tmp_path / "plain", 6, False)
+    def halves():  # stopped at step 3, resumed to 6
+        run(tmp_path / "halves", 3, True)
+        return run(tmp_path / "halves", 6, True)
+
+    # The three independent runs two at a time (each 2-rank launch is mostly start-up).
+    jobs = BackgroundRuns(workers=2)
+    jobs.submit("halves", halves)
+    jobs.submit("sharded", run, tmp_path / "sharded", 6, True)
+    jobs.submit("plain", run, tmp_path / "plain", 6, False)
+    try:
+        sharded, plain, resumed = (jobs.result(k) for k in ("sharded", "plain", "halves"))
+    finally:
+        jobs.close()
     assert sharded == pytest.approx(plain, rel=1e-5, abs=1e-6)
-    run(tmp_path / "halves", 3, True)
-    assert run(tmp_path / "halves", 6, True) == sharded
+    assert resumed == sharded
