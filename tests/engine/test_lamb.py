@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
+from pathlib import Path
 
 import pytest
 import pytorch_optimizer
 import torch
+from background_runs import BackgroundRuns, selected_params
 from op_log import OpLog
 from torch import nn
 
@@ -253,20 +254,36 @@ def test_deferred_step_falls_back_where_it_cannot_defer():
 # ----------------------------------------------------------------------------- DeepSpeed ZeRO
 
 
+def _lamb_zero(jobs: BackgroundRuns, out: Path, nproc: int) -> dict:
+    """tests/multiproc/lamb_zero.py on `nproc` ranks: its report's runs."""
+    from pretrain_support import REPO, env, torchrun_cmd
+
+    cmd = torchrun_cmd(nproc, str(REPO / "tests/multiproc/lamb_zero.py"), str(out))
+    proc = jobs.run(cmd, cwd=REPO, env=env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())["runs"]
+
+
+@pytest.fixture(scope="module")
+def lamb_zero_runs(request, tmp_path_factory):
+    """The selected rank counts' launches, side by side (`BackgroundRuns`)."""
+    jobs = BackgroundRuns(workers=2)
+    nprocs = selected_params(request, "test_zero_0_1_2_lamb_is_per_tensor", "nproc")
+    for nproc in sorted(nprocs, reverse=True):  # the longer first
+        out = tmp_path_factory.mktemp(f"lamb_zero_{nproc}") / "report.json"
+        jobs.submit(nproc, _lamb_zero, jobs, out, nproc)
+    yield jobs
+    jobs.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_zero_0_1_2_lamb_is_per_tensor(tmp_path, nproc):
+def test_zero_0_1_2_lamb_is_per_tensor(lamb_zero_runs, nproc):
     """DeepSpeed ZeRO 0, 1 and 2 (flat partitions; on 2 ranks tensors split between them, and a
     partition of padding only) with the foreach LAMB (and compiled, on ZeRO 1 and 2) equal
     per-tensor LAMB to 1e-6 after 5 clipped steps, deferred steps equal synchronising ones bit
     for bit, and the control (pytorch_optimizer's LAMB on ZeRO-2's flat buffers) does not."""
-    from pretrain_support import REPO, env, torchrun_cmd
-
-    out = tmp_path / "report.json"
-    cmd = torchrun_cmd(nproc, str(REPO / "tests/multiproc/lamb_zero.py"), str(out))
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = json.loads(out.read_text())["runs"]
+    runs = lamb_zero_runs.result(nproc)
     for stage in (0, 1, 2):
         for mode in ("sync", "deferred"):
             run = runs[f"zero{stage}-{mode}"]
