@@ -318,7 +318,7 @@ class CheckpointStore:
         if self.rank == 0:
             self._seal(staging, step, meta)
             self._publish(staging, final)
-            write_atomically(self.root / LATEST_FILE, lambda f: f.write(tag.encode()))
+            self._write_latest(tag)
             self._prune(step)
         self._barrier()
         return final
@@ -391,6 +391,9 @@ class CheckpointStore:
     def _is_complete(self, tag: str) -> bool:
         return (self.root / tag / COMPLETE_FILE).is_file()
 
+    def _write_latest(self, tag: str) -> None:
+        write_atomically(self.root / LATEST_FILE, lambda f: f.write(tag.encode()))
+
     def set_aside_after(self, step: int, suffix: str) -> list[str]:
         """Collective: the checkpoints of steps after ``step`` renamed to ``<tag><suffix>``
         (kept, never loaded: a rollback's diverged states) and ``latest`` naming ``step``'s.
@@ -401,7 +404,7 @@ class CheckpointStore:
                 if later > step:
                     os.replace(self.root / tag, self.root / f"{tag}{suffix}")
                     moved.append(f"{tag}{suffix}")
-            write_atomically(self.root / LATEST_FILE, lambda f: f.write(tag_for(step).encode()))
+            self._write_latest(tag_for(step))
             fsync_dir(self.root)
         self._barrier()
         return moved

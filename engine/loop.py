@@ -235,13 +235,15 @@ class RunLoop:
         status is written when the run ends without an error (a crash leaves ``"running"``; an
         error of ``ENDING_ERRORS``, such as a full disk, writes ``"failed"`` and its message)."""
         stage, cfg = self.stage, self.cfg
+
+        def restore(path: Path, record: dict[str, Any]) -> None:
+            stage.restore_state(path, record)  # and the rollbacks before it, from its seal
+            self.rollbacks = list(record.get("meta", {}).get("divergence_rollbacks", []))
+
         found = ckpt.resume_collectively(
-            stage.store, stage.restore_state, stage.engine.any_rank, checksums=stage.is_main
+            stage.store, restore, stage.engine.any_rank, checksums=stage.is_main
         )
         self.resumed_from = None if found is None else found[0]
-        if found is not None:
-            record = stage.store.read_complete(found[0].name, checksums=False)
-            self.rollbacks = list(record.get("meta", {}).get("divergence_rollbacks", []))
         # Only now: a resume that fails leaves the previous status (e.g. "completed") as it
         # was; a stale "stopped" from an earlier attempt must not survive a later crash.
         self._write_status({"state": "running", "step": stage.step})

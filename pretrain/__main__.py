@@ -79,11 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         result = run(cfg)
-    except SetupError as e:
-        print(f"python -m pretrain: {e}", file=sys.stderr)
-        return 2
-    except DiskFullError as e:  # the run resumes from its last complete checkpoint
-        print(f"python -m pretrain: {e}", file=sys.stderr)
+    except (SetupError, DiskFullError) as e:  # after a full disk the run resumes from its last
+        print(f"python -m pretrain: {e}", file=sys.stderr)  # complete checkpoint
         return 2
     except Exception as e:  # another process of the job died: say so plainly, last
         from pathlib import Path
