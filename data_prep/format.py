@@ -174,12 +174,12 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Writes via a temp file in the same directory and os.replace: never a half-written file."""
-    with atomic_file(path, f"{Path(path).name}", unique=True) as tmp:
+    with atomic_file(path, Path(path).name, unique=True) as tmp:
         tmp.write_text(text)
 
 
 def atomic_save_npy(path: str | os.PathLike, array: np.ndarray) -> None:
-    with atomic_file(path, f"{Path(path).name}", unique=True) as tmp, open(tmp, "wb") as f:
+    with atomic_file(path, Path(path).name, unique=True) as tmp, open(tmp, "wb") as f:
         np.save(f, array, allow_pickle=False)
 
 
