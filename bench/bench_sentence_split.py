@@ -39,8 +39,6 @@ from pathlib import Path
 
 from bench.common import write_result
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
 GOLD = Path(__file__).resolve().parent / "data" / "sentence_gold.txt"
 
 
@@ -268,6 +266,7 @@ def main() -> None:
         "--pipeline-mb", type=int, default=0, help="also time the stages on an N MB corpus"
     )
     args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     with contextlib.suppress(AttributeError, OSError):  # one core: the figures are per core
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
 

@@ -3,6 +3,7 @@
 # templates and the Python launcher across nodes on a workstation, and for the tests.
 #
 #   bash slurm/cluster.sh start [--nodes N] [--install] [--no-accounting]
+#   bash slurm/cluster.sh config [--nodes N] [--no-accounting]  # the slurm.conf start would write
 #   bash slurm/cluster.sh status              # sinfo, squeue and the last jobs from sacct
 #   bash slurm/cluster.sh stop [--purge]      # --purge also deletes the state and the job database
 #   bash slurm/cluster.sh kill-node NAME      # a node failure: its slurmd and its job tasks die
@@ -61,6 +62,11 @@ install_packages() {
 }
 
 node_names() { local i; for i in $(seq 1 "$1"); do echo "$PREFIX$i"; done; }
+
+# The CPUs this machine gives its processes. GNU nproc answers OMP_NUM_THREADS (and
+# OMP_THREAD_LIMIT) when they are set: a shell with OMP_NUM_THREADS=1 would otherwise make
+# one-CPU nodes, on which sbatch refuses every job with two tasks per node.
+node_cpus() { env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc; }
 
 # /etc/hosts: the node names between two marker lines, matched as literal whole lines (awk, never
 # a regex: the markers hold a "/"). Before the first edit the file is copied to $STATE/hosts.orig;
@@ -130,7 +136,7 @@ check_conf_is_ours() {
 conf_text() { # conf_text N ACCOUNTING
   local n=$1 accounting=$2 cpus mem host i nodes
   host=$(hostname -s)
-  cpus=$(nproc)
+  cpus=$(node_cpus)
   mem=$((($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024) / n))
   nodes="$PREFIX[1-$n]"
   cat <<EOF
@@ -293,19 +299,26 @@ stop_daemons() { # slurmd + slurmctld + slurmdbd (the database stays)
   for name in slurmd slurmctld slurmdbd; do pkill -9 -x "$name" 2>/dev/null || true; done
 }
 
-start() {
-  local n=2 install=0 accounting=1
+parse_options() { # parse_options COMMAND ARGS...: sets n, install and accounting
+  local command=$1
+  shift
+  n=2 install=0 accounting=1
   while [ $# -gt 0 ]; do
     case "$1" in
       --nodes) n=${2:?--nodes needs a number}; shift 2 ;;
       --nodes=*) n=${1#--nodes=}; shift ;;
       --install) install=1; shift ;;
       --no-accounting) accounting=0; shift ;;
-      *) die "unknown option '$1' (start [--nodes N] [--install] [--no-accounting])" 2 ;;
+      *) die "unknown option '$1' ($command [--nodes N] [--install] [--no-accounting])" 2 ;;
     esac
   done
   [[ "$n" =~ ^[1-9][0-9]*$ ]] || die "--nodes must be a positive number, got '$n'" 2
   [ "$n" -le 64 ] || die "--nodes $n: at most 64 nodes on one machine" 2
+}
+
+start() {
+  local n install accounting
+  parse_options start "$@"
   [ "$(id -u)" = 0 ] || die "needs root (slurmd runs jobs as any user)" 3
   if [ "$install" = 1 ] && { ! have_slurm || { [ "$accounting" = 1 ] && ! have_accounting; }; }; then
     install_packages
@@ -346,7 +359,7 @@ start() {
   fi
   local acct="no accounting"
   [ "$accounting" = 1 ] && acct="accounting: slurmdbd + MariaDB (sacct)"
-  echo "slurm ready: $n nodes $PREFIX[1-$n] ($(nproc) CPUs each), partition debug; $acct; logs in $STATE/log"
+  echo "slurm ready: $n nodes $PREFIX[1-$n] ($(node_cpus) CPUs each), partition debug; $acct; logs in $STATE/log"
 }
 
 stop_stepds() { # the job step daemons outlive slurmd and may ignore SIGTERM: SIGKILL after 5 s
@@ -419,8 +432,9 @@ case "${1:-}" in
     ;;
   kill-node) shift; kill_node "$@" ;;
   revive-node) shift; revive_node "$@" ;;
+  config) shift; parse_options config "$@"; conf_text "$n" "$accounting" ;;
   # The /etc/hosts edits alone (tests run them on a copy through ALBATROSS_HOSTS_FILE).
   hosts-write) shift; write_hosts "${1:?hosts-write needs a node count}" ;;
   hosts-remove) remove_hosts ;;
-  *) die "usage: bash slurm/cluster.sh start [--nodes N] [--install] [--no-accounting] | status | stop [--purge] | kill-node NAME | revive-node NAME" 2 ;;
+  *) die "usage: bash slurm/cluster.sh start [--nodes N] [--install] [--no-accounting] | config [--nodes N] | status | stop [--purge] | kill-node NAME | revive-node NAME" 2 ;;
 esac

@@ -44,6 +44,8 @@ def _seed() -> None:
 
 RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
 RENDEZVOUS_VARS += ("LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
+# and the thread count a module may set at import (every later subprocess would inherit it)
+RENDEZVOUS_VARS += ("OMP_NUM_THREADS",)
 
 
 @pytest.fixture(autouse=True)

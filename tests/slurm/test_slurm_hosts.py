@@ -1,4 +1,5 @@
-"""slurm/cluster.sh's /etc/hosts edits, run on a copy (``ALBATROSS_HOSTS_FILE``): the block of
+"""slurm/cluster.sh's edits of the machine, without starting a cluster: the node sizes its
+slurm.conf gives, and its /etc/hosts edits, run on a copy (``ALBATROSS_HOSTS_FILE``): the block of
 node names goes in and comes out leaving the file byte for byte as it was, whatever the file
 holds (slashes, no final newline), and the leftovers of earlier versions are repaired. The real
 /etc/hosts is compared before ``start`` and after ``stop`` by the ``slurm_cluster`` fixture."""
@@ -20,6 +21,27 @@ GARBAGE = "luster.sh nodes$/,/^# <<< albatross slurm/cluster.sh nodes$/d"
 pytestmark = pytest.mark.skipif(
     subprocess.run(["which", "awk"], capture_output=True).returncode != 0, reason="no awk"
 )
+
+
+def test_nodes_get_every_cpu_whatever_omp_num_threads_says():
+    """GNU nproc answers OMP_NUM_THREADS: started from a shell with OMP_NUM_THREADS=1, the nodes
+    had one CPU each and sbatch refused every job with two tasks per node."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_THREAD_LIMIT="1")
+    conf = subprocess.run(
+        ["bash", str(REPO / "slurm" / "cluster.sh"), "config", "--nodes", "3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    cpus = [
+        w
+        for line in conf.splitlines()
+        if line.startswith("NodeName=")
+        for w in line.split()
+        if w.startswith("CPUs=")
+    ]
+    assert cpus == [f"CPUs={len(os.sched_getaffinity(0))}"] * 3, conf
 
 
 def _cluster(tmp_path: Path, *args: str) -> None:
