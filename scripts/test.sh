@@ -7,10 +7,8 @@ bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 ruff check .
 ruff format --check .
-# Two pytest-xdist workers (TEST_WORKERS=0: one process): most tests keep one core busy, so two
-# workers nearly halve the suite on 2 cores; a module, and all the Slurm modules together, stay
-# on one worker (tests/conftest.py). --durations: the slowest tests at the end of the log.
-python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadgroup --durations=25 "$@"
+# --durations: the slowest tests at the end of the log (the suite's 30-minute budget)
+python -m pytest -q --durations=25 "$@"
 # The floating-point comparisons again on torch's portable kernels: tolerances must hold on every
 # CPU (AVX2, AVX-512, AMX), not only on this one (tests/numerics.py).
 if [ $# -eq 0 ]; then ATEN_CPU_CAPABILITY=default python -m pytest -q -m numerics; fi

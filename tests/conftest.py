@@ -34,20 +34,6 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "integration" not in item.keywords and "slow" not in item.keywords:
             item.add_marker(pytest.mark.unit)
-    if hasattr(config, "workerinput"):  # a pytest-xdist worker (scripts/test.sh: -n 2)
-        _group_for_workers(items)
-
-
-def _group_for_workers(items) -> None:
-    """Under ``--dist loadgroup`` a group runs on one worker: each module is a group, so its
-    module fixtures (shards, background runs) are made once; every module that uses the local
-    Slurm cluster joins one group, so one worker alone starts, uses and stops the cluster. Those
-    modules go first: the longest group starts at once instead of ending the run alone."""
-    slurm = {item.path for item in items if "slurm_cluster" in item.fixturenames}
-    for item in items:
-        group = "slurm" if item.path in slurm else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: item.path not in slurm)  # stable: the order within stays
 
 
 @pytest.fixture(autouse=True)
