@@ -436,5 +436,5 @@ case "${1:-}" in
   # The /etc/hosts edits alone (tests run them on a copy through ALBATROSS_HOSTS_FILE).
   hosts-write) shift; write_hosts "${1:?hosts-write needs a node count}" ;;
   hosts-remove) remove_hosts ;;
-  *) die "usage: bash slurm/cluster.sh start [--nodes N] [--install] [--no-accounting] | config [--nodes N] | status | stop [--purge] | kill-node NAME | revive-node NAME" 2 ;;
+  *) die "usage: bash slurm/cluster.sh start [--nodes N] [--install] [--no-accounting] | config [--nodes N] [--no-accounting] | status | stop [--purge] | kill-node NAME | revive-node NAME" 2 ;;
 esac

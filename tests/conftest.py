@@ -42,19 +42,19 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
-RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
-RENDEZVOUS_VARS += ("LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
-# and the thread count a module may set at import (every later subprocess would inherit it)
-RENDEZVOUS_VARS += ("OMP_NUM_THREADS",)
+RESTORED_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+RESTORED_VARS += ("LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "OMP_NUM_THREADS")
 
 
 @pytest.fixture(autouse=True)
-def _no_rendezvous_leaks():
-    """A test that starts an engine in this process (which exports MASTER_PORT etc. and joins
-    a one-process group) must not hand that rendezvous to the launchers and jobs of later
-    tests: restore the variables. (The group itself stays: DeepSpeed caches its groups, so a
-    later in-process DeepSpeed engine needs the same one.)"""
-    before = {name: os.environ.get(name) for name in RENDEZVOUS_VARS}
+def _no_environment_leaks():
+    """Every later subprocess inherits this process's environment, so a test leaves these
+    variables as it found them. A test that starts an engine in this process exports MASTER_PORT
+    etc. and joins a one-process group: that rendezvous must not reach the launchers and jobs of
+    later tests (the group itself stays: DeepSpeed caches its groups, so a later in-process
+    DeepSpeed engine needs the same one). A module imported by a test may set OMP_NUM_THREADS,
+    which GNU nproc answers, and which would size the local Slurm cluster's nodes."""
+    before = {name: os.environ.get(name) for name in RESTORED_VARS}
     yield
     for name, value in before.items():
         if value is None:

@@ -32,7 +32,7 @@ NOT_RUN = ("hf upload ",)
 
 HF_STAND_IN = """#!{python}
 # `hf download REPO --repo-type dataset --local-dir DIR [--include GLOB ...]` from a local copy
-import argparse, fnmatch, shutil, sys
+import argparse, fnmatch, shutil
 from pathlib import Path
 MIRROR = {mirror!r}
 p = argparse.ArgumentParser()
@@ -42,10 +42,9 @@ p.add_argument("--repo-type", choices=["dataset"], required=True)
 p.add_argument("--local-dir", required=True)
 p.add_argument("--include", action="append", default=[])
 a = p.parse_args()
-files = [f for f in Path(MIRROR).rglob("*") if f.is_file()]
-for f in files:
+for f in Path(MIRROR).rglob("*"):
     rel = f.relative_to(MIRROR).as_posix()
-    if not a.include or any(fnmatch.fnmatch(rel, g) for g in a.include):
+    if f.is_file() and (not a.include or any(fnmatch.fnmatch(rel, g) for g in a.include)):
         (Path(a.local_dir) / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(f, Path(a.local_dir) / rel)
 """
