@@ -7,8 +7,11 @@ bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 ruff check .
 ruff format --check .
-# --durations: the slowest tests at the end of the log
-python -m pytest -q --durations=25 "$@"
+# Two pytest-xdist workers (TEST_WORKERS=0: one process), one thread each: on 2 cores most tests
+# keep one core busy. A module, and all the Slurm modules together, stay on one worker
+# (tests/conftest.py). --durations: the slowest tests at the end of the log.
+OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
+  python -m pytest -q -n "${TEST_WORKERS:-2}" --durations=25 "$@"
 # The floating-point comparisons again on torch's portable kernels: tolerances must hold on every
 # CPU (AVX2, AVX-512, AMX), not only on this one (tests/numerics.py). A compiler cache of its own:
 # torch reuses graphs generated for this CPU's vector instructions under another capability, and

@@ -11,6 +11,7 @@ A test is ``integration`` or ``slow`` by its marker (on the test, or ``pytestmar
 module) and ``unit`` when it carries neither. CI runs all three.
 """
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -34,6 +35,30 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "integration" not in item.keywords and "slow" not in item.keywords:
             item.add_marker(pytest.mark.unit)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the Slurm modules first
+        items.sort(key=lambda item: not _uses_slurm(item.path))  # stable: the order within stays
+
+
+@functools.cache
+def _uses_slurm(module: Path) -> bool:
+    """Whether a test module uses the local Slurm cluster (the `slurm_cluster` fixture)."""
+    return "slurm_cluster" in module.read_text()
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """With workers (scripts/test.sh: ``-n 2``) each module runs on one worker, so its module
+    fixtures (shards, background runs) are made once; every module that uses the local Slurm
+    cluster runs on the same worker, one test at a time, because their jobs share the cluster's
+    two nodes and one test kills a node. Workers take the Slurm modules first, so the longest
+    group does not end the run alone."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleOrSlurm(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return "slurm" if _uses_slurm(Path(config.rootpath, module)) else module
+
+    return ModuleOrSlurm(config, log)
 
 
 @pytest.fixture(autouse=True)
