@@ -31,7 +31,9 @@ def sacct(job: str) -> dict[str, str]:
 
 def test_main_and_transject_lra_tiny_on_slurm(tmp_path, capsys):
     """Both studies submitted at once (their jobs share the cluster), then ``run --wait`` again:
-    it submits nothing (every stage is done or has a live job) and waits for the reports."""
+    it submits nothing (every stage is done or has a live job) and waits for the reports.
+    ``transject-lra`` runs end to end here only: its report sets the paper's 25 numbers beside
+    ours, with the differences and a figure per task."""
     studies = {"main": tmp_path / "main", "transject-lra": tmp_path / "tj"}
     args = {name: ["run", str(STUDIES / f"{name}.yaml"), "--scale", "tiny", "--out", str(out),
                    "--executor", "slurm"] for name, out in studies.items()}  # fmt: skip
@@ -61,7 +63,15 @@ def test_main_and_transject_lra_tiny_on_slurm(tmp_path, capsys):
 
     out = studies["transject-lra"]
     report = json.loads((out / "report" / "report.json").read_text())
-    assert len(report["rows"]) == 25 and all(r["ours"] is not None for r in report["rows"])
+    rows = report["rows"]  # the paper's 25 numbers, each beside ours
+    assert len(rows) == 25 and all(r["ours"] is not None for r in rows)
+    assert {r["verdict"] for r in rows} <= {"consistent", "below the paper", "above the paper"}
+    assert len(report["differences"]) == 20  # four variants against the Transformer, 5 tasks
+    text = (out / "report" / "report.md").read_text()
+    assert "scale `tiny`, NOT the paper's protocol" in text.splitlines()[0]
+    assert "| TransJect | listops | accuracy | 42.2 |" in text
+    for task in ("listops", "text", "retrieval", "pathfinder", "image"):
+        assert (out / "report" / "figures" / f"scores-{task}.png").stat().st_size > 1000
     jobs = {e["job"] for node in read_ledger(out).values() for e in node.values()}
     assert len(jobs) == 28  # the data, 25 fine-tuning stages, ListOps' and Text's baselines
     assert all(sacct(j)["state"] == "COMPLETED" for j in jobs)
