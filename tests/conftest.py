@@ -35,20 +35,6 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "integration" not in item.keywords and "slow" not in item.keywords:
             item.add_marker(pytest.mark.unit)
-    if hasattr(config, "workerinput"):  # a pytest-xdist worker
-        _longest_first(items)
-
-
-def _longest_first(items) -> None:
-    """The order workers take the modules in (`pytest_xdist_make_scheduler`): the Slurm group,
-    then modules with `slow` tests, then `integration`, then `unit`. The long modules start
-    early and the short ones fill the end, instead of one long module ending the run alone."""
-    rank: dict[Path, int] = {}
-    for item in items:
-        tier = 0 if _uses_slurm(item.path) else 1 if "slow" in item.keywords else 2
-        tier = tier if tier < 2 or "integration" in item.keywords else 3
-        rank[item.path] = min(rank.get(item.path, 3), tier)
-    items.sort(key=lambda item: rank[item.path])  # stable: the order within a module stays
 
 
 @functools.cache
@@ -61,7 +47,8 @@ def pytest_xdist_make_scheduler(config, log):
     """With workers (scripts/test.sh: ``-n 2``) each module runs on one worker, so its module
     fixtures (shards, background runs) are made once; every module that uses the local Slurm
     cluster runs on the same worker, one test at a time, because their jobs share the cluster's
-    two nodes and one test kills a node."""
+    two nodes and one test kills a node. Workers take the groups with the most tests first (the
+    Slurm group among them), and the small modules fill the end."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleOrSlurm(LoadScopeScheduling):
@@ -69,7 +56,6 @@ def pytest_xdist_make_scheduler(config, log):
             module = nodeid.split("::")[0]
             return "slurm" if _uses_slurm(Path(config.rootpath, module)) else module
 
-    config.option.loadscopereorder = False  # the workers' order (`_longest_first`), not by size
     return ModuleOrSlurm(config, log)
 
 

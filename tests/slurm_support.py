@@ -34,11 +34,17 @@ def start_cluster() -> None:
 
 
 def job_state(job_id: str) -> str | None:
-    """The job's state from squeue, or None once it has left the queue."""
-    out = subprocess.run(
-        ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True
-    ).stdout.strip()
-    return out or None
+    """The job's state from squeue, or None once it has left the queue. A squeue that fails
+    for another reason than an unknown job id (slurmctld busy: a socket timeout) is asked again:
+    its empty answer does not mean that the job has ended."""
+    for _ in range(20):
+        proc = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True
+        )
+        if proc.returncode == 0 or "Invalid job id" in proc.stderr:
+            return proc.stdout.strip() or None
+        time.sleep(1)
+    raise RuntimeError(f"squeue -j {job_id} keeps failing: {proc.stderr.strip()}")
 
 
 def wait_for_job(job_id: str, timeout: float = 600) -> None:
