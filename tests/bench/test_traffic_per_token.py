@@ -1,7 +1,8 @@
 """``python -m bench.traffic_per_token``, the memory traffic of a training step counted on the
 CPU: views move nothing, products and attention kernels are counted apart from the memory-bound
 rest, and the split into a fixed part and a part per token predicts the count at a third batch
-size."""
+size. The count of a compiled step: tests/model/test_kernel_triton.py, beside the fused
+kernels' count (one script, one compilation per count)."""
 
 from __future__ import annotations
 
@@ -66,20 +67,3 @@ def test_forward_only_moves_less_than_a_training_step(monkeypatch):
     forward = measure("softmax", args_for(forward_only=True))
     assert 0 < forward["per_token_kb"] < step["per_token_kb"] / 2
     assert forward["ops_per_step"] < step["ops_per_step"] / 2
-
-
-def test_compiled_step_is_counted_from_inductors_kernels(monkeypatch):
-    """`--compiled` counts the kernels Inductor generates for the step, forward and backward:
-    fewer kernels and fewer bytes than the eager operators (element-wise chains fuse). The fit
-    into a fixed part and a part per token is the eager count's, tested above."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from bench.traffic_per_token import measure
-
-    one_layer = ["model.num_hidden_layers=1"]  # one compilation of a small graph per count
-    eager = measure("kernel", args_for(override=one_layer))
-    compiled = measure("kernel", args_for(compiled=True, override=one_layer))
-    assert 0 < compiled["memory_ops_per_step"] < eager["memory_ops_per_step"]
-    assert 0 < compiled["per_token_kb"] < eager["per_token_kb"]
-    names = list(compiled["top_per_token_kb"])
-    assert any(n.startswith("forward: ") for n in names)
-    assert any(n.startswith("backward: ") for n in names)

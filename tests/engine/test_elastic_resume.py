@@ -331,10 +331,10 @@ and 1 -> 2); bf16 and bf16-mixed at most 5.7e-3 (exp_avg; bf16 rounding of activ
 with bf16, of gradients)."""
 
 
-def _run(runs: BackgroundRuns, out: Path, nproc: int, *args: str) -> None:
+def _run(runs: BackgroundRuns, nproc: int, jobs: list[str]) -> None:
     script = str(REPO / "tests/multiproc/elastic_engine.py")
-    proc = runs.run(torchrun_cmd(nproc, script, str(out), *args), cwd=REPO, env=env(), timeout=600)
-    assert proc.returncode == 0, f"elastic_engine.py {args} failed:\n{proc.stderr[-4000:]}"
+    proc = runs.run(torchrun_cmd(nproc, script, *jobs), cwd=REPO, env=env(), timeout=600)
+    assert proc.returncode == 0, f"elastic_engine.py {jobs} failed:\n{proc.stderr[-4000:]}"
 
 
 def _state(out: Path, name: str, step: int) -> dict:
@@ -374,28 +374,44 @@ CASES = {
 }
 
 
-def _launches(runs: BackgroundRuns, out: Path, case: str) -> Path:
-    """A case's launches, one after the other: W ranks train and save, W' resume from step 3
-    (and W'' from the resumed run's step 5)."""
-    stage, precision, worlds = CASES[case]
-    _run(runs, out, worlds[0], stage, precision, "run")
-    _run(runs, out, worlds[1], stage, precision, "resume", "3")
-    if len(worlds) == 3:
-        _run(runs, out, worlds[2], stage, precision, "resume", "5")
-    return out
+def _chain(runs: BackgroundRuns, launches: list[tuple[int, list[str]]]) -> None:
+    for nproc, jobs in launches:
+        _run(runs, nproc, jobs)
 
 
 @pytest.fixture(scope="module")
 def launched(request, tmp_path_factory):
-    """The selected cases' launches, two cases at a time (each launch is mostly process
-    start-up and waits, under a core per case: `BackgroundRuns`), each case in a folder of its
-    own; the tests check the folders in their own order."""
+    """The selected cases' launches: the cases that start on the same world size share their
+    processes (one torchrun for all their runs, one for all their resumes on each other world
+    size, one for the way back), each case in a folder of its own. The two chains (starting on
+    2 ranks and on 1) run side by side (`BackgroundRuns`); a test waits for its case's chain
+    and returns its folder."""
     runs = BackgroundRuns(workers=2)
     selected = selected_params(request, "test_deepspeed_resumes_on_another_world_size", "case")
-    for case in sorted(selected, key=lambda c: -len(CASES[c][2])):  # three launches first
-        folder = tmp_path_factory.mktemp(case.replace(":", "_"))
-        runs.submit(case, _launches, runs, folder, case)
-    yield runs
+    folders = {case: tmp_path_factory.mktemp(case.replace(":", "_")) for case in sorted(selected)}
+
+    def job(case: str, *mode: str) -> str:
+        stage, precision, _ = CASES[case]
+        return ",".join([str(folders[case]), stage, precision, *mode])
+
+    for first in (2, 1):  # the longer chain first
+        cases = [c for c in folders if CASES[c][2][0] == first]
+        launches = [(first, [job(c, "run") for c in cases])] if cases else []
+        for later, (mode, step) in ((1, ("resume", "3")), (2, ("resume", "5"))):
+            for world in (1, 2):
+                group = [
+                    c for c in cases if len(CASES[c][2]) > later and CASES[c][2][later] == world
+                ]
+                if group:
+                    launches.append((world, [job(c, mode, step) for c in group]))
+        if launches:
+            runs.submit(first, _chain, runs, launches)
+
+    def folder(case: str) -> Path:
+        runs.result(CASES[case][2][0])
+        return folders[case]
+
+    yield folder
     runs.close()
 
 
@@ -404,7 +420,7 @@ def launched(request, tmp_path_factory):
 def test_deepspeed_resumes_on_another_world_size(launched, case):
     stage, precision, worlds = CASES[case]
     first = worlds[0]
-    tmp_path = launched.result(case)
+    tmp_path = launched(case)
     name = f"w{worlds[1]}-from-3"
     report = json.loads((tmp_path / "states" / name / "report.json").read_text())
     assert report["accumulation"] == 8 // (2 * worlds[1])

@@ -168,6 +168,7 @@ def _scripts() -> list[tuple[str, str]]:
     """(test, script) of every interpreter test, the longest first."""
     return [
         ("test_the_fused_mixing_moves_fewer_bytes_per_training_step", TRAFFIC_CHECK),
+        ("test_compiled_step_is_counted_from_inductors_kernels", TRAFFIC_CHECK),
         ("test_encoder_training_runs_the_fused_mixing_eager_and_compiled", ENCODER_TRAINING_CHECK),
         ("test_the_trainer_runs_the_fused_mixing_on_deepspeed", TRAINER_CHECK),
         ("test_encoder_inference_runs_the_fused_kernels_eager_and_compiled", ENCODER_CHECK),
@@ -426,16 +427,25 @@ from bench.traffic_per_token import measure
 base = dict(base="debug", seq=64, batches=[2, 4], target_batch=6, bandwidth=1e12, vocab=2000,
             padding="none", top=5, zero_stage=0, forward_only=False, precision="fp32",
             accumulation=1, device="cpu")
+count = {}
 for compiled in (False, True):
-    count = {}
     for backend in ("torch", "triton"):
         override = ["model.num_hidden_layers=1", f"model.kernel.training_backend={backend}"]
         args = argparse.Namespace(**base, compiled=compiled, override=override)
-        count[backend] = measure("kernel", args)
-    torch_, triton_ = count["torch"], count["triton"]
+        count[compiled, backend] = measure("kernel", args)
+    torch_, triton_ = count[compiled, "torch"], count[compiled, "triton"]
     assert triton_["per_token_kb"] < 0.9 * torch_["per_token_kb"], (compiled, count)
     assert triton_["memory_ops_per_step"] < torch_["memory_ops_per_step"], (compiled, count)
     print("ok", compiled, torch_["per_token_kb"], triton_["per_token_kb"])
+# The torch path's step, compiled against eager: fewer kernels, fewer bytes; the kernels of
+# both graphs named.
+eager, compiled = count[False, "torch"], count[True, "torch"]
+assert 0 < compiled["memory_ops_per_step"] < eager["memory_ops_per_step"], count
+assert 0 < compiled["per_token_kb"] < eager["per_token_kb"], count
+names = list(compiled["top_per_token_kb"])
+assert any(n.startswith("forward: ") for n in names), names
+assert any(n.startswith("backward: ") for n in names), names
+print("compiled", compiled["memory_ops_per_step"], eager["memory_ops_per_step"])
 """
 
 
@@ -448,6 +458,16 @@ def test_the_fused_mixing_moves_fewer_bytes_per_training_step(interpreter):
     and intermediate results)."""
     out = interpreter.output(TRAFFIC_CHECK)
     assert out.count("ok ") == 2, out
+
+
+@pytest.mark.integration
+def test_compiled_step_is_counted_from_inductors_kernels(interpreter):
+    """bench/traffic_per_token.py's `--compiled` counts the kernels Inductor generates for the
+    step, forward and backward: for the torch path's one-layer step above, fewer kernels and
+    fewer bytes than the eager operators (element-wise chains fuse). (The same script as the
+    test above: its four counts are one compilation each.)"""
+    out = interpreter.output(TRAFFIC_CHECK)
+    assert "\ncompiled " in out, out
 
 
 def _attention(**kernel) -> KernelAttention:

@@ -1,6 +1,9 @@
 """Run under torchrun: the real DeepSpeed engine saves on one world size and resumes on another.
 
-    torchrun --nproc_per_node W tests/multiproc/elastic_engine.py OUT STAGE PRECISION MODE [STEP]
+    torchrun --nproc_per_node W tests/multiproc/elastic_engine.py JOB [JOB ...]
+
+JOB: OUT,STAGE,PRECISION,MODE[,STEP]; the jobs run one after the other in the same processes
+(one process start-up for several cases), each with an engine of its own.
 
 STAGE: a ZeRO stage (0-3) of the DeepSpeed backend, or "torch" (the plain PyTorch backend).
 
@@ -161,12 +164,8 @@ def train_step(engine: Engine, step: int) -> float:
     return total
 
 
-def main() -> None:
-    out, stage, precision, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-    start_step = int(sys.argv[5]) if len(sys.argv) > 5 else 0
-    from engine.distributed import detect
-
-    dist = detect()
+def job(dist, out: Path, stage: str, precision: str, mode: str, start_step: int) -> None:
+    """One case's launch (MODE above) on the ranks of this process group."""
     accumulation = GLOBAL // (MICRO * dist.world_size)
     cfg = EngineConfig(
         backend="torch" if stage == "torch" else "deepspeed",
@@ -226,11 +225,21 @@ def main() -> None:
     if engine.rank == 0:
         (states / "report.json").write_text(json.dumps(report, indent=2))
     engine.barrier()
-    # Gone before the process group is: a DeepSpeed engine collected only at interpreter exit,
-    # after destroy_process_group, sometimes aborted the process there ("terminate called
-    # without an active exception", seen once on 3 ranks under ZeRO-3).
+    # Gone before the next job's engine and before the process group is: a DeepSpeed engine
+    # collected only at interpreter exit, after destroy_process_group, sometimes aborted the
+    # process there ("terminate called without an active exception", seen once on 3 ranks
+    # under ZeRO-3).
     del engine, store  # the store holds engine.barrier
     gc.collect()
+
+
+def main() -> None:
+    from engine.distributed import detect
+
+    dist = detect()
+    for spec in sys.argv[1:]:
+        out, stage, precision, mode, *step = spec.split(",")
+        job(dist, Path(out), stage, precision, mode, int(step[0]) if step else 0)
     shutdown()
 
 

@@ -8,7 +8,9 @@ dies mid-job. Skipped with the reason where the cluster cannot run (not root, no
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -84,6 +86,51 @@ def rank_placement(log: str) -> dict[int, tuple[str, int, str]]:
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {s: r["loss/mlm"] for s, r in read_jsonl(run_dir / "tensorboard").items()}
+
+
+def job_tasks(job: str, node: str) -> list[int]:
+    """The PIDs of the job's Python tasks on `node` (their environment names both)."""
+    want = {f"SLURM_JOB_ID={job}".encode(), f"SLURMD_NODENAME={node}".encode()}
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if (
+                proc.name.isdigit()
+                and (proc / "comm").read_text().startswith("python")
+                and want <= set((proc / "environ").read_bytes().split(b"\0"))
+            ):
+                pids.append(int(proc.name))
+        except OSError:  # the process has ended
+            continue
+    return pids
+
+
+def freeze_between_checkpoints(job: str, run_dir: Path, every: int) -> tuple[int, int]:
+    """Stops (SIGSTOP) the job's tasks on node 2 at a step between two checkpoints, so that a
+    kill of that node loses steps for the resumed run to redo; returns (the last step logged,
+    the last checkpoint's step). Once node 2 is stopped, node 1's ranks cannot finish another
+    step (each needs node 2's gradients); what they log meanwhile is read after a pause. A kill
+    that follows a poll of the log lands a few steps late, sometimes right after a checkpoint
+    (seen): the state is checked while stopped, and the tasks go on if it is not the wanted
+    one."""
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if max(losses(run_dir)) % every not in range(3, every - 2):
+            time.sleep(0.05)
+            continue
+        pids = job_tasks(job, NODES[1])
+        assert pids, f"no task of job {job} found on {NODES[1]}"
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(1.0)
+        logged = max(losses(run_dir))
+        saved = int(latest.read_text().split("_")[1]) if latest.is_file() else 0
+        if logged % every and saved == logged - logged % every:
+            return logged, saved
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    pytest.fail(f"job {job} did not stop between two checkpoints: {sorted(losses(run_dir))}")
 
 
 def assert_two_node_placement(log: str) -> None:
@@ -270,16 +317,11 @@ def test_a_node_dies_mid_job(shards, tmp_path):
     the last checkpoint stays loadable: once the node is back, the job resumes from it and
     recomputes the lost steps exactly."""
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
-    # The kill lands at step 24-36 (below); 60 steps leave the job running when it does.
+    # The kill lands at step 24-38 (below); 60 steps leave the job running when it does.
     job = pretrain_job(shards, run_dir, 60, log, "engine.zero_stage=2", "train.checkpoint_every=10")
     try:
         wait_for_lines(run_dir / "tensorboard" / "metrics.jsonl", 25, job, log)
-        # Mid-way between two checkpoints (every 10 steps), so that the kill loses steps for
-        # the resumed run to redo: a kill landing right after a checkpoint lost none, and the
-        # exactness check below had nothing to compare (seen once).
-        deadline = time.monotonic() + 120
-        while max(losses(run_dir)) % 10 not in (4, 5, 6) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        logged, saved = freeze_between_checkpoints(job, run_dir, every=10)
         t0 = time.monotonic()
         subprocess.run([*CLUSTER, "kill-node", NODES[1]], check=True, capture_output=True)
         # The job's first run ends (rank 0 fails, Slurm declares the node down: NODE_FAIL).
@@ -293,8 +335,9 @@ def test_a_node_dies_mid_job(shards, tmp_path):
         assert states and states[0] in ("NODE_FAIL", "FAILED", "REQUEUED"), states
         latest = (run_dir / "checkpoints" / "latest").read_text().strip()
         stopped_at = int(latest.split("_")[1])
-        assert stopped_at >= 20 and stopped_at % 10 == 0
+        assert stopped_at == saved >= 20 and stopped_at % 10 == 0
         first = losses(run_dir)
+        assert max(first) >= logged > stopped_at, (first, logged, stopped_at)
         subprocess.run([*CLUSTER, "revive-node", NODES[1]], check=True, capture_output=True)
         if job_state(job) is None:  # not requeued by Slurm by itself: what a user would do
             subprocess.run(["scontrol", "requeue", job], check=True)

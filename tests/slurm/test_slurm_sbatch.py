@@ -1,6 +1,7 @@
-"""The sbatch templates on a real one-node Slurm (started by slurm/cluster.sh): pretraining with
-2 tasks, preemption -> checkpoint -> requeue -> exact resume, and sharded data_prep as an array
-with a dependent finalize."""
+"""The sbatch templates on a real one-node Slurm (started by slurm/cluster.sh): fine-tuning's
+preemption -> checkpoint -> requeue -> exact resume, and sharded data_prep as an array with a
+dependent finalize. pretrain.sbatch (one node and two, preemption included) is tested in
+test_slurm_multinode.py."""
 
 from __future__ import annotations
 
@@ -11,15 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from pretrain_support import REPO, base_overrides, make_shards
+from pretrain_support import REPO
 from slurm_support import job_state, submit, wait_for_job
 
 from data_prep.shards import ShardConfig, build_shards
-from engine.metrics import read_jsonl, read_scalars
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
-
-CPU_TASKS = ["--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=00:15:00"]
 
 
 def sbatch_env() -> dict[str, str]:
@@ -32,23 +30,6 @@ def sbatch_env() -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    return make_shards(tmp_path_factory.mktemp("data"))
-
-
-def pretrain_job(shards: Path, run_dir: Path, steps: int, log: Path) -> str:
-    args = [
-        *CPU_TASKS,
-        f"--output={log}",
-        str(REPO / "slurm" / "pretrain.sbatch"),
-        "--config",
-        str(REPO / "configs" / "pretrain" / "debug.yaml"),
-        *base_overrides(shards, run_dir, steps),
-    ]
-    return submit(args, env=sbatch_env())
-
-
 def wait_for_lines(metrics: Path, lines: int, job: str, log: Path, timeout: float = 300) -> None:
     """Until the job has logged ``lines`` metric lines (it trains); fails if the job vanished."""
     deadline = time.monotonic() + timeout
@@ -58,52 +39,6 @@ def wait_for_lines(metrics: Path, lines: int, job: str, log: Path, timeout: floa
         assert job_state(job) is not None, log.read_text() if log.exists() else "job vanished"
         time.sleep(0.2)
     pytest.fail("the job did not start training in time")
-
-
-def final_row(run_dir: Path) -> dict:
-    rows = read_jsonl(run_dir / "tensorboard")
-    return rows[max(rows)]
-
-
-@pytest.fixture(scope="module")
-def reference(shards, tmp_path_factory) -> Path:
-    """An uninterrupted 2-task run of the debug recipe through pretrain.sbatch."""
-    root = tmp_path_factory.mktemp("reference")
-    job = pretrain_job(shards, root / "run", 24, root / "job.out")
-    wait_for_job(job)
-    return root
-
-
-def test_pretrain_sbatch_two_tasks(reference):
-    run_dir = reference / "run"
-    log = (reference / "job.out").read_text()
-    assert "2 tasks on" in log and "run state: completed" in log and "requeue" not in log
-    status = json.loads((run_dir / "status.json").read_text())
-    assert status["state"] == "completed" and status["step"] == 24
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000024"
-    assert (run_dir / "checkpoints" / "step_00000024" / "COMPLETE.json").is_file()
-    complete = json.loads((run_dir / "checkpoints" / "step_00000024" / "COMPLETE.json").read_text())
-    assert complete["world_size"] == 2
-    assert [s for s, _ in read_scalars(run_dir / "tensorboard")["loss/mlm"]] == list(range(1, 25))
-
-
-def test_preemption_requeues_and_resumes_exactly(reference, shards, tmp_path):
-    run_dir, log = tmp_path / "run", tmp_path / "job.out"
-    job = pretrain_job(shards, run_dir, 24, log)
-    wait_for_lines(run_dir / "tensorboard" / "metrics.jsonl", 3, job, log)
-    # What Slurm sends <margin> seconds before the time limit (--signal=USR1@margin).
-    subprocess.run(["scancel", "--signal=USR1", job], check=True)
-    wait_for_job(job)
-    text = log.read_text()
-    assert "run state: stopped" in text and f"requeueing job {job}" in text
-    assert "restart 1" in text  # the requeued job ran (SLURM_RESTART_COUNT)
-    assert "resumed from" in text
-    status = json.loads((run_dir / "status.json").read_text())
-    assert status["state"] == "completed" and status["step"] == 24
-    ours, ref = final_row(run_dir), final_row(reference / "run")
-    assert ours["step"] == ref["step"] == 24
-    assert abs(ours["loss/mlm"] - ref["loss/mlm"]) <= 1e-6
-    assert abs(ours["loss/sop"] - ref["loss/sop"]) <= 1e-6
 
 
 def test_data_prep_array_then_finalize_matches_one_process(tmp_path):
