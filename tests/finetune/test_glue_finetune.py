@@ -317,30 +317,6 @@ def test_glue_sweep_as_a_slurm_array_then_summary(slurm_cluster, tmp_path, relea
 
 
 @pytest.mark.slow
-def test_glue_on_two_ranks_with_deepspeed_zero2(tmp_path, release):
-    """The same engine as pretraining: DeepSpeed ZeRO-2 on 2 processes (gloo), rank 0 writes."""
-    import subprocess
-
-    from pretrain_support import REPO, env, torchrun_cmd
-
-    data = write_sst2(tmp_path / "glue")
-    run_dir = tmp_path / "runs"
-    args = ["-m", "finetune", "glue", "--task", "sst2", "--data", str(data), "--init", str(release)]
-    args += ["engine.backend=deepspeed", "engine.zero_stage=2", "engine.precision=fp32"]
-    args += ["engine.device=cpu", "engine.micro_batch_size=8", "data.max_length=32"]
-    args += ["schedule.warmup_steps=5", "schedule.total_steps=80", "train.eval_every=40"]
-    args += ["optimizer.lr=0.002", f"train.run_dir={run_dir}"]
-    proc = subprocess.run(
-        torchrun_cmd(2, *args), cwd=REPO, env=env(), capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (row,) = json.loads((run_dir / "results.json").read_text())["runs"]
-    assert row["dev"]["dev"]["accuracy"] >= 0.8, row
-    assert (Path(row["run_dir"]) / "best" / "model.safetensors").is_file()
-    assert (run_dir / "submission" / "SST-2.tsv").is_file()
-
-
-@pytest.mark.slow
 def test_glue_transject_on_two_ranks_with_sharded_maps(tmp_path, tokenizer_file):
     """Fine-tuning a TransJect release on 2 processes with its orthogonal maps shared out over
     the ranks (every size; the release's `model.orthogonal_shard_maps`): the run says so, and
