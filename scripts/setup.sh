@@ -16,7 +16,7 @@ if ! python -c "import torch" >/dev/null 2>&1; then
   python -m pip install -q --no-compile "torch==${TORCH_VERSION:-2.13.0}"
 fi
 python -m pip install -q --no-compile -e ".[test,docs]"
-# (Some packages ship files that are not Python 3, as pip's own compilation skips them.)
+# `|| true`: some packages ship files that are not Python 3 (pip's own compilation skips them).
 python -m compileall -q -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
   >/dev/null || true
 python -c "import torch, model; print(f'albatross ready: torch {torch.__version__}')"

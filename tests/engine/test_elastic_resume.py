@@ -374,6 +374,11 @@ CASES = {
 }
 
 
+PHASES = (("run",), ("resume", "3"), ("resume", "5"))
+"""What a case's i-th world size does: W ranks train and save, W' resume from step 3 (and W''
+from the resumed run's step 5)."""
+
+
 def _chain(runs: BackgroundRuns, launches: list[tuple[int, list[str]]]) -> None:
     for nproc, jobs in launches:
         _run(runs, nproc, jobs)
@@ -382,30 +387,23 @@ def _chain(runs: BackgroundRuns, launches: list[tuple[int, list[str]]]) -> None:
 @pytest.fixture(scope="module")
 def launched(request, tmp_path_factory):
     """The selected cases' launches: the cases that start on the same world size share their
-    processes (one torchrun for all their runs, one for all their resumes on each other world
-    size, one for the way back), each case in a folder of its own. The two chains (starting on
-    2 ranks and on 1) run side by side (`BackgroundRuns`); a test waits for its case's chain
-    and returns its folder."""
+    processes (one torchrun per phase and world size), each case in a folder of its own. The
+    two chains (starting on 2 ranks and on 1) run side by side (`BackgroundRuns`); a test
+    waits for its case's chain and returns its folder."""
     runs = BackgroundRuns(workers=2)
     selected = selected_params(request, "test_deepspeed_resumes_on_another_world_size", "case")
-    folders = {case: tmp_path_factory.mktemp(case.replace(":", "_")) for case in sorted(selected)}
-
-    def job(case: str, *mode: str) -> str:
-        stage, precision, _ = CASES[case]
-        return ",".join([str(folders[case]), stage, precision, *mode])
-
-    for first in (2, 1):  # the longer chain first
-        cases = [c for c in folders if CASES[c][2][0] == first]
-        launches = [(first, [job(c, "run") for c in cases])] if cases else []
-        for later, (mode, step) in ((1, ("resume", "3")), (2, ("resume", "5"))):
-            for world in (1, 2):
-                group = [
-                    c for c in cases if len(CASES[c][2]) > later and CASES[c][2][later] == world
-                ]
-                if group:
-                    launches.append((world, [job(c, mode, step) for c in group]))
-        if launches:
-            runs.submit(first, _chain, runs, launches)
+    folders, chains = {}, {}  # chains: first world size -> (phase, world size) -> jobs
+    for case in sorted(selected):
+        stage, precision, worlds = CASES[case]
+        folders[case] = tmp_path_factory.mktemp(case.replace(":", "_"))
+        chain = chains.setdefault(worlds[0], {})
+        for phase, world in enumerate(worlds):
+            job = ",".join([str(folders[case]), stage, precision, *PHASES[phase]])
+            chain.setdefault((phase, world), []).append(job)
+    for first, chain in sorted(chains.items(), reverse=True):  # the longer chain first
+        runs.submit(
+            first, _chain, runs, [(world, jobs) for (_, world), jobs in sorted(chain.items())]
+        )
 
     def folder(case: str) -> Path:
         runs.result(CASES[case][2][0])

@@ -23,6 +23,7 @@ from test_glue_finetune import release, tokenizer_file, write_sst2  # noqa: F401
 from test_slurm_sbatch import sbatch_env, wait_for_lines
 
 from data_prep.shards import ShardConfig, build_shards
+from engine.checkpoint import step_of
 from engine.metrics import read_jsonl
 from slurm.launcher import main as launcher_main
 
@@ -109,10 +110,9 @@ def freeze_between_checkpoints(job: str, run_dir: Path, every: int) -> tuple[int
     """Stops (SIGSTOP) the job's tasks on node 2 at a step between two checkpoints, so that a
     kill of that node loses steps for the resumed run to redo; returns (the last step logged,
     the last checkpoint's step). Once node 2 is stopped, node 1's ranks cannot finish another
-    step (each needs node 2's gradients); what they log meanwhile is read after a pause. A kill
-    that follows a poll of the log lands a few steps late, sometimes right after a checkpoint
-    (seen): the state is checked while stopped, and the tasks go on if it is not the wanted
-    one."""
+    step (each needs node 2's gradients); what they log meanwhile is read after a pause. The
+    state is checked while stopped (a kill that only follows a poll of the log can land right
+    after a checkpoint), and the tasks go on if it is not the wanted one."""
     latest = run_dir / "checkpoints" / "latest"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -125,7 +125,7 @@ def freeze_between_checkpoints(job: str, run_dir: Path, every: int) -> tuple[int
             os.kill(pid, signal.SIGSTOP)
         time.sleep(1.0)
         logged = max(losses(run_dir))
-        saved = int(latest.read_text().split("_")[1]) if latest.is_file() else 0
+        saved = step_of(latest.read_text().strip()) if latest.is_file() else 0
         if logged % every and saved == logged - logged % every:
             return logged, saved
         for pid in pids:
@@ -345,7 +345,7 @@ def test_a_node_dies_mid_job(shards, tmp_path):
         ended = time.monotonic() - t0
         assert states and states[0] in ("NODE_FAIL", "FAILED", "REQUEUED"), states
         latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-        stopped_at = int(latest.split("_")[1])
+        stopped_at = step_of(latest)
         assert stopped_at == saved >= 20 and stopped_at % 10 == 0
         first = losses(run_dir)
         assert max(first) >= logged > stopped_at, (first, logged, stopped_at)

@@ -1,6 +1,7 @@
 """Studies run end to end with the local executor: ``main`` at scale ``tiny`` from nothing to
-report.md (``transject-lra`` runs end to end on Slurm, test_study_slurm.py); a stage that fails stops what needs it, and ``run`` again
-completes only the rest; a spec change reruns only the stages it reaches."""
+report.md (``transject-lra`` runs end to end on Slurm, test_study_slurm.py); a stage that
+fails stops what needs it, and ``run`` again completes only the rest; a spec change reruns only
+the stages it reaches."""
 
 from __future__ import annotations
 
