@@ -4,8 +4,10 @@ Fast: the sbatch script of a dry run, time parsing, usage errors (exit 2), the r
 (requeue only while the job still runs), inherited torchrun variables, ``--local`` data prep.
 Slow: the StopWatch -> submitit handler hand-over in one process; ``--local`` pretraining under
 torchrun; and on the real one-node Slurm (``slurm_cluster``): an sbatch refusal, the debug
-pretraining recipe with 2 tasks (checkpoint + TensorBoard), preemption (signal -> checkpoint ->
-requeue -> exact resume), the sharded data-prep array + finalize, a sweep array and its table.
+pretraining recipe with 2 tasks preempted (signal -> checkpoint -> requeue -> exact resume,
+then checkpoint + TensorBoard as in any run), the sharded data-prep array + finalize, a sweep
+array and its table (`--wait`'s hints and end line: the launcher on two nodes,
+test_slurm_multinode.py).
 """
 
 from __future__ import annotations
@@ -408,31 +410,10 @@ def test_sbatch_refusal_is_a_clean_error(slurm_cluster, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_pretrain_through_slurm_with_two_tasks(slurm_cluster, shards, tmp_path, job_env, capsys):
-    run_dir = tmp_path / "run"
-    argv = ["pretrain", "--gpus-per-node", "0", "--tasks-per-node", "2", "--time", "10"]
-    argv += ["--log-dir", str(tmp_path / "logs"), "--wait", "--wait-timeout", str(POLL_TIMEOUT)]
-    assert main([*argv, "--", "--config", CONFIG, *base_overrides(shards, run_dir, 6)]) == 0
-    out = capsys.readouterr().out
-    assert "squeue -j" in out and "tail -f" in out
-    assert "completed at step 6" in out, out
-    status = json.loads((run_dir / "status.json").read_text())
-    assert status["state"] == "completed" and status["step"] == 6
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    assert latest == "step_00000006"
-    complete = json.loads((run_dir / "checkpoints" / latest / "COMPLETE.json").read_text())
-    assert complete["world_size"] == 2 and complete["meta"]["reason"] == "end"
-    assert (run_dir / "checkpoints" / latest / "rank_00001.pt").is_file()  # both ranks saved
-    scalars = read_scalars(run_dir / "tensorboard")
-    assert [step for step, _ in scalars["loss/mlm"]] == [1, 2, 3, 4, 5, 6]
-    assert all(v > 0 for _, v in scalars["loss/mlm"])
-    # Both tasks ran; each has its own submitit log.
-    job_id = out.split("job ", 1)[1].split(",")[0]
-    assert (tmp_path / "logs" / f"{job_id}_1_log.out").is_file()
-
-
-@pytest.mark.slow
 def test_preemption_requeues_and_resumes_exactly(slurm_cluster, shards, tmp_path, job_env):
+    """The debug recipe with 2 tasks, stopped by submitit's preemption signal mid-run:
+    checkpoint, requeue, exact resume to the end; the finished run as any other (status,
+    sealed checkpoint of both ranks, every step once in TensorBoard, a log per task)."""
     steps = 100
     reference = tmp_path / "reference"
     proc = run_pretrain(base_overrides(shards, reference, steps))
@@ -466,6 +447,14 @@ def test_preemption_requeues_and_resumes_exactly(slurm_cluster, shards, tmp_path
     assert f"Requeued job {job.job_id}" in rank0
     assert rank0.count("Starting with JobEnvironment") == 2  # the same job ran twice
     assert "fresh start" not in rank0.split("Requeued job")[1]  # ... and resumed
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{steps:08d}"
+    complete = json.loads((run_dir / "checkpoints" / latest / "COMPLETE.json").read_text())
+    assert complete["world_size"] == 2 and complete["meta"]["reason"] == "end"
+    assert (run_dir / "checkpoints" / latest / "rank_00001.pt").is_file()  # both ranks saved
+    scalars = read_scalars(run_dir / "tensorboard")  # the event file, read back
+    assert [step for step, _ in scalars["loss/mlm"]] == list(range(1, steps + 1))
+    assert (logs / f"{job.job_id}_1_log.out").is_file()  # each task has its own submitit log
     rows, ref = _rows(run_dir), _rows(reference)
     assert sorted(rows) == list(range(1, steps + 1))  # no step lost or repeated
     assert abs(rows[steps]["loss/mlm"] - ref[steps]["loss/mlm"]) <= 1e-6
