@@ -167,7 +167,7 @@ def assert_one_writer_every_step_once(run_dir: Path, steps: int, zero: int) -> N
     assert [row["step"] for row in lines if "loss/mlm" in row] == list(range(1, steps + 1))
 
 
-def test_pretrain_sbatch_on_two_nodes(reference, shards, tmp_path):
+def test_pretrain_sbatch_on_two_nodes(reference):
     """pretrain.sbatch, ZeRO-2 (the reference run of the tests below). ZeRO-3 across the two
     nodes runs in the submitit launcher's test."""
     run_dir, log, job = reference
@@ -186,8 +186,8 @@ def test_submitit_launcher_on_two_nodes(shards, tmp_path, monkeypatch, capsys):
     run_dir, logs = tmp_path / "run", tmp_path / "logs"
     argv = ["pretrain", "--nodes", "2", "--tasks-per-node", "2", "--gpus-per-node", "0"]
     argv += ["--time", "10", "--log-dir", str(logs), "--wait", "--wait-timeout", "300"]
-    argv += ["--", "--config", CONFIG, *base_overrides(shards, run_dir, 6)]
-    assert launcher_main([*argv, "engine.zero_stage=3"]) == 0
+    argv += ["--", "--config", CONFIG, *base_overrides(shards, run_dir, 6), "engine.zero_stage=3"]
+    assert launcher_main(argv) == 0
     out = capsys.readouterr().out
     assert "completed at step 6" in out, out
     assert "squeue -j" in out and "tail -f" in out  # how to follow the job
@@ -201,8 +201,8 @@ def test_submitit_launcher_on_two_nodes(shards, tmp_path, monkeypatch, capsys):
     assert job.state == "COMPLETED"
     ranks = "".join((logs / f"{job_id}_{t}_log.err").read_text() for t in range(4))
     assert_two_node_placement(ranks)
-    rank0 = ranks + (logs / f"{job_id}_0_log.out").read_text()
-    assert "4 process(es) on cpu, global batch 16, ZeRO-3" in rank0, rank0[-3000:]
+    logged = ranks + (logs / f"{job_id}_0_log.out").read_text()
+    assert "4 process(es) on cpu, global batch 16, ZeRO-3" in logged, logged[-3000:]
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "completed" and status["step"] == 6
     assert_one_writer_every_step_once(run_dir, 6, zero=3)
